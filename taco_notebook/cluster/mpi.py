@@ -1,0 +1,90 @@
+"""Find ``mpiexec`` and tell MPICH from Open MPI, so each gets the flags it needs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from ..errors import MPINotFoundError
+
+__all__ = ["MPIInfo", "find_mpi"]
+
+INSTALL_HINT = "install one with `pip install mpich mpi4py` (or your system's Open MPI), or pass --mpiexec PATH"
+
+
+@dataclass(frozen=True)
+class MPIInfo:
+    """An ``mpiexec`` and what it is."""
+
+    mpiexec: str
+    implementation: str  # "mpich", "openmpi" or "unknown"
+    version: str
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def description(self) -> str:
+        return f"{self.implementation} {self.version} ({self.mpiexec})"
+
+
+def _candidates(explicit: str | None) -> list[str]:
+    if explicit:
+        return [explicit]
+    found = []
+    # The interpreter's own bin/ first: a venv's mpich wheel works even when the venv is not activated.
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(beside, os.X_OK):
+        found.append(beside)
+    on_path = shutil.which("mpiexec")
+    if on_path:
+        found.append(on_path)
+    return found
+
+
+def _identify(version_text: str) -> tuple[str, str]:
+    lowered = version_text.lower()
+    if "open mpi" in lowered or "openrte" in lowered or "open-mpi" in lowered:
+        impl = "openmpi"
+    elif "hydra" in lowered or "mpich" in lowered:
+        impl = "mpich"
+    else:
+        impl = "unknown"
+    version = "?"
+    for line in version_text.splitlines():
+        stripped = line.strip()
+        if stripped.lower().startswith("version:"):
+            version = stripped.split(":", 1)[1].strip()
+            break
+        if "open mpi" in stripped.lower() or "openrte" in stripped.lower():
+            version = stripped.split()[-1]
+            break
+    return impl, version
+
+
+def _implementation_args(impl: str) -> list[str]:
+    if impl != "openmpi":
+        return []
+    args = ["--oversubscribe"]  # more ranks than cores is normal on a laptop or in CI
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        args.append("--allow-run-as-root")
+    return args
+
+
+def find_mpi(mpiexec: str | None = None) -> MPIInfo:
+    """Locate a working ``mpiexec`` and mpi4py, or raise :class:`MPINotFoundError` naming the fix."""
+    candidates = _candidates(mpiexec)
+    if not candidates:
+        raise MPINotFoundError(f"no mpiexec found next to {sys.executable} or on PATH: {INSTALL_HINT}")
+    path = candidates[0]
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise MPINotFoundError(f"mpiexec {path!r} does not run ({exc}): {INSTALL_HINT}") from None
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        raise MPINotFoundError(f"mpi4py is not installed in {sys.executable}: {INSTALL_HINT}") from None
+    impl, version = _identify(out.stdout + out.stderr)
+    return MPIInfo(path, impl, version, _implementation_args(impl))

@@ -1,0 +1,281 @@
+"""Run one cell on the ranks of a TacoCluster: stream output, notice failure, never hang.
+
+The wait loop polls, every few tens of milliseconds, four things: the cell's result, the engines' output, the
+mpiexec process (a rank that dies takes it down) and the deadline. When something goes wrong it climbs one
+ladder, the same for Ctrl-C, ``--timeout`` and a rank that raised while its peers still run:
+
+1. the torch process group of ranks that already finished is shut down, so peers blocked in a collective
+   waiting for them fail at once instead of after the 30-minute collective timeout;
+2. SIGINT goes to the ranks still running;
+3. ranks still running a few seconds later are killed; the next cell gets a fresh cluster.
+
+Whatever happened, the next cell on a live cluster first rebuilds the process group on every rank.
+"""
+
+from __future__ import annotations
+
+import ast
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import CellTimeoutError, RankFailedError
+from .session import TacoCluster, _ranks_text
+
+__all__ = ["CellOptions", "OutputSink", "run_cell", "capture_last_expression", "RESULT_NAME"]
+
+RESULT_NAME = "__taco_result__"
+POLL_S = 0.05
+
+
+@dataclass
+class CellOptions:
+    targets: list[int] | None = None
+    timeout: float | None = None
+    gather: bool = False
+    interrupt_grace: float = 3.0  # seconds ranks get to honour SIGINT before they are killed
+    failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
+
+
+class OutputSink(Protocol):
+    def stream(self, rank: int, name: str, text: str) -> None: ...
+    def display(self, rank: int, content: dict[str, Any]) -> None: ...
+    def notice(self, text: str) -> None: ...
+    def flush(self) -> None: ...
+
+
+def capture_last_expression(code: str) -> tuple[str, bool]:
+    """Turn a trailing expression into an assignment to :data:`RESULT_NAME`, keeping line numbers.
+
+    >>> capture_last_expression("x = 1\\nx + 1")
+    ('x = 1\\n__taco_result__ = (x + 1)\\n', True)
+    """
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    python = TransformerManager().transform_cell(code)
+    try:
+        tree = ast.parse(python)
+    except SyntaxError:
+        return code, False  # the engine reports the syntax error with its own traceback
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or python.rstrip().endswith(";"):
+        return python, False
+    last = tree.body[-1]
+    lines = python.splitlines(keepends=True)
+    head = "".join(lines[: last.lineno - 1]) + lines[last.lineno - 1][: last.col_offset]
+    expr = ast.get_source_segment(python, last)
+    return f"{head}{RESULT_NAME} = ({expr})\n", True
+
+
+def _fetch_result() -> Any:
+    from ipyparallel import interactive
+
+    @interactive
+    def fetch() -> Any:
+        import pickle as _pickle
+
+        value = globals().get("__taco_result__")
+        try:
+            _pickle.dumps(value)
+        except Exception:
+            return ("__taco_unpicklable__", repr(value))
+        return value
+
+    return fetch
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "__taco_unpicklable__":
+        return UnpicklableResult(value[1])
+    return value
+
+
+class UnpicklableResult:
+    """Stands for a rank's value that could not be sent back; shows its repr."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+class _CellRun:
+    def __init__(self, cluster: TacoCluster, options: CellOptions, sink: OutputSink) -> None:
+        self.cluster = cluster
+        self.options = options
+        self.sink = sink
+        self.targets = options.targets if options.targets is not None else [r.rank for r in cluster.ranks]
+        self.inbox: queue.SimpleQueue[tuple[int, str, dict[str, Any]]] = queue.SimpleQueue()
+        self.errors: dict[int, Any] = {}
+        self.shut_down_pg: set[int] = set()
+        self.started = 0.0
+        self.failure_deadline: float | None = None
+        self.killed: list[int] = []
+        self.ar: Any = None
+
+    # ---------------------------------------------------------------- output
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
+        # Called on the client's I/O thread: only enqueue; the main thread prints.
+        self.inbox.put((rank, msg["header"]["msg_type"], msg["content"]))
+
+    def drain(self) -> None:
+        while True:
+            try:
+                rank, kind, content = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "stream":
+                self.sink.stream(rank, content["name"], content["text"])
+            elif kind == "display_data":
+                self.sink.display(rank, content)
+
+    # ---------------------------------------------------------------- states
+    def running(self) -> list[int]:
+        return [rank for rank, child in zip(self.targets, self.ar._children, strict=True) if not child.done()]
+
+    def collect_errors(self) -> None:
+        for rank, child in zip(self.targets, self.ar._children, strict=True):
+            if rank in self.errors or not child.done():
+                continue
+            result = child.result()
+            if isinstance(result, Exception):
+                self.errors[rank] = result
+                if self.failure_deadline is None:
+                    self.failure_deadline = time.monotonic() + self.options.failure_grace
+                if len(self.errors) == 1 and self.running():
+                    self.sink.notice(f"rank {rank} raised {result.ename}: {result.evalue}; "
+                                     "waiting for the other ranks")
+
+    def release_peers(self) -> None:
+        """Shut the process group down on finished ranks so peers blocked on them fail fast (ladder step 1)."""
+        finished = [r for r in self.targets if r not in self.running() and r not in self.shut_down_pg]
+        if not finished or not self.running():
+            return
+        self.shut_down_pg.update(finished)
+        self.cluster.needs_reinit = True
+        self.cluster.client[finished].execute("taco._abort()", block=False)
+
+    def check_alive(self) -> None:
+        if not self.cluster.engines_alive():
+            self.drain()
+            self.sink.flush()
+            error = self.cluster.died_error(finished=[r for r in self.targets if r not in self.running()])
+            self.cluster.stop()
+            raise error
+
+    # ---------------------------------------------------------------- main
+    def wait_until(self, deadline: float | None) -> bool:
+        """Poll until done (True), or until ``deadline`` or the failure grace runs out (False)."""
+        while not self.ar.ready():
+            self.check_alive()
+            self.drain()
+            self.collect_errors()
+            if self.errors:
+                self.release_peers()
+            limit = deadline if self.failure_deadline is None else _earliest(deadline, self.failure_deadline)
+            if limit is not None and time.monotonic() >= limit:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    def stop_ladder(self, why: str) -> list[int]:
+        """SIGINT the running ranks, release their peers, kill them if they hang. Returns ranks killed."""
+        running = self.running()
+        if running:
+            self.sink.notice(f"{why}: sending SIGINT to ranks {_ranks_text(running)}")
+            self.cluster.client.send_signal("SIGINT", targets=running, block=False)
+        self.cluster.needs_reinit = True
+        self.failure_deadline = float("inf")  # the ladder is climbing: only its own grace counts now
+        if self.wait_until(time.monotonic() + self.options.interrupt_grace):
+            return []
+        stuck = self.killed = self.running()
+        self.sink.notice(f"ranks {_ranks_text(stuck)} ignored SIGINT for {self.options.interrupt_grace:g} s: "
+                         f"killing the engines; the next cell starts a fresh cluster")
+        self.cluster.kill_engines(f"ranks {_ranks_text(stuck)} hung after {why}")
+        return stuck
+
+    def execute(self, code: str) -> Any:
+        source, captured = capture_last_expression(code)
+        if self.cluster.needs_reinit:
+            self.cluster.view.execute("taco.reinit()", block=True)
+            self.cluster.needs_reinit = False
+        self.ar = self.cluster.client[self.targets].execute(source, silent=False, block=False)
+        for rank, child in zip(self.targets, self.ar._children, strict=True):
+            child.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
+        self.started = time.monotonic()
+        try:
+            self._wait_with_ladder()
+        except KeyboardInterrupt:
+            self.stop_ladder("Interrupted")
+            self.drain()
+            self.sink.flush()
+            raise
+        if self.killed:
+            raise self.failure()
+        self.ar.wait_for_output(1)
+        self.drain()
+        self.sink.flush()
+        self.collect_errors()
+        if self.errors:
+            raise self.failure()
+        if not captured:
+            return None
+        values = [_unwrap(v) for v in self.cluster.client[self.targets].apply_sync(_fetch_result())]
+        return values if self.options.gather else values[0]
+
+    def _wait_with_ladder(self) -> None:
+        timeout = self.options.timeout
+        deadline = None if timeout is None else self.started + timeout
+        if self.wait_until(deadline):
+            return
+        if deadline is None or time.monotonic() < deadline:  # the failure grace ran out first
+            failed = _ranks_text(sorted(self.errors))
+            self.stop_ladder(f"ranks still running {self.options.failure_grace:g} s after rank {failed} failed")
+            return
+        running = self.running()
+        killed = self.stop_ladder(f"Timeout after {timeout:g} s")
+        self.drain()
+        self.sink.flush()
+        fate = f"; ranks {_ranks_text(killed)} hung and were killed" if killed else ""
+        raise CellTimeoutError(
+            f"cell timed out after {timeout:g} s (--timeout) with ranks {_ranks_text(running)} still "
+            f"running{fate}", running)
+
+    def failure(self) -> RankFailedError:
+        first = next(iter(self.errors))  # first seen: the others failed after we shut its peers' group down
+        error = self.errors[first]
+        host = self._host(first)
+        others = {r: e for r, e in self.errors.items() if r != first}
+        message = f"rank {first} (host {host}) raised {error.ename}: {error.evalue}"
+        if others:
+            kinds = sorted({e.ename for e in others.values()})
+            message += f"; ranks {_ranks_text(list(others))} also failed ({', '.join(kinds)})"
+        if self.killed:
+            message += f"; ranks {_ranks_text(self.killed)} hung after it and were killed"
+        ok = [r for r in self.targets if r not in self.errors and r not in self.killed]
+        if ok:
+            message += f"; ranks {_ranks_text(ok)} finished"
+        tracebacks = {r: _render(e) for r, e in self.errors.items()}
+        tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
+        return RankFailedError(message, tracebacks, first_rank=first)
+
+    def _host(self, rank: int) -> str:
+        return next((r.host for r in self.cluster.ranks if r.rank == rank), "?")
+
+
+def _earliest(a: float | None, b: float) -> float:
+    return b if a is None else min(a, b)
+
+
+def _render(error: Any) -> str:
+    try:
+        return "\n".join(error.render_traceback()[1:])
+    except Exception:
+        return f"{type(error).__name__}: {error}"
+
+
+def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
+    """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
+    ``gather``) value of the last expression, or None."""
+    return _CellRun(cluster, options, sink).execute(code)

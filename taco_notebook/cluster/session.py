@@ -1,0 +1,331 @@
+"""TacoCluster: an ipyparallel cluster whose engines are MPI ranks, owned by the notebook kernel.
+
+Wraps ``ipyparallel.Cluster(engines="mpi")`` (process management is ipyparallel's), and adds what a training
+user needs on top: engine id checked against MPI rank, each rank's host and pid, the MPI implementation, a
+torch process group brought up on start, and a liveness check that says which rank died and how.
+
+Clusters are kept by name in :data:`clusters`; the kernel owns membership (``-np``), not the engines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import ClusterStartError, RankDiedError
+from .mpi import MPIInfo, find_mpi
+from .rankwrap import MARKER
+
+__all__ = ["RankInfo", "ClusterStatus", "TacoCluster", "clusters", "stop_all"]
+
+log = logging.getLogger("taco_notebook")
+
+PROFILE = "taco"
+# Plain tracebacks: IPython's richer modes cache every failed frame's variables, the process group among them,
+# and a group kept alive keeps its sockets open: peers blocked on a failed rank would never be released
+# (taco._abort clears the frames, not those caches).
+ENGINE_NAMESPACE_SETUP = """\
+get_ipython().run_line_magic("xmode", "Plain")
+import torch
+import taco_notebook.comm as taco
+taco.init()
+"""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One engine: its MPI rank (= engine id), where it runs and its placement."""
+
+    rank: int
+    host: str
+    pid: int
+    local_rank: int
+    node: int
+
+
+@dataclass
+class ClusterStatus:
+    """A snapshot of one cluster, the shape shown by ``%taco_cluster status`` and written to JSON."""
+
+    name: str
+    cluster_id: str
+    state: str  # "stopped", "running", "broken"
+    size: int
+    engines_up: int
+    mpi: str
+    ranks: list[RankInfo] = field(default_factory=list)
+    started_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def hosts(self) -> list[str]:
+        return sorted({r.host for r in self.ranks})
+
+
+def _engine_info() -> dict[str, Any]:
+    """Runs on each engine right after start."""
+    import os as _os
+
+    import taco_notebook.comm as _taco
+
+    topo = _taco.topology()
+    return {"rank": topo.rank, "host": topo.hostname, "pid": _os.getpid(),
+            "local_rank": topo.local_rank, "node": topo.node}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class TacoCluster:
+    """One named cluster of ``size`` MPI ranks.
+
+    >>> c = TacoCluster("default", 4).start()
+    >>> c.view.apply_sync(lambda: 1)
+    [1, 1, 1, 1]
+    >>> c.stop()
+    """
+
+    def __init__(self, name: str = "default", size: int = 4, mpiexec: str | None = None,
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be a positive integer, got {size}")
+        self.name = name
+        self.size = size
+        self.mpiexec = mpiexec
+        self.start_timeout = start_timeout
+        self.env = dict(env or {})
+        self.mpi: MPIInfo | None = None
+        self.ipp_cluster: Any = None
+        self.client: Any = None
+        self.ranks: list[RankInfo] = []
+        self.started_at: float | None = None
+        self.broken_reason: str | None = None
+        self.needs_reinit = False
+        self._started_processes: list[Any] = []
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def running(self) -> bool:
+        return self.ipp_cluster is not None and self.broken_reason is None
+
+    def _engine_environment(self) -> dict[str, str]:
+        env = {"TACO_CLUSTER_NAME": self.name, "PYTHONUNBUFFERED": "1"}
+        if "OMP_NUM_THREADS" not in os.environ:
+            # N ranks on one machine share its cores; torch would otherwise start cores-many threads per rank.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
+        env.update(self.env)
+        return env
+
+    def _ipp_config(self, mpi: MPIInfo) -> Any:
+        from traitlets.config import Config
+
+        config = Config()
+        launcher = config.MPIEngineSetLauncher
+        launcher.mpi_cmd = [mpi.mpiexec]
+        launcher.mpi_args = list(mpi.extra_args)
+        launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.rankwrap",
+                               sys.executable, "-m", "ipyparallel.engine"]
+        launcher.environment = self._engine_environment()
+        return config
+
+    def start(self) -> TacoCluster:
+        """Start controller and ``size`` engines, check them, and bring up the process group on every rank."""
+        import ipyparallel as ipp
+
+        self.mpi = self.mpi or find_mpi(self.mpiexec)
+        cluster_id = f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
+                                       controller_ip="127.0.0.1", log_level=logging.WARNING,
+                                       config=self._ipp_config(self.mpi))
+        self.broken_reason = None
+        try:
+            self.ipp_cluster.start_cluster_sync()
+            self.client = self.ipp_cluster.connect_client_sync()
+            self._wait_for_engines()
+            self._check_ranks()
+            self.view.execute(ENGINE_NAMESPACE_SETUP, block=True)
+        except BaseException as exc:
+            output = self.engine_output()
+            self.stop()
+            if isinstance(exc, ClusterStartError | KeyboardInterrupt):
+                raise
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc}\n{tail}") from exc
+        self.started_at = time.time()
+        self.needs_reinit = False
+        self._started_processes = _process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
+        return self
+
+    def _wait_for_engines(self) -> None:
+        future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout)
+        while not future.done():
+            death = self.death()
+            if death is not None:
+                raise ClusterStartError(f"cluster {self.name!r} failed to start: {death}\n"
+                                        + "\n".join(self.engine_output().strip().splitlines()[-15:]))
+            time.sleep(0.1)
+        future.result()
+
+    def _check_ranks(self) -> None:
+        infos = self.client[:].apply_sync(_engine_info)
+        self.ranks = sorted((RankInfo(**info) for info in infos), key=lambda r: r.rank)
+        mismatched = [(eid, info["rank"]) for eid, info in zip(self.client.ids, infos, strict=True)
+                      if eid != info["rank"]]
+        if mismatched:
+            raise ClusterStartError(f"engine ids differ from MPI ranks: {mismatched}")
+
+    def stop(self) -> None:
+        """Stop engines and controller; leaves nothing running. Safe to call twice."""
+        cluster, client = self.ipp_cluster, self.client
+        self.ipp_cluster = self.client = None
+        self.ranks = []
+        if cluster is None:
+            return
+        tree = _process_tree(cluster) + self._started_processes
+        self._started_processes = []
+        if client is not None:
+            client.close()
+        try:
+            cluster.stop_cluster_sync()  # graceful: mpiexec forwards SIGTERM to every rank
+        finally:
+            _kill(tree)  # whatever ignored it (a rank stuck in C code, an orphaned nanny)
+
+    def restart(self) -> TacoCluster:
+        self.stop()
+        return self.start()
+
+    # ---------------------------------------------------------------- engines
+    @property
+    def view(self) -> Any:
+        if self.client is None:
+            raise RuntimeError(f"cluster {self.name!r} is not running")
+        return self.client[:]
+
+    def _engine_sets(self, cluster: Any = None) -> list[Any]:
+        cluster = cluster or self.ipp_cluster
+        return list(cluster.engines.values()) if cluster is not None else []
+
+    def kill_engines(self, reason: str) -> None:
+        """Kill the engines now (after a hung interrupt); the next run starts a fresh cluster."""
+        if self.ipp_cluster is not None:
+            engine_sets = [p for es in self._engine_sets() for p in _descendants(getattr(es, "process", None))]
+            controller = getattr(self.ipp_cluster.controller, "process", None)
+            _kill(engine_sets + [p for p in self._started_processes if p not in _descendants(controller)])
+        self.broken_reason = reason
+
+    def engines_alive(self) -> bool:
+        for engine_set in self._engine_sets():
+            process = getattr(engine_set, "process", None)
+            try:
+                if process is None or not process.is_running() or process.status() == "zombie":
+                    return False
+            except Exception:  # psutil.NoSuchProcess and friends
+                return False
+        return bool(self._engine_sets())
+
+    def engine_output(self) -> str:
+        """What mpiexec and the engines printed (the engine set's log)."""
+        chunks = []
+        for engine_set in self._engine_sets():
+            try:
+                with open(engine_set.output_file, errors="replace") as f:
+                    chunks.append(f.read())
+            except (OSError, AttributeError):
+                pass
+        return "".join(chunks)
+
+    def death(self) -> str | None:
+        """None while the engines run; otherwise a sentence saying which rank died, where and how."""
+        if self.ipp_cluster is None or self.engines_alive():
+            return None
+        report = self._death_report()
+        return report[0]
+
+    def _death_report(self) -> tuple[str, int | None, str | None, str | None]:
+        time.sleep(0.2)  # let mpiexec flush the wrapper's marker line into the log
+        output = self.engine_output()
+        match = re.search(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)", output)
+        if match is None:
+            return ("the engines' mpiexec exited unexpectedly", None, None, None)
+        rank_text, host, pid, kind, value = match.groups()
+        rank = int(rank_text) if rank_text.isdigit() else None
+        how = f"killed by {_signal_name(int(value))}" if kind == "signal" else f"exited with code {value}"
+        if kind == "signal" and int(value) == signal.SIGKILL:
+            how += " (killed from outside, or out of memory)"
+        return (f"rank {rank_text} (host {host}, pid {pid}) {how}", rank, host,
+                _signal_name(int(value)) if kind == "signal" else None)
+
+    def died_error(self, finished: list[int]) -> RankDiedError:
+        sentence, rank, host, sig = self._death_report()
+        others = [r.rank for r in self.ranks if r.rank != rank and r.rank not in finished]
+        detail = f"; MPI stopped the other ranks ({_ranks_text(others)})" if others else ""
+        return RankDiedError(
+            f"{sentence}{detail}. Cluster {self.name!r} was shut down; the next %%taco_run starts a fresh one.",
+            rank, host, sig)
+
+    def status(self) -> ClusterStatus:
+        up = len(self.client.ids) if self.client is not None else 0
+        state = "broken" if self.broken_reason else ("running" if self.ipp_cluster is not None else "stopped")
+        return ClusterStatus(
+            name=self.name, cluster_id=self.ipp_cluster.cluster_id if self.ipp_cluster else "",
+            state=state, size=self.size, engines_up=up,
+            mpi=self.mpi.description if self.mpi else "", ranks=list(self.ranks), started_at=self.started_at)
+
+
+def _descendants(process: Any) -> list[Any]:
+    """``process`` and everything it started (mpiexec puts each rank in a process group of its own)."""
+    if process is None:
+        return []
+    try:
+        return [process, *process.children(recursive=True)]
+    except Exception:  # psutil.NoSuchProcess: already gone
+        return []
+
+
+def _process_tree(cluster: Any) -> list[Any]:
+    launchers = [cluster.controller, *cluster.engines.values()]
+    return [p for launcher in launchers if launcher is not None
+            for p in _descendants(getattr(launcher, "process", None))]
+
+
+def _kill(processes: list[Any]) -> None:
+    for process in processes:
+        try:
+            process.kill()
+        except Exception:  # psutil.NoSuchProcess: already gone
+            pass
+    for process in processes:
+        try:
+            process.wait(timeout=5)
+        except Exception:
+            pass
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks)) if ranks else "none"
+
+
+clusters: dict[str, TacoCluster] = {}
+
+
+def stop_all() -> None:
+    """Stop every cluster this kernel started (also run at interpreter exit)."""
+    for name in list(clusters):
+        clusters.pop(name).stop()
+
+
+atexit.register(stop_all)

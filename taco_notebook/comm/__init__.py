@@ -1,0 +1,72 @@
+"""The engine-side API, known as ``taco`` inside a ``%%taco_run`` cell.
+
+Importable without IPython, so the same code runs under ``mpiexec -n 4 python train.py``::
+
+    import taco_notebook.comm as taco
+    t = torch.full((3,), float(taco.rank()))
+    taco.allreduce(t)          # sum over ranks, in place
+"""
+
+from __future__ import annotations
+
+from .bootstrap import abort as _abort
+from .bootstrap import init, is_initialized, reinit, shutdown
+from .collectives import REDUCE_OPS, allreduce, barrier, broadcast, broadcast_parameters
+from .topology import Topology
+
+__all__ = [
+    "Topology",
+    "REDUCE_OPS",
+    "init",
+    "shutdown",
+    "reinit",
+    "is_initialized",
+    "topology",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "node",
+    "num_nodes",
+    "allreduce",
+    "broadcast",
+    "barrier",
+    "broadcast_parameters",
+]
+
+
+def topology() -> Topology:
+    """This rank's placement (from MPI; does not need the process group)."""
+    from .bootstrap import state
+
+    return state.ensure_topology()
+
+
+def rank() -> int:
+    """Global rank, 0..size()-1 (equals the ipyparallel engine id under ``%%taco_run``)."""
+    return topology().rank
+
+
+def size() -> int:
+    """Number of ranks in the job."""
+    return topology().size
+
+
+def local_rank() -> int:
+    """Rank within this node; picks the GPU on GPU nodes."""
+    return topology().local_rank
+
+
+def local_size() -> int:
+    """Number of ranks on this node."""
+    return topology().local_size
+
+
+def node() -> int:
+    """Index of this rank's node, 0..num_nodes()-1."""
+    return topology().node
+
+
+def num_nodes() -> int:
+    """Number of nodes in the job."""
+    return topology().num_nodes

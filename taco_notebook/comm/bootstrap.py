@@ -1,0 +1,181 @@
+"""Bring up torch.distributed from MPI, and tear it down again.
+
+Rank 0 opens a ``TCPStore`` on a free port the OS picks and tells the others its address and port over MPI, so
+nothing is hard-coded and two jobs on one machine never collide. The process group can be destroyed and built
+again without restarting the processes (after an interrupted cell, or when membership changes).
+
+Works under ``%%taco_run`` and under plain ``mpiexec -n 4 python train.py`` alike; imports no IPython.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .topology import Topology, intra_size_from_env, node_name
+
+__all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend"]
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("TACO_COLLECTIVE_TIMEOUT", 1800))
+
+
+def _mpi_world() -> Any:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def default_backend() -> str:
+    """NCCL when this process sees a GPU, gloo otherwise."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@dataclass
+class CommState:
+    """Everything this process knows about the job: MPI communicator, topology, torch process group."""
+
+    mpi: Any = None
+    topology: Topology | None = None
+    backend: str | None = None
+    device: Any = None
+    generation: int = 0
+    store: Any = field(default=None, repr=False)
+
+    def ensure_topology(self, intra_size: int | None = None) -> Topology:
+        if self.topology is None or intra_size is not None:
+            self.mpi = self.mpi or _mpi_world()
+            names = self.mpi.allgather(node_name())
+            chosen = intra_size if intra_size is not None else intra_size_from_env()
+            self.topology = Topology.from_hostnames(self.mpi.Get_rank(), names, chosen)
+        return self.topology
+
+
+state = CommState()
+
+
+def is_initialized() -> bool:
+    """True when the torch process group is up."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _interface_address(ifname: str) -> str:
+    import psutil
+
+    for addr in psutil.net_if_addrs().get(ifname, []):
+        if addr.family == socket.AF_INET:
+            return str(addr.address)
+    raise RuntimeError(f"interface {ifname!r} (GLOO_SOCKET_IFNAME) has no IPv4 address")
+
+
+def _net_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
+def _master_address(mpi: Any) -> str:
+    """The address rank 0's store listens on, reachable from every rank."""
+    placement = mpi.allgather((socket.gethostname(), _net_namespace()))
+    if mpi.Get_rank() != 0:
+        return ""
+    if os.environ.get("TACO_MASTER_ADDR"):
+        return os.environ["TACO_MASTER_ADDR"]
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if ifname:
+        return _interface_address(ifname)
+    if len(set(placement)) == 1:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _pick_device(backend: str, topology: Topology) -> Any:
+    import torch
+
+    if backend == "nccl":
+        device = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init(
+    backend: str | None = None, timeout: float | None = None, intra_size: int | None = None
+) -> Topology:
+    """Create the torch process group over all MPI ranks (collective: every rank must call it).
+
+    Calling it again while the group is up returns the current topology and does nothing else.
+    """
+    import torch.distributed as dist
+
+    topology = state.ensure_topology(intra_size)
+    if is_initialized():
+        return topology
+    backend = backend or os.environ.get("TACO_BACKEND") or default_backend()
+    seconds = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    mpi = state.mpi
+    host = _master_address(mpi)
+    store = None
+    if mpi.Get_rank() == 0:
+        store = dist.TCPStore(host, 0, mpi.Get_size(), is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=seconds))
+        host_port = (host, store.port)
+    else:
+        host_port = None
+    host, port = mpi.bcast(host_port, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, mpi.Get_size(), is_master=False, timeout=timedelta(seconds=seconds))
+    dist.init_process_group(backend, store=store, rank=topology.rank, world_size=topology.size,
+                            timeout=timedelta(seconds=seconds))
+    state.store = store
+    state.backend = backend
+    state.device = _pick_device(backend, topology)
+    state.generation += 1
+    return topology
+
+
+def shutdown() -> None:
+    """Destroy the process group (collective). Safe to call when none exists."""
+    import torch.distributed as dist
+
+    if is_initialized():
+        dist.destroy_process_group()
+    state.store = None
+    state.backend = None
+
+
+def abort() -> None:
+    """Drop this rank's process group at once so peers blocked on it in a collective fail instead of waiting.
+
+    Not collective: called on ranks that already stopped while their peers may still be blocked. A group's
+    sockets close only when its last reference goes, and the frames of a failed collective, kept by the
+    traceback of the error, hold it as a local: those frames are cleared first.
+    """
+    import gc
+    import inspect
+    import types
+
+    skip = inspect.CO_GENERATOR | inspect.CO_COROUTINE  # clearing a suspended generator would close it
+    for obj in gc.get_objects():
+        if (isinstance(obj, types.FrameType) and not obj.f_code.co_flags & skip
+                and "torch/distributed" in obj.f_code.co_filename.replace("\\", "/")):
+            try:
+                obj.clear()
+            except RuntimeError:  # still executing
+                pass
+    shutdown()
+    gc.collect()
+
+
+def reinit(backend: str | None = None, timeout: float | None = None) -> Topology:
+    """Rebuild the process group from scratch, for example after an interrupted collective."""
+    previous = backend or state.backend
+    shutdown()
+    return init(previous, timeout)

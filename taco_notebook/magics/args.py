@@ -1,0 +1,97 @@
+"""Argument stacks shared by the magics, and the checks that turn bad input into a ``UsageError``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument
+
+__all__ = ["cluster_args", "run_args", "positive_int", "positive_float", "parse_targets", "DEFAULT_NP"]
+
+DEFAULT_NP = 4
+
+
+def _stack(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def apply(func: Any) -> Any:
+        for decorator in reversed(decorators):
+            func = decorator(func)
+        return func
+
+    return apply
+
+
+cluster_args = _stack(
+    argument("--cluster", default="default", metavar="NAME",
+             help="name of the cluster to use or start (default: 'default')"),
+    argument("--mpiexec", default=None, metavar="PATH",
+             help="mpiexec to launch ranks with (default: the one next to this Python, then PATH)"),
+)
+
+run_args = _stack(
+    argument("-np", "--np", dest="np", default=None, metavar="N",
+             help=f"number of MPI ranks (default: the running cluster's size, else {DEFAULT_NP})"),
+    cluster_args,
+    argument("--timeout", default=None, metavar="SECONDS",
+             help="stop the cell after this many seconds and report the ranks still running"),
+    argument("--targets", default=None, metavar="RANKS",
+             help="run on these ranks only, e.g. '0', '0,2' or '1-3' (collectives need every rank)"),
+    argument("--no-stream", dest="stream", action="store_false",
+             help="show each rank's output when the cell ends instead of live"),
+    argument("--gather", action="store_true",
+             help="return every rank's value of the last expression (default: rank 0's)"),
+    argument("--quiet", action="store_true", help="print no cluster start/resize messages"),
+)
+
+
+def positive_int(value: str | None, option: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{option} must be a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise UsageError(f"{option} must be a positive integer, got {value!r}")
+    return number
+
+
+def positive_float(value: str | None, option: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        raise UsageError(f"{option} must be a positive number of seconds, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise UsageError(f"{option} must be a positive number of seconds, got {value!r}")
+    return number
+
+
+def parse_targets(spec: str | None, size: int) -> list[int] | None:
+    """'0,2-3' -> [0, 2, 3]; every rank must be in 0..size-1.
+
+    >>> parse_targets("0,2-3", 4)
+    [0, 2, 3]
+    """
+    if spec is None:
+        return None
+    ranks: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                low, high = part.split("-", 1)
+                chosen = range(int(low), int(high) + 1)
+                if not chosen:
+                    raise ValueError
+            else:
+                chosen = range(int(part), int(part) + 1)
+        except ValueError:
+            raise UsageError(f"--targets must be ranks like '0', '0,2' or '1-3', got {spec!r}") from None
+        ranks.update(chosen)
+    outside = sorted(r for r in ranks if not 0 <= r < size)
+    if outside:
+        raise UsageError(f"--targets {spec!r} names rank {outside[0]}, outside 0..{size - 1} for -np {size}")
+    return sorted(ranks)

@@ -1,0 +1,136 @@
+"""``%%taco_run`` runs a cell on every MPI rank; ``%taco_cluster`` starts, stops and inspects clusters."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ..cluster.mpi import find_mpi
+from ..cluster.run import CellOptions, run_cell
+from ..cluster.session import ClusterStatus, TacoCluster, clusters
+from ..errors import MPINotFoundError
+from .args import DEFAULT_NP, cluster_args, parse_targets, positive_float, positive_int, run_args
+from .output import RankOutput
+
+__all__ = ["TacoMagics", "ensure_cluster", "format_status"]
+
+
+def _start(name: str, size: int, mpiexec: str | None, say: RankOutput) -> TacoCluster:
+    cluster = TacoCluster(name, size, mpiexec=mpiexec)
+    try:
+        mpi = cluster.mpi = find_mpi(mpiexec)
+    except MPINotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
+    began = time.monotonic()
+    cluster.start()
+    clusters[name] = cluster
+    hosts = ", ".join(cluster.status().hosts)
+    say.notice(f"cluster {name!r} ready in {time.monotonic() - began:.1f} s: {size} ranks on {hosts}")
+    return cluster
+
+
+def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput) -> TacoCluster:
+    """The running cluster ``name`` with ``size`` ranks, reusing, repairing or resizing as needed."""
+    cluster = clusters.get(name)
+    if cluster is not None and cluster.broken_reason:
+        say.notice(f"cluster {name!r} is unusable ({cluster.broken_reason}); starting a fresh one")
+        clusters.pop(name).stop()
+        cluster = None
+    if cluster is not None and cluster.ipp_cluster is None:
+        clusters.pop(name)
+        cluster = None
+    if cluster is not None and size is not None and size != cluster.size:
+        say.notice(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}")
+        clusters.pop(name).stop()
+        cluster = None
+    if cluster is None:
+        return _start(name, size or DEFAULT_NP, mpiexec, say)
+    return cluster
+
+
+def format_status(status: ClusterStatus) -> str:
+    lines = [f"cluster {status.name!r}: {status.state}, {status.engines_up}/{status.size} engines up"]
+    if status.mpi:
+        lines.append(f"  MPI: {status.mpi}")
+    if status.started_at:
+        lines.append(f"  up for {time.time() - status.started_at:.0f} s; hosts: {', '.join(status.hosts)}")
+    if status.ranks:
+        lines.append("  rank  node  local  host                 pid")
+        lines += [f"  {r.rank:>4}  {r.node:>4}  {r.local_rank:>5}  {r.host:<20} {r.pid:>6}" for r in status.ranks]
+    return "\n".join(lines)
+
+
+@magics_class
+class TacoMagics(Magics):
+    """Registered by ``%load_ext taco_notebook``."""
+
+    last_result: Any = None
+
+    @magic_arguments()
+    @run_args
+    @cell_magic
+    def taco_run(self, line: str, cell: str) -> Any:
+        """Run the cell on every MPI rank of a cluster (started on first use); ``taco`` is the rank's API.
+
+        Example::
+
+            %%taco_run -np 4
+            t = torch.full((3,), float(taco.rank())); taco.allreduce(t); print(t)
+        """
+        args = parse_argstring(self.taco_run, line)
+        size = positive_int(args.np, "-np")
+        timeout = positive_float(args.timeout, "--timeout")
+        running = clusters.get(args.cluster)
+        planned = size or (running.size if running is not None else DEFAULT_NP)
+        targets = parse_targets(args.targets, planned)
+        say = RankOutput(live=args.stream, quiet=args.quiet)
+        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say)
+        options = CellOptions(targets=targets, timeout=timeout, gather=args.gather)
+        return run_cell(cluster, cell, options, say)
+
+    @magic_arguments()
+    @argument("action", choices=["start", "stop", "restart", "status", "list"], help="what to do")
+    @argument("-n", "-np", dest="np", default=None, metavar="N", help="ranks for start/restart")
+    @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
+    @cluster_args
+    @line_magic
+    def taco_cluster(self, line: str) -> None:
+        """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | status | list [--cluster NAME]``."""
+        args = parse_argstring(self.taco_cluster, line)
+        size = positive_int(args.np, "-n")
+        say = RankOutput()
+        name = args.cluster
+        if args.action == "list":
+            if not clusters:
+                print("no clusters running in this kernel")
+            for cluster in clusters.values():
+                status = cluster.status()
+                print(f"{status.name}: {status.state}, {status.engines_up}/{status.size} engines, {status.mpi}")
+        elif args.action == "status":
+            cluster = clusters.get(name)
+            if cluster is None:
+                print(f"cluster {name!r}: stopped (start it with %taco_cluster start -n N)")
+            else:
+                print(format_status(cluster.status()))
+        elif args.action == "stop":
+            names = list(clusters) if args.all else [name]
+            for each in names:
+                if each not in clusters:
+                    raise UsageError(f"no cluster named {each!r} is running; running: {sorted(clusters) or 'none'}")
+                clusters.pop(each).stop()
+                say.notice(f"cluster {each!r} stopped")
+        elif args.action == "start":
+            if name in clusters and clusters[name].running and size in (None, clusters[name].size):
+                say.notice(f"cluster {name!r} is already running with {clusters[name].size} ranks")
+            else:
+                ensure_cluster(name, size, args.mpiexec, say)
+        else:  # restart
+            previous = clusters.pop(name, None)
+            if previous is not None:
+                previous.stop()
+            _start(name, size or (previous.size if previous else DEFAULT_NP), args.mpiexec, say)
