@@ -139,6 +139,8 @@ class _CellRun:
             if rank in self.errors or not child.done():
                 continue
             result = child.result()
+            if getattr(result, "ename", None) == "EngineError":  # the hub saw the engine process go
+                self.engine_died()
             if isinstance(result, Exception):
                 self.errors[rank] = result
                 if self.failure_deadline is None:
@@ -158,11 +160,23 @@ class _CellRun:
 
     def check_alive(self) -> None:
         if not self.cluster.engines_alive():
-            self.drain()
-            self.sink.flush()
-            error = self.cluster.died_error(finished=[r for r in self.targets if r not in self.running()])
-            self.cluster.stop()
-            raise error
+            self.engine_died()
+
+    def engine_died(self) -> None:
+        """Report which rank died and how, shut the cluster down, raise RankDiedError."""
+        deadline = time.monotonic() + 5  # mpiexec takes the other ranks down a moment after the first
+        while self.cluster.engines_alive() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self.drain()
+        self.sink.flush()
+        error = self.cluster.died_error(finished=self.completed())
+        self.cluster.stop()
+        raise error
+
+    def completed(self) -> list[int]:
+        """Ranks whose cell ended on its own (the hub fails a dead engine's task with EngineError)."""
+        return [rank for rank, child in zip(self.targets, self.ar._children, strict=True)
+                if child.done() and getattr(child.result(), "ename", None) != "EngineError"]
 
     # ---------------------------------------------------------------- main
     def wait_until(self, deadline: float | None) -> bool:

@@ -1,0 +1,100 @@
+"""Fixtures that start real MPI-launched clusters and prove nothing outlives a test.
+
+Every process a test starts inherits ``TACO_TEST_SESSION`` from this process, so after each test we can find
+all of them (orphans included, whatever their parent) and fail the test if any is left that is not part of
+the session's shared cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+SESSION_MARK = uuid.uuid4().hex
+os.environ["TACO_TEST_SESSION"] = SESSION_MARK
+REPO = Path(__file__).resolve().parent.parent
+SHARED = "default"
+
+
+def session_processes() -> dict[int, str]:
+    """Every live process started (directly or not) by this test session, pid -> command line."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if proc.environ().get("TACO_TEST_SESSION") == SESSION_MARK:
+                found[proc.pid] = " ".join(proc.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_for_no_leaks(allowed: set[int], grace: float = 10.0) -> dict[int, str]:
+    deadline = time.monotonic() + grace
+    while True:
+        leaked = {pid: cmd for pid, cmd in session_processes().items() if pid not in allowed}
+        if not leaked or time.monotonic() > deadline:
+            return leaked
+        time.sleep(0.2)
+
+
+def cluster_pids(name: str) -> set[int]:
+    from taco_notebook.cluster.session import clusters
+
+    cluster = clusters.get(name)
+    if cluster is None:
+        return set()
+    return {p.pid for p in cluster._started_processes}
+
+
+@pytest.fixture(scope="session")
+def ip():
+    """A real IPython shell with the extension loaded."""
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "taco_notebook")
+    yield shell
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(ip):
+    """The 4-rank cluster 'default', started once for the tests that leave it healthy."""
+    from taco_notebook.cluster.session import clusters
+
+    ip.run_line_magic("taco_cluster", "start -n 4 --cluster default")
+    yield clusters[SHARED]
+    cluster = clusters.pop(SHARED, None)
+    if cluster is not None:
+        cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes(request) -> Iterator[None]:
+    """After each test: stop clusters the test left behind, then fail on any surviving process."""
+    yield
+    from taco_notebook.cluster.session import clusters
+
+    for name in [n for n in clusters if n != SHARED]:
+        clusters.pop(name).stop()
+    leaked = wait_for_no_leaks(cluster_pids(SHARED))
+    if leaked:
+        for pid in leaked:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        pytest.fail(f"{request.node.nodeid} left processes running: {leaked}")
+
+
+@pytest.fixture
+def mpiexec() -> str:
+    return str(Path(sys.executable).parent / "mpiexec")

@@ -1,0 +1,78 @@
+"""Run under ``mpiexec -n N``: checks the rank-side API end to end; prints 'OK <rank>' when all hold."""
+
+from __future__ import annotations
+
+import torch
+
+import taco_notebook.comm as taco
+
+r, n = taco.rank(), taco.size()
+
+# sum, in place, same result on every rank
+t = torch.full((3,), float(r))
+assert taco.allreduce(t) is t
+assert t.tolist() == [float(sum(range(n)))] * 3, t
+
+# avg / min / max / product on odd sizes not divisible by the rank count
+odd = torch.arange(7, dtype=torch.float64) + r
+taco.allreduce(odd, op="avg")
+assert torch.allclose(odd, torch.arange(7, dtype=torch.float64) + (n - 1) / 2), odd
+m = torch.tensor([r, -r], dtype=torch.int32)
+taco.allreduce(m, op="max")
+assert m.tolist() == [n - 1, 0]
+p = torch.tensor([2.0])
+taco.allreduce(p, op="product")
+assert p.item() == 2.0**n
+
+# non-contiguous: the result lands in the caller's view
+base = torch.arange(12.0).reshape(3, 4) * (r + 1)
+view = base.t()
+assert not view.is_contiguous()
+taco.allreduce(view, op="avg")
+assert torch.allclose(base, torch.arange(12.0).reshape(3, 4) * (n + 1) / 2)
+
+# empty and 0-d tensors, mixed dtypes
+empty = torch.empty(0)
+assert taco.allreduce(empty).numel() == 0
+scalar = torch.tensor(float(r))
+taco.allreduce(scalar)
+assert scalar.item() == sum(range(n))
+half = torch.ones(5, dtype=torch.bfloat16)
+taco.allreduce(half)
+assert half.dtype == torch.bfloat16 and half.float().tolist() == [float(n)] * 5
+
+# bad input: clear errors, nothing sent
+for bad, kind in ((lambda: taco.allreduce([1, 2]), TypeError),
+                  (lambda: taco.allreduce(torch.ones(1), op="mean"), ValueError),
+                  (lambda: taco.allreduce(torch.ones(1, dtype=torch.int64), op="avg"), TypeError),
+                  (lambda: taco.broadcast(torch.ones(1), root=n), ValueError)):
+    try:
+        bad()
+    except kind as exc:
+        assert str(exc), exc
+    else:
+        raise AssertionError(f"expected {kind.__name__}")
+
+# broadcast and broadcast_parameters
+b = torch.full((4,), float(r))
+taco.broadcast(b, root=n - 1)
+assert b.tolist() == [float(n - 1)] * 4
+torch.manual_seed(r)  # every rank starts with different weights
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+taco.broadcast_parameters(model, root=0)
+flat = torch.cat([v.detach().flatten().float() for v in model.state_dict().values()])
+gathered = flat.clone()
+taco.allreduce(gathered, op="avg")
+assert torch.allclose(flat, gathered), "parameters differ after broadcast_parameters"
+
+# the process group can be rebuilt without restarting the processes
+generation = taco.bootstrap.state.generation
+taco.reinit()
+assert taco.bootstrap.state.generation == generation + 1
+taco.barrier()
+again = torch.ones(2)
+taco.allreduce(again)
+assert again.tolist() == [float(n)] * 2
+
+topo = taco.topology()
+print(f"OK {r} local={topo.local_rank}/{topo.local_size} node={topo.node}/{topo.num_nodes}", flush=True)

@@ -1,0 +1,279 @@
+"""``%%taco_run`` and ``%taco_cluster`` in a real IPython shell against real MPI-launched engines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+from taco_notebook.cluster.session import clusters
+from taco_notebook.errors import CellTimeoutError, RankDiedError, RankFailedError
+
+from .conftest import session_processes
+
+pytestmark = pytest.mark.cluster
+
+ALLREDUCE_CELL = """\
+t = torch.full((3,), float(taco.rank()))
+taco.allreduce(t)
+print(taco.rank(), taco.size(), t)
+t.tolist()
+"""
+
+
+def engine_pids(name: str = "default") -> list[int]:
+    return [r.pid for r in clusters[name].ranks]
+
+
+def rank_lines(text: str) -> dict[int, list[str]]:
+    lines: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("[rank "):
+            label, _, rest = line.partition("] ")
+            lines.setdefault(int(label[len("[rank "):]), []).append(rest)
+    return lines
+
+
+def interrupt_after(seconds: float) -> threading.Timer:
+    """Deliver a real SIGINT to this process (what Ctrl-C / the kernel's interrupt does)."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+# ---------------------------------------------------------------- results and output
+
+def test_allreduce_result_and_labelled_output(ip, shared_cluster, capsys):
+    value = ip.run_cell_magic("taco_run", "-np 4", ALLREDUCE_CELL)
+    out = capsys.readouterr().out
+    assert value == [6.0, 6.0, 6.0]  # rank 0's value of the last expression
+    lines = rank_lines(out)
+    assert sorted(lines) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert lines[rank] == [f"{rank} 4 tensor([6., 6., 6.])"]
+
+
+def test_gather_returns_every_rank_value_and_state_persists(ip, shared_cluster):
+    ip.run_cell_magic("taco_run", "", "secret = taco.rank() * 10")
+    assert ip.run_cell_magic("taco_run", "--gather", "secret + 1") == [1, 11, 21, 31]
+    assert ip.run_cell_magic("taco_run", "", "secret;") is None  # a trailing ';' shows nothing
+
+
+def test_unpicklable_value_comes_back_as_its_repr(ip, shared_cluster):
+    value = ip.run_cell_magic("taco_run", "", "import threading\nthreading.Lock()")
+    assert "lock" in repr(value)
+
+
+def test_output_streams_while_the_cell_runs(ip, shared_cluster):
+    seen: list[tuple[float, str]] = []
+
+    class Recorder:
+        def write(self, text: str) -> None:
+            seen.append((time.monotonic(), text))
+
+        def flush(self) -> None:
+            pass
+
+    import sys
+
+    saved = sys.stdout
+    sys.stdout = Recorder()  # type: ignore[assignment]
+    try:
+        ip.run_cell_magic("taco_run", "", "import time\nprint('first', flush=True)\ntime.sleep(3)\nprint('last')")
+        finished = time.monotonic()
+    finally:
+        sys.stdout = saved
+    first = [t for t, text in seen if "first" in text]
+    assert len(first) == 4, seen
+    assert finished - max(first) > 1.5, "output was not shown until the cell ended"
+
+
+def test_targets_runs_on_a_subset(ip, shared_cluster, capsys):
+    ip.run_cell_magic("taco_run", "--targets 1,3", "print('here', taco.rank())")
+    assert sorted(rank_lines(capsys.readouterr().out)) == [1, 3]
+    assert ip.run_cell_magic("taco_run", "--targets 2-3 --gather", "taco.rank()") == [2, 3]
+
+
+def test_no_stream_groups_output_by_rank(ip, shared_cluster, capsys):
+    ip.run_cell_magic("taco_run", "--no-stream",
+                      "import time\nfor i in range(2):\n    print(taco.rank(), i)\n    time.sleep(0.3)")
+    labelled = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rank")]
+    assert labelled == [f"[rank {r}] {r} {i}" for r in range(4) for i in range(2)]
+
+
+def test_quiet_hides_cluster_messages_but_not_output(ip, capsys):
+    ip.run_cell_magic("taco_run", "-np 2 --cluster quiet --quiet", "print('hello')")
+    captured = capsys.readouterr()
+    assert "[taco]" not in captured.err
+    assert sorted(rank_lines(captured.out)) == [0, 1]
+
+
+# ---------------------------------------------------------------- failures
+
+def test_exception_on_one_rank_shows_its_traceback(ip, shared_cluster):
+    pids = engine_pids()
+    cell = "x = 1\nif taco.rank() == 2:\n    raise ValueError('bad shard')\nprint('fine')"
+    with pytest.raises(RankFailedError) as info:
+        ip.run_cell_magic("taco_run", "", cell)
+    error = info.value
+    assert str(error).startswith("rank 2 (host ")
+    assert "ValueError: bad shard" in str(error) and "ranks 0, 1, 3 finished" in str(error)
+    rendered = "\n".join(error._render_traceback_())
+    assert "raise ValueError('bad shard')" in rendered and "[rank 2]" in rendered
+    assert ip.run_cell_magic("taco_run", "--gather", "taco.rank()") == [0, 1, 2, 3]
+    assert engine_pids() == pids  # same engines: nothing was restarted
+
+
+def test_failed_rank_releases_peers_blocked_in_a_collective(ip, shared_cluster):
+    pids = engine_pids()
+    cell = "if taco.rank() == 1:\n    1 / 0\nx = torch.ones(4)\ntaco.allreduce(x)"
+    began = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 1 .*ZeroDivisionError.*ranks 0, 2, 3 also failed"):
+        ip.run_cell_magic("taco_run", "", cell)
+    assert time.monotonic() - began < 8, "peers waited for the collective timeout"
+    # the process group is rebuilt on the same engines before the next cell
+    assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
+    assert engine_pids() == pids
+
+
+def test_ctrl_c_interrupts_every_rank_and_keeps_the_cluster(ip, shared_cluster):
+    pids = engine_pids()
+    timer = interrupt_after(2.0)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("taco_run", "", "import time\nfor _ in range(600):\n    time.sleep(0.1)")
+    timer.join()
+    assert time.monotonic() - began < 2.0 + 5.0
+    assert engine_pids() == pids
+    assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
+
+
+def test_ctrl_c_while_peers_wait_in_a_collective(ip, shared_cluster):
+    pids = engine_pids()
+    cell = "import time\nif taco.rank() == 0:\n    time.sleep(60)\nx = torch.ones(2)\ntaco.allreduce(x)"
+    timer = interrupt_after(2.0)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("taco_run", "", cell)
+    timer.join()
+    assert time.monotonic() - began < 2.0 + 5.0
+    assert engine_pids() == pids
+    assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
+
+
+def test_ctrl_c_on_ranks_that_ignore_sigint_kills_and_restarts(ip, capsys):
+    ip.run_cell_magic("taco_run", "-np 2 --cluster stubborn", "pass")
+    old = engine_pids("stubborn")
+    cell = "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\ntime.sleep(120)"
+    timer = interrupt_after(2.0)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("taco_run", "--cluster stubborn", cell)
+    timer.join()
+    assert time.monotonic() - began < 2.0 + 5.0
+    assert "ignored SIGINT" in capsys.readouterr().err
+    assert not any(pid in session_processes() for pid in old)
+    assert ip.run_cell_magic("taco_run", "--cluster stubborn --gather", "taco.rank()") == [0, 1]
+    assert set(engine_pids("stubborn")).isdisjoint(old)
+
+
+@pytest.mark.parametrize("how, signame", [
+    ("os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+    ("import ctypes; ctypes.string_at(0)", "SIGSEGV"),
+])
+def test_dead_rank_is_reported_and_the_next_cell_gets_a_fresh_cluster(ip, how, signame):
+    ip.run_cell_magic("taco_run", "-np 3 --cluster doomed", "pass")
+    old = engine_pids("doomed")
+    cell = f"import os, signal, time\nif taco.rank() == 1:\n    time.sleep(0.5)\n    {how}\ntime.sleep(60)"
+    began = time.monotonic()
+    with pytest.raises(RankDiedError) as info:
+        ip.run_cell_magic("taco_run", "--cluster doomed", cell)
+    assert time.monotonic() - began < 10
+    error = info.value
+    assert (error.rank, error.signal_name) == (1, signame)
+    assert error.host and f"rank 1 (host {error.host}, pid {old[1]})" in str(error)
+    assert "MPI stopped the other ranks (0, 2)" in str(error)
+    assert not any(pid in session_processes() for pid in old)
+    assert ip.run_cell_magic("taco_run", "--cluster doomed --gather", "taco.rank()") == [0, 1, 2]
+
+
+def test_timeout_names_the_ranks_still_running(ip, shared_cluster):
+    pids = engine_pids()
+    cell = "import time\nif taco.rank() == 3:\n    time.sleep(60)"
+    began = time.monotonic()
+    with pytest.raises(CellTimeoutError, match=r"timed out after 2 s .*ranks 3 still running") as info:
+        ip.run_cell_magic("taco_run", "--timeout 2", cell)
+    assert info.value.running == [3]
+    assert time.monotonic() - began < 2 + 5
+    assert engine_pids() == pids
+    assert ip.run_cell_magic("taco_run", "--gather", "taco.rank()") == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- bad input starts nothing
+
+@pytest.mark.parametrize("line, message", [
+    ("-np 0", "-np must be a positive integer, got '0'"),
+    ("-np abc", "-np must be a positive integer, got 'abc'"),
+    ("-np 2 --frobnicate", "unrecognized arguments: --frobnicate"),
+    ("-np 4 --targets 7", "--targets '7' names rank 7, outside 0..3 for -np 4"),
+    ("-np 4 --targets x", "--targets must be ranks like"),
+    ("-np 2 --timeout -1", "--timeout must be a positive number of seconds, got '-1'"),
+    ("-np 2 --cluster fresh --mpiexec /nonexistent/mpiexec", "mpiexec '/nonexistent/mpiexec' does not run"),
+])
+def test_bad_input_is_a_usage_error_and_starts_nothing(ip, line, message):
+    before = set(session_processes())
+    names = set(clusters)
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("taco_run", line, "print('never runs')")
+    assert message in str(info.value)
+    assert set(clusters) == names
+    assert set(session_processes()) <= before
+
+
+def test_no_mpiexec_on_path_says_how_to_install(ip, monkeypatch, tmp_path):
+    import taco_notebook.cluster.mpi as mpi
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(mpi.sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(UsageError, match=r"no mpiexec found .* `pip install mpich mpi4py`"):
+        ip.run_cell_magic("taco_run", "-np 2 --cluster nompi", "pass")
+    assert "nompi" not in clusters
+
+
+# ---------------------------------------------------------------- cluster lifecycle
+
+def test_warm_cluster_is_reused_and_a_new_size_restarts_it(ip, capsys):
+    ip.run_cell_magic("taco_run", "-np 2 --cluster sized", "pass")
+    first = engine_pids("sized")
+    ip.run_cell_magic("taco_run", "-np 2 --cluster sized", "pass")
+    assert engine_pids("sized") == first
+    capsys.readouterr()
+    assert ip.run_cell_magic("taco_run", "-np 3 --cluster sized --gather", "taco.size()") == [3, 3, 3]
+    assert "has 2 ranks; restarting it with -np 3" in capsys.readouterr().err
+    assert not any(pid in session_processes() for pid in first)
+
+
+def test_taco_cluster_start_status_list_restart_stop(ip, capsys):
+    ip.run_line_magic("taco_cluster", "start -n 2 --cluster managed")
+    pids = engine_pids("managed")
+    capsys.readouterr()
+    ip.run_line_magic("taco_cluster", "status --cluster managed")
+    status = capsys.readouterr().out
+    assert "cluster 'managed': running, 2/2 engines up" in status
+    assert "MPI: mpich" in status
+    for pid in pids:
+        assert str(pid) in status
+    ip.run_line_magic("taco_cluster", "list")
+    assert "managed: running, 2/2 engines" in capsys.readouterr().out
+    ip.run_line_magic("taco_cluster", "restart --cluster managed")
+    assert set(engine_pids("managed")).isdisjoint(pids)
+    tree = {p.pid for p in clusters["managed"]._started_processes}
+    ip.run_line_magic("taco_cluster", "stop --cluster managed")
+    assert "managed" not in clusters
+    assert not tree & set(session_processes())
+    with pytest.raises(UsageError, match="no cluster named 'managed' is running"):
+        ip.run_line_magic("taco_cluster", "stop --cluster managed")
