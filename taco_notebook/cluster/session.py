@@ -149,7 +149,7 @@ class TacoCluster:
         self.mpi = self.mpi or find_mpi(self.mpiexec)
         cluster_id = f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
-                                       controller_ip="127.0.0.1", log_level=logging.WARNING,
+                                       controller_ip="127.0.0.1", log_level=logging.ERROR,
                                        config=self._ipp_config(self.mpi))
         self.broken_reason = None
         try:
@@ -198,11 +198,26 @@ class TacoCluster:
         tree = _process_tree(cluster) + self._started_processes
         self._started_processes = []
         if client is not None:
+            self._shutdown_engines(client, cluster)
             client.close()
         try:
-            cluster.stop_cluster_sync()  # graceful: mpiexec forwards SIGTERM to every rank
+            # Engines first, then the controller: stopped together (stop_cluster) they take ~5 s, not ~1.3 s.
+            cluster.stop_engines_sync()  # graceful: mpiexec forwards SIGTERM to every rank
+            cluster.stop_controller_sync()
         finally:
             _kill(tree)  # whatever ignored it (a rank stuck in C code, an orphaned nanny)
+
+    @staticmethod
+    def _shutdown_engines(client: Any, cluster: Any, grace: float = 3.0) -> None:
+        """Ask idle engines to exit cleanly, so mpiexec ends by itself instead of being TERMed and KILLed."""
+        try:
+            client.shutdown(targets="all", block=False)
+        except Exception:  # no engines registered any more: nothing to ask
+            return
+        deadline = time.monotonic() + grace
+        launchers = list(cluster.engines.values())
+        while time.monotonic() < deadline and any(_alive(getattr(es, "process", None)) for es in launchers):
+            time.sleep(0.05)
 
     def restart(self) -> TacoCluster:
         self.stop()
@@ -228,14 +243,8 @@ class TacoCluster:
         self.broken_reason = reason
 
     def engines_alive(self) -> bool:
-        for engine_set in self._engine_sets():
-            process = getattr(engine_set, "process", None)
-            try:
-                if process is None or not process.is_running() or process.status() == "zombie":
-                    return False
-            except Exception:  # psutil.NoSuchProcess and friends
-                return False
-        return bool(self._engine_sets())
+        engine_sets = self._engine_sets()
+        return bool(engine_sets) and all(_alive(getattr(es, "process", None)) for es in engine_sets)
 
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
@@ -284,6 +293,13 @@ class TacoCluster:
             name=self.name, cluster_id=self.ipp_cluster.cluster_id if self.ipp_cluster else "",
             state=state, size=self.size, engines_up=up,
             mpi=self.mpi.description if self.mpi else "", ranks=list(self.ranks), started_at=self.started_at)
+
+
+def _alive(process: Any) -> bool:
+    try:
+        return process is not None and process.is_running() and process.status() != "zombie"
+    except Exception:  # psutil.NoSuchProcess and friends
+        return False
 
 
 def _descendants(process: Any) -> list[Any]:
