@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ipyparallel.error import RemoteError
+
 from ..errors import CellTimeoutError, RankFailedError
 from .session import TacoCluster, _ranks_text
 
@@ -141,7 +143,7 @@ class _CellRun:
             result = child.result()
             if getattr(result, "ename", None) == "EngineError":  # the hub saw the engine process go
                 self.engine_died()
-            if isinstance(result, Exception):
+            if isinstance(result, RemoteError):
                 self.errors[rank] = result
                 if self.failure_deadline is None:
                     self.failure_deadline = time.monotonic() + self.options.failure_grace
@@ -190,7 +192,7 @@ class _CellRun:
             limit = deadline if self.failure_deadline is None else _earliest(deadline, self.failure_deadline)
             if limit is not None and time.monotonic() >= limit:
                 return False
-            time.sleep(POLL_S)
+            self.ar.wait(POLL_S)  # returns as soon as the cell is done: no sleep-granularity latency
         return True
 
     def stop_ladder(self, why: str) -> list[int]:

@@ -9,7 +9,7 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 
 from __future__ import annotations
 
-from .bootstrap import abort as _abort
+from .bootstrap import abort as _abort  # noqa: F401  (the cell runner calls taco._abort() on engines)
 from .bootstrap import init, is_initialized, reinit, shutdown
 from .collectives import REDUCE_OPS, allreduce, barrier, broadcast, broadcast_parameters
 from .topology import Topology

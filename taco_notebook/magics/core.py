@@ -103,34 +103,40 @@ class TacoMagics(Magics):
         """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | status | list [--cluster NAME]``."""
         args = parse_argstring(self.taco_cluster, line)
         size = positive_int(args.np, "-n")
-        say = RankOutput()
-        name = args.cluster
-        if args.action == "list":
-            if not clusters:
-                print("no clusters running in this kernel")
-            for cluster in clusters.values():
-                status = cluster.status()
-                print(f"{status.name}: {status.state}, {status.engines_up}/{status.size} engines, {status.mpi}")
-        elif args.action == "status":
-            cluster = clusters.get(name)
-            if cluster is None:
-                print(f"cluster {name!r}: stopped (start it with %taco_cluster start -n N)")
-            else:
-                print(format_status(cluster.status()))
-        elif args.action == "stop":
-            names = list(clusters) if args.all else [name]
-            for each in names:
-                if each not in clusters:
-                    raise UsageError(f"no cluster named {each!r} is running; running: {sorted(clusters) or 'none'}")
-                clusters.pop(each).stop()
-                say.notice(f"cluster {each!r} stopped")
-        elif args.action == "start":
-            if name in clusters and clusters[name].running and size in (None, clusters[name].size):
-                say.notice(f"cluster {name!r} is already running with {clusters[name].size} ranks")
-            else:
-                ensure_cluster(name, size, args.mpiexec, say)
-        else:  # restart
-            previous = clusters.pop(name, None)
-            if previous is not None:
-                previous.stop()
-            _start(name, size or (previous.size if previous else DEFAULT_NP), args.mpiexec, say)
+        action = getattr(self, f"_cluster_{args.action}")
+        action(args.cluster, size, args)
+
+    def _cluster_list(self, name: str, size: int | None, args: Any) -> None:
+        if not clusters:
+            print("no clusters running in this kernel")
+        for cluster in clusters.values():
+            status = cluster.status()
+            print(f"{status.name}: {status.state}, {status.engines_up}/{status.size} engines, {status.mpi}")
+
+    def _cluster_status(self, name: str, size: int | None, args: Any) -> None:
+        cluster = clusters.get(name)
+        if cluster is None:
+            print(f"cluster {name!r}: stopped (start it with %taco_cluster start -n N)")
+        else:
+            print(format_status(cluster.status()))
+
+    def _cluster_stop(self, name: str, size: int | None, args: Any) -> None:
+        names = list(clusters) if args.all else [name]
+        for stopping in names:
+            if stopping not in clusters:
+                raise UsageError(f"no cluster named {stopping!r} is running; running: {sorted(clusters) or 'none'}")
+            clusters.pop(stopping).stop()
+            RankOutput().notice(f"cluster {stopping!r} stopped")
+
+    def _cluster_start(self, name: str, size: int | None, args: Any) -> None:
+        running = clusters.get(name)
+        if running is not None and running.running and size in (None, running.size):
+            RankOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
+        else:
+            ensure_cluster(name, size, args.mpiexec, RankOutput())
+
+    def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
+        previous = clusters.pop(name, None)
+        if previous is not None:
+            previous.stop()
+        _start(name, size or (previous.size if previous else DEFAULT_NP), args.mpiexec, RankOutput())
