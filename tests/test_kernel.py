@@ -1,0 +1,95 @@
+"""``%%taco_run`` in a real Jupyter kernel, as a notebook front end drives it: live output, interrupt, exit."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from .conftest import session_processes
+
+pytestmark = pytest.mark.cluster
+
+
+def execute(client: Any, code: str, timeout: float = 120,
+            during: Any = None) -> tuple[dict[str, Any], list[tuple[float, dict[str, Any]]]]:
+    """Run ``code``; returns the execute reply and every iopub message of it with its arrival time."""
+    msg_id = client.execute(code)
+    messages = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append((time.monotonic(), msg))
+        if during is not None:
+            during(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    reply = client.get_shell_msg(timeout=10)
+    return reply["content"], messages
+
+
+def stream_text(messages: list[tuple[float, dict[str, Any]]], name: str = "stdout") -> str:
+    return "".join(m["content"]["text"] for _, m in messages
+                   if m["msg_type"] == "stream" and m["content"]["name"] == name)
+
+
+@pytest.fixture
+def kernel() -> Iterator[tuple[Any, Any]]:
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        reply, _ = execute(client, "%load_ext taco_notebook")
+        assert reply["status"] == "ok"
+        yield manager, client
+    finally:
+        if manager.has_kernel:  # a test may have shut it down already
+            client.stop_channels()
+            manager.shutdown_kernel(now=False)
+
+
+def test_cell_output_streams_live_and_interrupt_keeps_the_cluster(kernel):
+    manager, client = kernel
+    cell = "%%taco_run -np 2\nimport time\nprint('tick', taco.rank(), flush=True)\ntime.sleep(4)\ntaco.rank()"
+    reply, messages = execute(client, cell)
+    assert reply["status"] == "ok"
+    end = messages[-1][0]
+    ticks = [t for t, m in messages if m["msg_type"] == "stream" and "tick" in m["content"]["text"]]
+    assert ticks and end - min(ticks) > 3, "rank output arrived only at the end"
+    assert "[rank 0] tick 0" in stream_text(messages) and "[rank 1] tick 1" in stream_text(messages)
+    results = [m["content"]["data"]["text/plain"] for _, m in messages if m["msg_type"] == "execute_result"]
+    assert results == ["0"]
+
+    _, pids = execute(client, "from taco_notebook.cluster.session import clusters\n"
+                              "print(sorted(r.pid for r in clusters['default'].ranks))")
+    interrupted_at: list[float] = []
+
+    def interrupt_once_running(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream" and "looping" in msg["content"]["text"] and not interrupted_at:
+            interrupted_at.append(time.monotonic())
+            manager.interrupt_kernel()
+
+    reply, messages = execute(client, "%%taco_run\nimport time\nprint('looping', flush=True)\n"
+                                      "while True:\n    time.sleep(0.1)", during=interrupt_once_running)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    assert messages[-1][0] - interrupted_at[0] < 5
+    reply, after = execute(client, "%%taco_run --gather\ntaco.rank()")
+    assert reply["status"] == "ok"
+    _, pids_after = execute(client, "print(sorted(r.pid for r in clusters['default'].ranks))")
+    assert stream_text(pids) == stream_text(pids_after), "the interrupt restarted the engines"
+
+
+def test_kernel_shutdown_stops_its_clusters(kernel):
+    manager, client = kernel
+    reply, _ = execute(client, "%%taco_run -np 2 --cluster left-running\npass")
+    assert reply["status"] == "ok"
+    assert any("ipyparallel.engine" in cmd for cmd in session_processes().values())
+    client.stop_channels()
+    manager.shutdown_kernel(now=False)  # a graceful shutdown, as JupyterLab's "Shut Down Kernel"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and session_processes():
+        time.sleep(0.2)
+    assert session_processes() == {}
