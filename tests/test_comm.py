@@ -37,6 +37,13 @@ def test_collectives_under_mpiexec(mpiexec, n, intra, expect):
     assert any(expect in placement for _, placement in reports), reports
 
 
+def test_algorithms_compression_and_optimizer_on_two_emulated_nodes(mpiexec):
+    """flat and 2d x none/fp16/bf16/topk, error feedback, metrics per link, DistributedOptimizer."""
+    result = run_mpi(mpiexec, 4, "training.py", {"LIGHT_INTRA_SIZE": "2"}, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(re.findall(r"OK (\d+)", result.stdout)) == ["0", "1", "2", "3"], result.stdout
+
+
 def test_topology_groups_by_hostname():
     topo = Topology.from_hostnames(3, ["a", "b", "a", "b"])
     assert (topo.node, topo.local_rank, topo.local_size, topo.num_nodes) == (1, 1, 2, 2)

@@ -9,9 +9,13 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 
 from __future__ import annotations
 
+from . import metrics
+from .algorithms import allreduce_async
 from .bootstrap import abort as _abort  # noqa: F401  (the cell runner calls taco._abort() on engines)
 from .bootstrap import init, is_initialized, reinit, shutdown
 from .collectives import REDUCE_OPS, allreduce, barrier, broadcast, broadcast_parameters
+from .compression import parse_compression
+from .config import configure, settings
 from .topology import Topology
 
 __all__ = [
@@ -29,6 +33,13 @@ __all__ = [
     "node",
     "num_nodes",
     "allreduce",
+    "allreduce_async",
+    "configure",
+    "settings",
+    "parse_compression",
+    "metrics",
+    "DistributedOptimizer",
+    "hooks",
     "broadcast",
     "barrier",
     "broadcast_parameters",
@@ -70,3 +81,16 @@ def node() -> int:
 def num_nodes() -> int:
     """Number of nodes in the job."""
     return topology().num_nodes
+
+
+def __getattr__(name: str) -> object:
+    # The training APIs import more of torch (optim, nn): loaded on first use.
+    if name == "DistributedOptimizer":
+        from .optimizer import DistributedOptimizer
+
+        return DistributedOptimizer
+    if name == "hooks":
+        import importlib
+
+        return importlib.import_module(".hooks", __name__)
+    raise AttributeError(f"module 'taco_notebook.comm' has no attribute {name!r}")

@@ -146,9 +146,15 @@ def shutdown() -> None:
     import torch.distributed as dist
 
     if is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the 2D algorithm's subgroups included
+    from . import algorithms
+
+    algorithms._hierarchy.clear()
     state.store = None
     state.backend = None
+
+
+_HOLD_GROUPS = ("torch/distributed", "taco_notebook/comm")  # code whose frames hold process groups
 
 
 def abort() -> None:
@@ -165,7 +171,7 @@ def abort() -> None:
     skip = inspect.CO_GENERATOR | inspect.CO_COROUTINE  # clearing a suspended generator would close it
     for obj in gc.get_objects():
         if (isinstance(obj, types.FrameType) and not obj.f_code.co_flags & skip
-                and "torch/distributed" in obj.f_code.co_filename.replace("\\", "/")):
+                and any(part in obj.f_code.co_filename.replace("\\", "/") for part in _HOLD_GROUPS)):
             try:
                 obj.clear()
             except RuntimeError:  # still executing

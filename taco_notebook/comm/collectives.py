@@ -43,45 +43,65 @@ def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
     return tensor
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+              algorithm: str | None = None, name: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
+
+    ``sum`` and ``avg`` take the accelerated path (:mod:`.allreduce`: flat or 2D hierarchical, optionally
+    compressed, ``name`` keying TopK's error feedback); ``min``, ``max`` and ``product`` use the backend's.
 
     >>> t = torch.ones(3); taco.allreduce(t, op="avg")   # every rank now holds the mean
     """
     import torch.distributed as dist
 
+    from .algorithms import allreduce as accelerated
+    from .algorithms import comm_thread
+
     _check_tensor(tensor, "allreduce")
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
-    if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
-    _ready()
-    reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-                 "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
-    _in_place(tensor, lambda buf: dist.all_reduce(buf, op=reduce_op))
-    if op == "avg":
-        tensor.div_(dist.get_world_size())
-    return tensor
+    if op in ("sum", "avg"):
+        return accelerated(tensor, op, compression, algorithm, name)
+    if compression not in (None, "none"):
+        raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
+    reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
+
+    def work() -> torch.Tensor:
+        _ready()
+        return _in_place(tensor, lambda buf: dist.all_reduce(buf, op=reduce_op))
+
+    return comm_thread.run(work)
 
 
 def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
     """Copy ``root``'s ``tensor`` into every rank's ``tensor`` in place."""
     import torch.distributed as dist
 
+    from .algorithms import comm_thread
+
     _check_tensor(tensor, "broadcast")
-    _ready()
-    size = dist.get_world_size()
+    size = bootstrap.state.ensure_topology().size
     if not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, got {root}")
-    return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
+
+    def work() -> torch.Tensor:
+        _ready()
+        return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
+
+    return comm_thread.run(work)
 
 
 def barrier() -> None:
     """Wait until every rank reaches this point."""
     import torch.distributed as dist
 
-    _ready()
-    dist.barrier()
+    from .algorithms import comm_thread
+
+    def work() -> None:
+        _ready()
+        dist.barrier()
+
+    comm_thread.run(work)
 
 
 def broadcast_parameters(params: Any, root: int = 0) -> None:

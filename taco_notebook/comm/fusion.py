@@ -1,0 +1,85 @@
+"""Gradient fusion: pack many small gradients into few flat buckets, one allreduce each.
+
+Like Horovod's fusion buffer and DDP's buckets: per-collective latency dominates small tensors, so gradients
+are grouped, in the order backward produces them (reverse of registration), into buckets of at most
+``threshold_bytes`` of one dtype and device. A gradient larger than the threshold gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Bucket", "build_buckets", "bucket_of"]
+
+
+@dataclass
+class Bucket:
+    """Parameters reduced together, and the flat buffer their gradients travel in."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    buffer: torch.Tensor = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def pack(self) -> torch.Tensor:
+        """Copy every gradient into the buffer (zeros for a parameter that got none this step)."""
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            target = self.buffer[offset: offset + n]
+            if param.grad is None:
+                target.zero_()
+            else:
+                target.copy_(param.grad.reshape(-1))
+            offset += n
+        return self.buffer
+
+    def unpack(self) -> None:
+        """Write the reduced buffer back into the gradients."""
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            reduced = self.buffer[offset: offset + n].view_as(param)
+            if param.grad is None:
+                param.grad = reduced.clone()
+            else:
+                param.grad.copy_(reduced)
+            offset += n
+
+
+def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], threshold_bytes: int) -> list[Bucket]:
+    """Group parameters (given in the order their gradients become ready) into buckets.
+
+    ``threshold_bytes == 0`` turns fusion off: one bucket per parameter.
+    """
+    buckets: list[Bucket] = []
+    open_: dict[tuple[torch.dtype, torch.device], tuple[list[str], list[torch.nn.Parameter], int]] = {}
+
+    def close(kind: tuple[torch.dtype, torch.device]) -> None:
+        names, params, numel = open_.pop(kind)
+        buffer = torch.zeros(numel, dtype=kind[0], device=kind[1])
+        buckets.append(Bucket(len(buckets), params, names, buffer))
+
+    for name, param in named_params:
+        kind = (param.dtype, param.device)
+        size = param.numel() * param.element_size()
+        if kind in open_:
+            names, params, numel = open_[kind]
+            if (numel * param.element_size() + size > threshold_bytes) and params:
+                close(kind)
+        names, params, numel = open_.setdefault(kind, ([], [], 0))
+        open_[kind] = (names + [name], params + [param], numel + param.numel())
+    for kind in list(open_):
+        close(kind)
+    return buckets
+
+
+def bucket_of(buckets: Sequence[Bucket]) -> dict[torch.nn.Parameter, Bucket]:
+    return {param: bucket for bucket in buckets for param in bucket.params}
