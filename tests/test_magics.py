@@ -223,6 +223,11 @@ def test_timeout_names_the_ranks_still_running(ip, shared_cluster):
     ("-np 4 --targets x", "--targets must be ranks like"),
     ("-np 2 --timeout -1", "--timeout must be a positive number of seconds, got '-1'"),
     ("-np 2 --cluster fresh --mpiexec /nonexistent/mpiexec", "mpiexec '/nonexistent/mpiexec' does not run"),
+    ("-np 2 --compression gzip", "unknown compression 'gzip'; use none, fp16, bf16 or topk:RATIO"),
+    ("-np 2 --compression topk:2", "ratio"),
+    ("-np 2 --algorithm 3d", "unknown algorithm '3d'; use auto, flat, 2d"),
+    ("-np 2 --fusion-mb lots", "--fusion-mb must be a number of megabytes >= 0, got 'lots'"),
+    ("-np 4 --intra-size 3", "--intra-size 3 must divide -np 4"),
 ])
 def test_bad_input_is_a_usage_error_and_starts_nothing(ip, line, message):
     before = set(session_processes())
@@ -242,6 +247,18 @@ def test_no_mpiexec_on_path_says_how_to_install(ip, monkeypatch, tmp_path):
     with pytest.raises(UsageError, match=r"no mpiexec found .* `pip install mpich mpi4py`"):
         ip.run_cell_magic("taco_run", "-np 2 --cluster nompi", "pass")
     assert "nompi" not in clusters
+
+
+def test_cell_options_choose_the_allreduce_for_that_cell_only(ip):
+    cell = ("s = taco.settings()\nt = torch.full((300_000,), 1.0)\ntaco.metrics.reset()\ntaco.allreduce(t)\n"
+            "(taco.num_nodes(), s.algorithm, s.compression, s.fusion_mb, round(taco.metrics.snapshot()"
+            "['compression_ratio']), t[0].item() > 0)")
+    value = ip.run_cell_magic(
+        "taco_run", "-np 4 --cluster layout --intra-size 2 --algorithm 2d --compression topk:0.01:threshold=0 "
+        "--fusion-mb 8", cell)
+    assert value[:4] == (2, "2d", "topk:0.01:threshold=0", 8.0)
+    assert value[4] >= 40 and value[5]  # 1% of the values plus their indices crossed the nodes
+    assert ip.run_cell_magic("taco_run", "--cluster layout", "taco.settings().compression") == "none"
 
 
 # ---------------------------------------------------------------- cluster lifecycle

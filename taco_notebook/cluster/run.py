@@ -38,6 +38,7 @@ class CellOptions:
     gather: bool = False
     interrupt_grace: float = 3.0  # seconds ranks get to honour SIGINT before they are killed
     failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
+    settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
 
 
 class OutputSink(Protocol):
@@ -216,6 +217,15 @@ class _CellRun:
         if self.cluster.needs_reinit:
             self.cluster.view.execute("taco.reinit()", block=True)
             self.cluster.needs_reinit = False
+        if self.options.settings:
+            self.cluster.client[self.targets].execute(f"taco.configure(**{self.options.settings!r})", block=True)
+        try:
+            return self._execute(source, captured)
+        finally:
+            if self.options.settings and self.cluster.running:
+                self.cluster.client[self.targets].execute("taco.configure(reset=True)", block=False)
+
+    def _execute(self, source: str, captured: bool) -> Any:
         self.ar = self.cluster.client[self.targets].execute(source, silent=False, block=False)
         for rank, child in zip(self.targets, self.ar._children, strict=True):
             child.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))

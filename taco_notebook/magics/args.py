@@ -8,7 +8,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-__all__ = ["cluster_args", "run_args", "positive_int", "positive_float", "parse_targets", "DEFAULT_NP"]
+__all__ = ["cluster_args", "run_args", "comm_settings", "positive_int", "positive_float", "parse_targets", "DEFAULT_NP"]
 
 DEFAULT_NP = 4
 
@@ -42,7 +42,36 @@ run_args = _stack(
     argument("--gather", action="store_true",
              help="return every rank's value of the last expression (default: rank 0's)"),
     argument("--quiet", action="store_true", help="print no cluster start/resize messages"),
+    argument("--algorithm", default=None, metavar="NAME",
+             help="allreduce for this cell: auto (2d across several nodes), flat or 2d (default: LIGHT_2D_ALLREDUCE)"),
+    argument("--compression", default=None, metavar="SPEC",
+             help="what crosses nodes: none, fp16, bf16 or topk:RATIO (default: LIGHT_TOPK_ALLREDUCE)"),
+    argument("--fusion-mb", dest="fusion_mb", default=None, metavar="MB",
+             help="fuse gradients into buckets of up to MB megabytes (default 64; 0 = no fusion)"),
+    argument("--intra-size", dest="intra_size", default=None, metavar="N",
+             help="ranks per node, to emulate several nodes on one machine (LIGHT_INTRA_SIZE)"),
 )
+
+
+def comm_settings(algorithm: str | None, compression: str | None, fusion_mb: str | None) -> dict[str, object]:
+    """The cell's allreduce options, checked here so that a typo starts nothing."""
+    from ..comm.compression import parse_compression
+    from ..comm.config import check_algorithm, check_fusion_mb
+
+    chosen: dict[str, object] = {}
+    try:
+        if algorithm is not None:
+            chosen["algorithm"] = check_algorithm(algorithm)
+        if compression is not None:
+            chosen["compression"] = parse_compression(compression).name
+        if fusion_mb is not None:
+            try:
+                chosen["fusion_mb"] = check_fusion_mb(float(fusion_mb))
+            except ValueError:
+                raise ValueError(f"--fusion-mb must be a number of megabytes >= 0, got {fusion_mb!r}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return chosen
 
 
 def positive_int(value: str | None, option: str) -> int | None:

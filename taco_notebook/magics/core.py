@@ -13,14 +13,15 @@ from ..cluster.mpi import find_mpi
 from ..cluster.run import CellOptions, run_cell
 from ..cluster.session import ClusterStatus, TacoCluster, clusters
 from ..errors import MPINotFoundError
-from .args import DEFAULT_NP, cluster_args, parse_targets, positive_float, positive_int, run_args
+from .args import DEFAULT_NP, cluster_args, comm_settings, parse_targets, positive_float, positive_int, run_args
 from .output import RankOutput
 
 __all__ = ["TacoMagics", "ensure_cluster", "format_status"]
 
 
-def _start(name: str, size: int, mpiexec: str | None, say: RankOutput) -> TacoCluster:
-    cluster = TacoCluster(name, size, mpiexec=mpiexec)
+def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_size: int | None = None) -> TacoCluster:
+    env = {"LIGHT_INTRA_SIZE": str(intra_size)} if intra_size else None
+    cluster = TacoCluster(name, size, mpiexec=mpiexec, env=env)
     try:
         mpi = cluster.mpi = find_mpi(mpiexec)
     except MPINotFoundError as exc:
@@ -34,7 +35,8 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput) -> TacoCl
     return cluster
 
 
-def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput) -> TacoCluster:
+def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput,
+                   intra_size: int | None = None) -> TacoCluster:
     """The running cluster ``name`` with ``size`` ranks, reusing, repairing or resizing as needed."""
     cluster = clusters.get(name)
     if cluster is not None and cluster.broken_reason:
@@ -48,8 +50,13 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
         say.notice(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}")
         clusters.pop(name).stop()
         cluster = None
+    wanted = str(intra_size) if intra_size else None
+    if cluster is not None and intra_size is not None and cluster.env.get("LIGHT_INTRA_SIZE") != wanted:
+        say.notice(f"cluster {name!r} has another node layout; restarting it with --intra-size {intra_size}")
+        clusters.pop(name).stop()
+        cluster = None
     if cluster is None:
-        return _start(name, size or DEFAULT_NP, mpiexec, say)
+        return _start(name, size or DEFAULT_NP, mpiexec, say, intra_size)
     return cluster
 
 
@@ -85,12 +92,16 @@ class TacoMagics(Magics):
         args = parse_argstring(self.taco_run, line)
         size = positive_int(args.np, "-np")
         timeout = positive_float(args.timeout, "--timeout")
+        intra_size = positive_int(args.intra_size, "--intra-size")
+        settings = comm_settings(args.algorithm, args.compression, args.fusion_mb)
         running = clusters.get(args.cluster)
         planned = size or (running.size if running is not None else DEFAULT_NP)
         targets = parse_targets(args.targets, planned)
         say = RankOutput(live=args.stream, quiet=args.quiet)
-        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say)
-        options = CellOptions(targets=targets, timeout=timeout, gather=args.gather)
+        if intra_size is not None and planned % intra_size:
+            raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
+        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, intra_size)
+        options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings)
         return run_cell(cluster, cell, options, say)
 
     @magic_arguments()
