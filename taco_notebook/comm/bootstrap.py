@@ -9,6 +9,7 @@ Works under ``%%taco_run`` and under plain ``mpiexec -n 4 python train.py`` alik
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass, field
@@ -136,6 +137,10 @@ def init(
                             timeout=timedelta(seconds=seconds))
     state.store = store
     state.backend = backend
+    if state.generation == 0:
+        # Destroy the group before the interpreter tears torch down: a group left to C++ destructors at exit
+        # can abort the process ("terminate called without an active exception") after a clean run.
+        atexit.register(shutdown)
     state.device = _pick_device(backend, topology)
     state.generation += 1
     return topology
