@@ -36,7 +36,7 @@ class CellOptions:
     targets: list[int] | None = None
     timeout: float | None = None
     gather: bool = False
-    interrupt_grace: float = 3.0  # seconds ranks get to honour SIGINT before they are killed
+    interrupt_grace: float = 2.5  # seconds ranks get to honour SIGINT before they are killed
     failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
 

@@ -239,7 +239,9 @@ class TacoCluster:
         if self.ipp_cluster is not None:
             engine_sets = [p for es in self._engine_sets() for p in _descendants(getattr(es, "process", None))]
             controller = getattr(self.ipp_cluster.controller, "process", None)
-            _kill(engine_sets + [p for p in self._started_processes if p not in _descendants(controller)])
+            # No waiting: SIGKILL is certain, and Ctrl-C must return now; stop() reaps them later.
+            _kill(engine_sets + [p for p in self._started_processes if p not in _descendants(controller)],
+                  wait=False)
         self.broken_reason = reason
 
     def engines_alive(self) -> bool:
@@ -318,13 +320,13 @@ def _process_tree(cluster: Any) -> list[Any]:
             for p in _descendants(getattr(launcher, "process", None))]
 
 
-def _kill(processes: list[Any]) -> None:
+def _kill(processes: list[Any], wait: bool = True) -> None:
     for process in processes:
         try:
             process.kill()
         except Exception:  # psutil.NoSuchProcess: already gone
             pass
-    for process in processes:
+    for process in processes if wait else []:
         try:
             process.wait(timeout=5)
         except Exception:
