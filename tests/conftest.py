@@ -77,9 +77,24 @@ def shared_cluster(ip):
         cluster.stop()
 
 
+def shared_memory_in_use() -> set[str]:
+    """/dev/shm files some live process still maps."""
+    used = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as maps:
+                    used.update(line.split()[-1] for line in maps if "/dev/shm/" in line)
+            except OSError:
+                continue
+    return used
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes(request) -> Iterator[None]:
-    """After each test: stop clusters the test left behind, then fail on any surviving process."""
+    """After each test: stop clusters the test left behind, then fail on any surviving process or any
+    /dev/shm file it left (MPI's segments outlive ranks that are killed)."""
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     yield
     from taco_notebook.cluster.session import clusters
 
@@ -93,6 +108,11 @@ def no_leaked_processes(request) -> Iterator[None]:
             except psutil.NoSuchProcess:
                 pass
         pytest.fail(f"{request.node.nodeid} left processes running: {leaked}")
+    if os.path.isdir("/dev/shm"):
+        left = {f"/dev/shm/{name}" for name in set(os.listdir("/dev/shm")) - shm_before}
+        left -= shared_memory_in_use()
+        if left:
+            pytest.fail(f"{request.node.nodeid} left shared memory behind: {sorted(left)}")
 
 
 @pytest.fixture

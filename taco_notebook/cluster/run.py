@@ -15,7 +15,6 @@ Whatever happened, the next cell on a live cluster first rebuilds the process gr
 from __future__ import annotations
 
 import ast
-import queue
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -109,7 +108,7 @@ class _CellRun:
         self.options = options
         self.sink = sink
         self.targets = options.targets if options.targets is not None else [r.rank for r in cluster.ranks]
-        self.inbox: queue.SimpleQueue[tuple[int, str, dict[str, Any]]] = queue.SimpleQueue()
+        self.shown: dict[tuple[int, str], int] = {}  # (rank, stdout/stderr/outputs) -> how much was shown
         self.errors: dict[int, Any] = {}
         self.shut_down_pg: set[int] = set()
         self.started = 0.0
@@ -118,20 +117,22 @@ class _CellRun:
         self.ar: Any = None
 
     # ---------------------------------------------------------------- output
-    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
-        # Called on the client's I/O thread: only enqueue; the main thread prints.
-        self.inbox.put((rank, msg["header"]["msg_type"], msg["content"]))
-
     def drain(self) -> None:
-        while True:
-            try:
-                rank, kind, content = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "stream":
-                self.sink.stream(rank, content["name"], content["text"])
-            elif kind == "display_data":
+        """Show what arrived since the last call. The client appends every rank's output to the result's
+        metadata as it comes; reading from there (not from iopub callbacks registered after submission)
+        cannot lose what a fast rank printed before we looked."""
+        for rank, md in zip(self.targets, self.ar._metadata, strict=True):
+            for name in ("stdout", "stderr"):
+                text = md[name]
+                seen = self.shown.get((rank, name), 0)
+                if len(text) > seen:
+                    self.shown[(rank, name)] = len(text)
+                    self.sink.stream(rank, name, text[seen:])
+            outputs = md["outputs"]
+            seen = self.shown.get((rank, "outputs"), 0)
+            for content in outputs[seen:]:
                 self.sink.display(rank, content)
+            self.shown[(rank, "outputs")] = len(outputs)
 
     # ---------------------------------------------------------------- states
     def running(self) -> list[int]:
@@ -227,8 +228,6 @@ class _CellRun:
 
     def _execute(self, source: str, captured: bool) -> Any:
         self.ar = self.cluster.client[self.targets].execute(source, silent=False, block=False)
-        for rank, child in zip(self.targets, self.ar._children, strict=True):
-            child.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
         self.started = time.monotonic()
         try:
             self._wait_with_ladder()

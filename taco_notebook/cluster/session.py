@@ -116,6 +116,7 @@ class TacoCluster:
         self.broken_reason: str | None = None
         self.needs_reinit = False
         self._started_processes: list[Any] = []
+        self._shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -168,6 +169,7 @@ class TacoCluster:
         self.started_at = time.time()
         self.needs_reinit = False
         self._started_processes = _process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
+        self._shared_memory = _shared_memory_files(self.ranks)
         return self
 
     def _wait_for_engines(self) -> None:
@@ -206,6 +208,10 @@ class TacoCluster:
             cluster.stop_controller_sync()
         finally:
             _kill(tree)  # whatever ignored it (a rank stuck in C code, an orphaned nanny)
+            for path in self._shared_memory:
+                if os.path.exists(path):
+                    os.unlink(path)
+            self._shared_memory = set()
 
     @staticmethod
     def _shutdown_engines(client: Any, cluster: Any, grace: float = 3.0) -> None:
@@ -295,6 +301,20 @@ class TacoCluster:
             name=self.name, cluster_id=self.ipp_cluster.cluster_id if self.ipp_cluster else "",
             state=state, size=self.size, engines_up=up,
             mpi=self.mpi.description if self.mpi else "", ranks=list(self.ranks), started_at=self.started_at)
+
+
+def _shared_memory_files(ranks: list[RankInfo]) -> set[str]:
+    """The /dev/shm files this machine's ranks have mapped (MPI's intra-node segments)."""
+    import psutil
+
+    found: set[str] = set()
+    for rank in ranks:
+        try:
+            maps = psutil.Process(rank.pid).memory_maps(grouped=True)
+        except Exception:  # another host's rank, or already gone
+            continue
+        found.update(m.path for m in maps if m.path.startswith("/dev/shm/"))
+    return found
 
 
 def _alive(process: Any) -> bool:

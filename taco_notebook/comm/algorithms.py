@@ -16,6 +16,7 @@ is the same on every rank.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from . import bootstrap, metrics
 from .compression import Compressor, NoneCompressor, TopKCompressor
 from .config import check_algorithm, compressor_for, settings
+from .shm import NodeSegment, new_tag
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "comm_thread"]
 
@@ -70,6 +72,7 @@ class _Hierarchy:
     cross: Any  # process group of the ranks with this local rank on every node
     local_peers: tuple[int, ...]
     cross_peers: tuple[int, ...]
+    segment: NodeSegment | None  # shared memory for the intra-node steps of CPU tensors
 
 
 _hierarchy: dict[int, _Hierarchy | None] = {}
@@ -82,12 +85,14 @@ def _build_hierarchy() -> _Hierarchy | None:
     sizes = {len(ranks) for ranks in topo.node_ranks}
     if len(sizes) != 1 or topo.num_nodes == 1 or topo.local_size == 1:
         return None
-    mine = None
     locals_ = [dist.new_group(list(ranks)) for ranks in topo.node_ranks]
     crosses = [dist.new_group([ranks[i] for ranks in topo.node_ranks]) for i in range(topo.local_size)]
-    mine = _Hierarchy(locals_[topo.node], crosses[topo.local_rank], topo.node_ranks[topo.node],
-                      tuple(ranks[topo.local_rank] for ranks in topo.node_ranks))
-    return mine
+    local = locals_[topo.node]
+    segment = None
+    if os.environ.get("TACO_SHM", "1") != "0":  # TACO_SHM=0 keeps the intra-node steps on the process group
+        segment = NodeSegment(local, topo.local_rank, topo.local_size, new_tag(local))
+    return _Hierarchy(local, crosses[topo.local_rank], topo.node_ranks[topo.node],
+                      tuple(ranks[topo.local_rank] for ranks in topo.node_ranks), segment)
 
 
 def hierarchy() -> _Hierarchy | None:
@@ -161,15 +166,21 @@ def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: 
                me: int) -> tuple[int, int, dict[int, int]]:
     local_size = len(tiers.local_peers)
     chunk = -(-buf.numel() // local_size)
-    padded = buf if buf.numel() == chunk * local_size else torch.cat(
-        [buf, buf.new_zeros(chunk * local_size - buf.numel())])
     shard = buf.new_empty(chunk)
-    _reduce_scatter(shard, padded, group=tiers.local)
-    raw, wire, cross_sends = _compressed_allreduce(shard, compressor, (key, "2d"), tiers.cross,
-                                                   tiers.cross_peers, me)
-    _all_gather(padded, shard, group=tiers.local)
-    if padded is not buf:
-        buf.copy_(padded[: buf.numel()])
+    if tiers.segment is not None and buf.device.type == "cpu":
+        tiers.segment.reduce_scatter(buf, shard)
+        raw, wire, cross_sends = _compressed_allreduce(shard, compressor, (key, "2d"), tiers.cross,
+                                                       tiers.cross_peers, me)
+        tiers.segment.all_gather(buf, shard)
+    else:
+        padded = buf if buf.numel() == chunk * local_size else torch.cat(
+            [buf, buf.new_zeros(chunk * local_size - buf.numel())])
+        _reduce_scatter(shard, padded, group=tiers.local)
+        raw, wire, cross_sends = _compressed_allreduce(shard, compressor, (key, "2d"), tiers.cross,
+                                                       tiers.cross_peers, me)
+        _all_gather(padded, shard, group=tiers.local)
+        if padded is not buf:
+            buf.copy_(padded[: buf.numel()])
     shard_bytes = chunk * buf.element_size()
     local = _spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
     return raw, wire, _merge(local, cross_sends)

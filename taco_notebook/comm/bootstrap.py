@@ -154,6 +154,9 @@ def shutdown() -> None:
         dist.destroy_process_group()  # every group, the 2D algorithm's subgroups included
     from . import algorithms
 
+    for tiers in algorithms._hierarchy.values():
+        if tiers is not None and tiers.segment is not None:
+            tiers.segment.close()
     algorithms._hierarchy.clear()
     state.store = None
     state.backend = None
