@@ -1,0 +1,67 @@
+"""The 2D allreduce's intra-node segment lives in huge pages when the node has them (root only)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .test_comm import run_mpi
+
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to reserve huge pages and mount hugetlbfs")
+
+SCRIPT = """\
+import torch, taco_notebook.comm as taco
+from taco_notebook.comm import algorithms
+t = torch.full((1_000_003,), float(taco.rank()))
+taco.allreduce(t, algorithm="2d")
+assert torch.equal(t, torch.full_like(t, 6.0)), t[:4]
+print("LOCATION", taco.rank(), algorithms.hierarchy().segment.location, flush=True)
+"""
+
+
+@pytest.fixture
+def hugetlbfs() -> Iterator[str]:
+    """64 huge pages and a hugetlbfs mount, both restored afterwards."""
+    before = NR_HUGEPAGES.read_text().strip()
+    mount = tempfile.mkdtemp(prefix="taco-huge-")
+    try:
+        NR_HUGEPAGES.write_text("64\n")
+        if int(NR_HUGEPAGES.read_text()) < 8:
+            pytest.skip("the kernel granted too few huge pages")
+        result = subprocess.run(["mount", "-t", "hugetlbfs", "none", mount], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount hugetlbfs: {result.stderr.strip()}")
+        yield mount
+    finally:
+        subprocess.run(["umount", mount], capture_output=True)
+        os.rmdir(mount)
+        NR_HUGEPAGES.write_text(before + "\n")
+        assert NR_HUGEPAGES.read_text().strip() == before
+
+
+def test_segment_uses_huge_pages_and_leaves_nothing(mpiexec, hugetlbfs, tmp_path):
+    script = tmp_path / "huge.py"
+    script.write_text(SCRIPT)
+    result = run_mpi(mpiexec, 4, str(script), {"LIGHT_INTRA_SIZE": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    locations = dict(re.findall(r"LOCATION (\d) (\S+)", result.stdout))
+    assert sorted(locations) == ["0", "1", "2", "3"], result.stdout
+    assert set(locations.values()) == {hugetlbfs}
+    assert os.listdir(hugetlbfs) == []  # unlinked once mapped
+
+
+def test_segment_falls_back_to_dev_shm_without_huge_pages(mpiexec, tmp_path):
+    if int(NR_HUGEPAGES.read_text()) > 0:
+        pytest.skip("this machine has huge pages reserved")
+    script = tmp_path / "shm.py"
+    script.write_text(SCRIPT)
+    result = run_mpi(mpiexec, 4, str(script), {"LIGHT_INTRA_SIZE": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert set(re.findall(r"LOCATION \d (\S+)", result.stdout)) == {"/dev/shm"}, result.stdout
