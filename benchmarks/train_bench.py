@@ -1,0 +1,231 @@
+"""Training throughput of a 25M-parameter MLP on 2 emulated nodes x 2 ranks (1 Gbit/s): DDP variants vs taco.
+
+One launch = one ``EmulatedNodes`` + one ``mpiexec``; every variant is measured in that run, one after another::
+
+    .venv/bin/python benchmarks/train_bench.py                    # root: emulated nodes, 1 Gbit/s links
+    .venv/bin/python benchmarks/train_bench.py --no-emulate --steps 5 --warmup 2   # localhost quick check
+
+Model: Linear 2048→4096→4096→10 with ReLUs (25.2M float32 parameters, ~101 MB of gradients a step), SGD with
+momentum, cross-entropy on a synthetic, learnable task (a mixture of 10 Gaussians in 2048 dimensions), batch
+``--batch`` per rank; every variant starts from the same weights (seeded) and sees the same batches (seeded per
+rank). One torch thread per rank (4 ranks share 2 cores).
+
+samples/s = world · batch · steps / time, time measured on rank 0 between barriers around the timed steps (after
+``--warmup`` untimed steps). Final loss = cross-entropy on a fixed evaluation batch after the last step, averaged
+over ranks; "replicas equal" checks that every rank ended with the same weights (not expected for compute-only,
+where each rank trains alone on its own data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import emulated_run as er
+
+DDP_VARIANTS = ["compute-only", "ddp", "ddp+fp16", "ddp+powersgd"]
+TACO_VARIANTS = {"taco-2d": None, "taco-2d+fp16": "fp16", "taco-2d+topk:0.01": "topk:0.01"}
+TACO_MISSING = "taco API not available yet (no taco_notebook.comm.DistributedOptimizer)"
+IN_FEATURES, HIDDEN, CLASSES = 2048, 4096, 10
+CENTROID_SCALE = 0.1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    parser.add_argument("--hidden-layers", type=int, default=1,
+                        help="extra 4096x4096 layers after the first (default 1: 25.2M parameters)")
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD matrix approximation rank")
+    parser.add_argument("--variants", nargs="+", default=None, help="only these variants (names as in the table)")
+    er.add_launch_args(parser, timeout_s=1200)
+    return parser.parse_args(argv)
+
+
+def build_model(hidden_layers: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)  # the same initial weights on every rank and for every variant
+    layers: list[Any] = [torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU()]
+    for _ in range(hidden_layers):
+        layers += [torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(HIDDEN, CLASSES))
+    return torch.nn.Sequential(*layers)
+
+
+def synthetic_batches(count: int, batch: int, seed: int) -> list[tuple[Any, Any]]:
+    """A mixture of 10 Gaussians: x = mu[y] + N(0, 1), class means fixed (the same on every rank).
+
+    Learnable but not trivially: with the defaults the loss falls from ln 10 = 2.30 to ~1.7 over 35 steps,
+    where the quality of the averaged gradient still shows.
+    """
+    import torch
+
+    means = CENTROID_SCALE * torch.randn(CLASSES, IN_FEATURES, generator=torch.Generator().manual_seed(12345))
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        y = torch.randint(0, CLASSES, (batch,), generator=gen)
+        out.append((means[y] + torch.randn(batch, IN_FEATURES, generator=gen), y))
+    return out
+
+
+# ---- rank side ---------------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import taco_notebook.comm as taco
+
+    torch.set_num_threads(1)
+    topo = taco.init()
+    comm = MPI.COMM_WORLD
+    rank, n = topo.rank, topo.size
+    batches = synthetic_batches(args.warmup + args.steps, args.batch, seed=100 + rank)
+    eval_x, eval_y = synthetic_batches(1, 1024, seed=999)[0]
+    taco_ok = hasattr(taco, "DistributedOptimizer")
+    names = DDP_VARIANTS + (list(TACO_VARIANTS) if taco_ok else [])
+    if args.variants:
+        names = [v for v in names if v in args.variants]
+    result: dict[str, Any] = {"world_size": n, "nodes": topo.num_nodes, "node_ranks": topo.node_ranks,
+                              "parameters": sum(p.numel() for p in build_model(args.hidden_layers).parameters()),
+                              "taco_available": taco_ok, "taco_note": None if taco_ok else TACO_MISSING,
+                              "rows": []}
+
+    def make(variant: str) -> tuple[Any, Any, Any]:
+        model = build_model(args.hidden_layers)
+        sgd = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)  # noqa: E731
+        if variant == "compute-only":
+            return model, model, sgd(model.parameters())
+        if variant.startswith("ddp"):
+            if variant == "ddp+powersgd":  # gloo: one bucket, and compress from step 2 (ENVIRONMENT.md)
+                net = DDP(model, bucket_cap_mb=1024)
+                state = powerSGD_hook.PowerSGDState(process_group=None,
+                                                    matrix_approximation_rank=args.powersgd_rank,
+                                                    start_powerSGD_iter=2)
+                net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            else:
+                net = DDP(model)
+                if variant == "ddp+fp16":
+                    net.register_comm_hook(None, default_hooks.fp16_compress_hook)  # type: ignore[arg-type]
+            return model, net, sgd(net.parameters())
+        opt = taco.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),  # type: ignore[operator]
+                                        compression=TACO_VARIANTS[variant], algorithm="2d")
+        return model, model, opt
+
+    for variant in names:
+        row: dict[str, Any] = {"variant": variant}
+        try:
+            model, net, opt = make(variant)
+            losses = []
+            for i, (x, y) in enumerate(batches):
+                if i == args.warmup:
+                    comm.Barrier()
+                    began = time.perf_counter()
+                opt.zero_grad()
+                loss = F.cross_entropy(net(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            comm.Barrier()
+            seconds = time.perf_counter() - began
+            with torch.no_grad():
+                eval_loss = F.cross_entropy(model(eval_x), eval_y).item()
+                checksum = float(sum(p.double().sum().item() for p in model.parameters()))
+            mean_loss = comm.allreduce(eval_loss) / n
+            mean_train = comm.allreduce(losses[-1]) / n
+            sums = comm.allgather(checksum)
+            row.update(seconds=seconds, samples_per_s=n * args.batch * args.steps / seconds,
+                       final_loss=mean_loss, last_train_loss=mean_train, first_train_loss=losses[0],
+                       replicas_equal=max(sums) == min(sums))
+            del model, net, opt
+        except Exception as exc:  # noqa: BLE001 (a variant that raises on every rank is reported, not fatal)
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[rank {rank}] {variant} failed: {row['error']}", file=sys.stderr, flush=True)
+        if rank == 0:
+            result["rows"].append(row)
+            er.write_result(args.worker, result)  # after every variant: a later hang keeps these
+            if "samples_per_s" in row:
+                print(f"{variant}: {row['samples_per_s']:.1f} samples/s, loss {row['final_loss']:.4f} "
+                      f"({row['seconds']:.1f} s)", flush=True)
+        comm.Barrier()
+    if rank == 0:
+        result["complete"] = True
+        er.write_result(args.worker, result)
+    er.shutdown_process_group(taco)
+
+
+# ---- driver ------------------------------------------------------------------------------------------------
+def build_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = [dict(r) for r in result.get("rows", [])]
+    by_name = {r["variant"]: r for r in rows}
+    ddp, alone = by_name.get("ddp", {}), by_name.get("compute-only", {})
+    for r in rows:
+        if "samples_per_s" not in r:
+            continue
+        if ddp.get("samples_per_s"):
+            r["vs_ddp"] = r["samples_per_s"] / ddp["samples_per_s"]
+        if alone.get("samples_per_s"):
+            r["vs_compute_only"] = r["samples_per_s"] / alone["samples_per_s"]
+        if ddp.get("final_loss"):
+            r["loss_diff_vs_ddp_pct"] = 100 * (r["final_loss"] - ddp["final_loss"]) / ddp["final_loss"]
+    if not result.get("taco_available") and result.get("rows") is not None:
+        rows.append({"variant": "taco-2d, taco-2d+fp16, taco-2d+topk:0.01",
+                     "note": result.get("taco_note") or TACO_MISSING})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    header = ["variant", "samples/s", "vs ddp", "vs compute-only", "final loss", "Δ loss vs ddp",
+              "replicas equal", "note"]
+    out = []
+    for r in rows:
+        ok = "samples_per_s" in r
+        out.append([
+            r["variant"],
+            f"{r['samples_per_s']:.1f}" if ok else "",
+            f"{r['vs_ddp']:.2f}×" if "vs_ddp" in r else "",
+            f"{r['vs_compute_only']:.2f}×" if "vs_compute_only" in r else "",
+            f"{r['final_loss']:.4f}" if ok else "",
+            f"{r['loss_diff_vs_ddp_pct']:+.1f}%" if "loss_diff_vs_ddp_pct" in r else "",
+            ("yes" if r["replicas_equal"] else "no") if ok else "",
+            r.get("error") or r.get("note") or ("no sync: each rank trains alone" if r["variant"] ==
+                                                "compute-only" else ""),
+        ])
+    return er.markdown_table(header, out)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        launched = er.launch_or_work(__file__, args, argv, worker)
+    except KeyboardInterrupt as exc:
+        return er.interrupted(exc)
+    if launched is None:
+        return 0
+    result, meta = launched
+    rows = build_rows(result)
+    where = er.describe_setup(args)
+    params = result.get("parameters")
+    print(f"\n### Training, MLP {params / 1e6:.1f}M parameters, batch {args.batch}/rank, {meta['world_size']} ranks "
+          f"({where}); {args.steps} timed steps after {args.warmup}\n" if params else "\n### Training\n")
+    print(table(rows))
+    if meta.get("error") or not result.get("complete"):
+        print(f"\nINCOMPLETE: {meta.get('error', 'rank 0 did not finish')}")
+    path = er.save("train", args, {"meta": meta, "args": {k: v for k, v in vars(args).items()
+                                                        if k not in ("worker", "out")},
+                                   "result": result, "rows": rows})
+    print(f"\nJSON: {path}")
+    return 0 if result.get("complete") and not meta.get("error") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
