@@ -1,0 +1,11 @@
+"""The live training dashboard's pure parts: bokeh plots and the stream that turns metric snapshots into them.
+
+``widgets`` never talks to engines: it renders the ``taco_notebook.comm.metrics.snapshot()`` dicts it is handed.
+"""
+
+from __future__ import annotations
+
+from .plots import DashboardPlots, Plot, build_plots
+from .stream import Interval, MetricsStream, interval_between
+
+__all__ = ["DashboardPlots", "Interval", "MetricsStream", "Plot", "build_plots", "interval_between"]

@@ -1,0 +1,213 @@
+"""Pure bokeh builders for the live training dashboard: data in, bokeh objects out.
+
+Each builder returns a :class:`Plot`: the figure and the ``ColumnDataSource`` objects that ``stream.py`` updates.
+Column names are stable (``time``, ``total``, ``rank_3``, ``src``/``dst``/``bps``/``label``, ...), so whoever feeds
+a source needs no knowledge of the figure. Nothing here does I/O, keeps global state or names a CDN: the dashboard
+loads BokehJS from ``bokeh.resources.INLINE`` so it works on clusters without internet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bokeh.models import ColumnDataSource, DataRange1d, LinearAxis, LinearColorMapper
+from bokeh.models.annotations import ColorBar
+from bokeh.palettes import Category10_10, Greens256, Viridis256
+from bokeh.plotting import figure
+
+__all__ = [
+    "Plot",
+    "DashboardPlots",
+    "build_plots",
+    "throughput_plot",
+    "node_heatmap",
+    "rank_heatmap",
+    "compression_plot",
+    "step_time_plot",
+    "rank_column",
+    "format_bytes",
+    "format_rate",
+]
+
+TOOLS = "pan,wheel_zoom,box_zoom,reset,save,hover"
+MAX_LABELLED_CELLS = 16  # above this many rows a heatmap shows colours only: numbers would overlap
+CELL_COLUMNS = ("src", "dst", "bps", "label")
+STEP_COLUMNS = ("rank", "compute", "wait", "total", "note")
+
+
+@dataclass(frozen=True)
+class Plot:
+    """A figure and the sources that feed it, keyed by role (``"throughput"``, ``"inter"``, ``"intra"``, ...)."""
+
+    figure: figure
+    sources: dict[str, ColumnDataSource]
+
+
+@dataclass(frozen=True)
+class DashboardPlots:
+    """Every plot of the dashboard for one cluster layout."""
+
+    throughput: Plot
+    node_links: Plot
+    rank_links: Plot
+    compression: Plot
+    step_time: Plot
+
+    def all(self) -> tuple[Plot, ...]:
+        """The plots in display order."""
+        return (self.throughput, self.node_links, self.rank_links, self.compression, self.step_time)
+
+
+def rank_column(rank: int) -> str:
+    """The throughput source's column for one rank: ``rank_column(3) == "rank_3"``."""
+    return f"rank_{rank}"
+
+
+def format_bytes(nbytes: float) -> str:
+    """Human-readable decimal bytes: ``format_bytes(2e6) == "2.0 MB"``; NaN (no data) reads ``"-"``."""
+    if math.isnan(nbytes):
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """A bandwidth for labels: ``format_rate(2e6) == "2.0 MB/s"``."""
+    return "-" if math.isnan(bytes_per_s) else f"{format_bytes(bytes_per_s)}/s"
+
+
+def _figure(title: str, **kwargs: Any) -> figure:
+    kwargs.setdefault("height", 260)
+    return figure(title=title, sizing_mode="stretch_width", tools=TOOLS, toolbar_location="right", **kwargs)
+
+
+def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s)") -> Plot:
+    """Samples/s over elapsed time: a thick ``total`` line and one line per rank (click the legend to hide).
+
+    One source ``"throughput"`` with columns ``time``, ``total`` and ``rank_column(r)`` for each rank.
+    """
+    source = ColumnDataSource(data={"time": [], "total": [], **{rank_column(r): [] for r in ranks}})
+    fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="samples/s")
+    fig.line("time", "total", source=source, line_width=3, color="black", legend_label="total", name="total")
+    for i, rank in enumerate(ranks):
+        column = rank_column(rank)
+        color = Category10_10[i % len(Category10_10)]
+        fig.line("time", column, source=source, color=color, legend_label=f"rank {rank}", name=column)
+    fig.legend.click_policy = "hide"
+    fig.legend.location = "top_left"
+    return Plot(fig, {"throughput": source})
+
+
+def _cell_source(cells: Sequence[tuple[str, str]]) -> ColumnDataSource:
+    n = len(cells)
+    return ColumnDataSource(
+        data={"src": [s for s, _ in cells], "dst": [d for _, d in cells], "bps": [0.0] * n, "label": [""] * n}
+    )
+
+
+def _link_heatmap(
+    names: Sequence[str], intra: set[tuple[str, str]], capacity_bps: float | None, title: str, unit: str
+) -> Plot:
+    """A src×dst grid of bytes/s; ``intra`` cells (same node) use a green palette and hatching, the rest viridis.
+
+    Intra-node links (shared memory, NVLink) are far faster than the network, so they get their own colour
+    scale; ``capacity_bps`` (the NIC's bytes/s) pins the inter-node scale's maximum so a saturated link reads
+    as saturated rather than as "the brightest cell".
+    """
+    cells = [(s, d) for s in names for d in names]
+    sources = {
+        "inter": _cell_source([c for c in cells if c not in intra]),
+        "intra": _cell_source([c for c in cells if c in intra]),
+    }
+    fig = _figure(title, x_range=list(names), y_range=list(reversed(names)))
+    fig.xaxis.axis_label, fig.yaxis.axis_label = f"to {unit}", f"from {unit}"
+    fig.grid.grid_line_color = None
+    inter_mapper = LinearColorMapper(palette=Viridis256, low=0, high=capacity_bps, nan_color="#dddddd")
+    intra_mapper = LinearColorMapper(palette=Greens256[::-1], low=0, nan_color="#dddddd")
+    for role, mapper, legend in (("inter", inter_mapper, "inter-node"), ("intra", intra_mapper, "intra-node")):
+        fig.rect(
+            "dst", "src", width=1, height=1, source=sources[role], line_color="white", name=role,
+            fill_color={"field": "bps", "transform": mapper}, legend_label=legend,
+            hatch_pattern="/" if role == "intra" else " ", hatch_alpha=0.3,
+        )  # fmt: skip
+        if len(names) <= MAX_LABELLED_CELLS:
+            fig.text("dst", "src", text="label", source=sources[role], text_align="center", text_baseline="middle",
+                     text_font_size="9pt", color="white" if role == "inter" else "black",
+                     name=f"{role}_label")  # fmt: skip
+    scale = "bytes/s, inter-node"
+    if capacity_bps is not None:
+        scale += f" (max = capacity {format_rate(capacity_bps)})"
+    fig.add_layout(ColorBar(color_mapper=inter_mapper, title=scale, width=8), "right")
+    fig.legend.location = "top_right"
+    return Plot(fig, sources)
+
+
+def node_heatmap(nodes: Sequence[int], *, capacity_bps: float | None = None) -> Plot:
+    """Node→node bytes/s of the last interval; the diagonal is intra-node traffic (sources ``inter``/``intra``)."""
+    names = [str(n) for n in nodes]
+    return _link_heatmap(names, {(n, n) for n in names}, capacity_bps, "Node links (bytes/s, last interval)", "node")
+
+
+def rank_heatmap(node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None) -> Plot:
+    """Rank→rank bytes/s of the last interval; pairs on the same node are the ``intra`` cells."""
+    ranks = sorted(node_of_rank)
+    intra = {(str(a), str(b)) for a in ranks for b in ranks if node_of_rank[a] == node_of_rank[b]}
+    return _link_heatmap([str(r) for r in ranks], intra, capacity_bps, "Rank links (bytes/s, last interval)", "rank")
+
+
+def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
+    """The interval's compression ratio (left axis) and cumulative bytes saved (right axis) over elapsed time.
+
+    One source ``"compression"`` with columns ``time``, ``ratio`` (NaN for an interval without communication)
+    and ``saved_bytes``.
+    """
+    source = ColumnDataSource(data={"time": [], "ratio": [], "saved_bytes": []})
+    fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="compression ratio")
+    ratio = fig.line("time", "ratio", source=source, line_width=2, color="#1f77b4", legend_label="ratio", name="ratio")
+    saved = fig.line("time", "saved_bytes", source=source, y_range_name="saved", color="#ff7f0e", line_dash="dashed",
+                     legend_label="bytes saved", name="saved_bytes")  # fmt: skip
+    fig.y_range = DataRange1d(renderers=[ratio], start=0)
+    fig.extra_y_ranges = {"saved": DataRange1d(renderers=[saved], start=0)}
+    fig.add_layout(LinearAxis(y_range_name="saved", axis_label="bytes saved"), "right")
+    fig.legend.location = "top_left"
+    return Plot(fig, {"compression": source})
+
+
+def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)") -> Plot:
+    """Per-rank stacked bars of a step's compute and communication-wait seconds; the slowest bar is labelled.
+
+    One source ``"step_time"`` with columns ``rank`` (str), ``compute``, ``wait``, ``total`` and ``note``
+    (``"slowest"`` on the straggler, else empty): the straggler has the tallest compute part and the
+    shortest wait, its peers the reverse.
+    """
+    names = [str(r) for r in ranks]
+    n = len(names)
+    source = ColumnDataSource(data={"rank": names, "compute": [0.0] * n, "wait": [0.0] * n, "total": [0.0] * n,
+                                    "note": [""] * n})  # fmt: skip
+    fig = _figure(title, x_range=names, y_range=DataRange1d(start=0), x_axis_label="rank",
+                  y_axis_label="seconds per step")  # fmt: skip
+    fig.vbar_stack(["compute", "wait"], x="rank", width=0.8, source=source, color=["#2ca02c", "#d62728"],
+                   legend_label=["compute", "communication wait"], name="step")  # fmt: skip
+    fig.text("rank", "total", text="note", source=source, text_align="center", text_baseline="bottom",
+             text_font_size="9pt", name="note")  # fmt: skip
+    fig.legend.location = "top_left"
+    return Plot(fig, {"step_time": source})
+
+
+def build_plots(node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None) -> DashboardPlots:
+    """Every dashboard plot for ranks placed on nodes as ``node_of_rank`` says (``{rank: node}``)."""
+    ranks = sorted(node_of_rank)
+    return DashboardPlots(
+        throughput=throughput_plot(ranks),
+        node_links=node_heatmap(sorted(set(node_of_rank.values())), capacity_bps=capacity_bps),
+        rank_links=rank_heatmap(node_of_rank, capacity_bps=capacity_bps),
+        compression=compression_plot(),
+        step_time=step_time_plot(ranks),
+    )

@@ -1,0 +1,268 @@
+"""Turn successive batches of per-rank metric snapshots into interval rates and push them into the plots.
+
+Snapshots (``taco_notebook.comm.metrics.snapshot()``, one dict per rank) hold cumulative counters; the
+dashboard wants rates. :func:`interval_between` differences two batches rank by rank (each rank over its own
+``elapsed_seconds``, so clocks need not agree) and :class:`MetricsStream` keeps the previous batch, detects a new
+run (counters that went backwards: history is dropped) and updates the bokeh sources of
+:class:`~taco_notebook.widgets.plots.DashboardPlots`.
+
+Example::
+
+    stream = MetricsStream.from_snapshots(first_batch, capacity_bps=3.1e9)   # 25 Gbit NIC
+    ...                                                                      # lay out stream.plots
+    stream.push(next_batch)                                                  # every poll
+    print(stream.summary())                                                  # the text fallback
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .plots import Plot, build_plots, format_bytes, format_rate, rank_column
+
+__all__ = ["Interval", "MetricsStream", "interval_between", "is_new_run"]
+
+Snapshot = Mapping[str, Any]
+COUNTERS = ("elapsed_seconds", "samples", "steps", "raw_bytes", "wire_bytes", "wait_seconds")
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Rates between two snapshot batches, for the ranks that reported in both with time between them."""
+
+    time: float  # elapsed seconds of the run at the interval's end (the latest rank's clock)
+    node_of_rank: dict[int, int]
+    samples_per_s: dict[int, float]
+    rank_bps: dict[tuple[int, int], float]  # (src rank, dst rank) -> bytes/s
+    node_bps: dict[tuple[int, int], float]  # (src node, dst node) -> bytes/s; (n, n) is intra-node
+    raw_bytes: int  # this interval, all ranks
+    wire_bytes: int
+    bytes_saved: int  # since the run started, all ranks
+    compute_seconds: dict[int, float]  # per step, averaged over the interval
+    wait_seconds: dict[int, float]
+
+    @property
+    def total_samples_per_s(self) -> float:
+        """Samples/s of every reporting rank together."""
+        return sum(self.samples_per_s.values())
+
+    @property
+    def compression_ratio(self) -> float:
+        """Raw over wire bytes of this interval; NaN when nothing was communicated."""
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else NAN
+
+    @property
+    def step_seconds(self) -> dict[int, float]:
+        """Per-rank seconds per step (compute + wait)."""
+        return {r: self.compute_seconds[r] + self.wait_seconds[r] for r in self.compute_seconds}
+
+
+def is_new_run(previous: Snapshot, current: Snapshot) -> bool:
+    """True when a cumulative counter went backwards: ``metrics.reset()`` or a new run started in between."""
+    return any(current.get(k, 0) < previous.get(k, 0) for k in COUNTERS)
+
+
+def _int_keys(mapping: Mapping[Any, int] | None) -> dict[int, int]:
+    """Peer -> bytes with int keys (a JSON round trip turns them into strings)."""
+    return {int(k): int(v) for k, v in (mapping or {}).items()}
+
+
+def _step_split(prev: Snapshot, cur: Snapshot, dt: float) -> tuple[float, float]:
+    """(compute, wait) seconds per step over the interval; the last step's split when no step closed in it."""
+    steps = cur.get("steps", 0) - prev.get("steps", 0)
+    if steps > 0:
+        wait = (cur.get("wait_seconds", 0.0) - prev.get("wait_seconds", 0.0)) / steps
+        return max(dt / steps - wait, 0.0), wait
+    last = cur.get("last_step") or {}
+    return float(last.get("compute_seconds", 0.0)), float(last.get("wait_seconds", 0.0))
+
+
+def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Snapshot]) -> Interval | None:
+    """Rates from ``previous`` to ``current`` (both ``{rank: snapshot}``); None when no rank has an interval.
+
+    A rank missing from either batch, or whose clock did not advance, is left out rather than reported as 0.
+    """
+    node_of_rank = {r: int(s["node"]) for r, s in current.items() if s.get("node") is not None}
+    samples: dict[int, float] = {}
+    rank_bps: defaultdict[tuple[int, int], float] = defaultdict(float)
+    node_bps: defaultdict[tuple[int, int], float] = defaultdict(float)
+    compute: dict[int, float] = {}
+    wait: dict[int, float] = {}
+    raw = wire = 0
+    for rank, cur in current.items():
+        prev = previous.get(rank)
+        dt = cur["elapsed_seconds"] - prev["elapsed_seconds"] if prev is not None else 0.0
+        if prev is None or dt <= 0:
+            continue
+        samples[rank] = (cur.get("samples", 0) - prev.get("samples", 0)) / dt
+        before = _int_keys(prev.get("sent_by_rank"))
+        for peer, nbytes in _int_keys(cur.get("sent_by_rank")).items():
+            rank_bps[rank, peer] += (nbytes - before.get(peer, 0)) / dt
+        before = _int_keys(prev.get("sent_by_node"))
+        for node, nbytes in _int_keys(cur.get("sent_by_node")).items():
+            node_bps[node_of_rank[rank], node] += (nbytes - before.get(node, 0)) / dt
+        raw += cur.get("raw_bytes", 0) - prev.get("raw_bytes", 0)
+        wire += cur.get("wire_bytes", 0) - prev.get("wire_bytes", 0)
+        compute[rank], wait[rank] = _step_split(prev, cur, dt)
+    if not samples:
+        return None
+    return Interval(
+        time=max(s["elapsed_seconds"] for s in current.values()),
+        node_of_rank=node_of_rank,
+        samples_per_s=samples,
+        rank_bps=dict(rank_bps),
+        node_bps=dict(node_bps),
+        raw_bytes=raw,
+        wire_bytes=wire,
+        bytes_saved=sum(s.get("raw_bytes", 0) - s.get("wire_bytes", 0) for s in current.values()),
+        compute_seconds=compute,
+        wait_seconds=wait,
+    )
+
+
+def _fill_heatmap(plot: Plot, bps: Mapping[tuple[int, int], float], reported: set[int] | None) -> None:
+    """Set every cell of a link heatmap: the interval's bytes/s, 0 for a silent link, NaN for a silent source."""
+    for source in plot.sources.values():
+        values = [
+            NAN if reported is not None and int(src) not in reported else bps.get((int(src), int(dst)), 0.0)
+            for src, dst in zip(source.data["src"], source.data["dst"], strict=True)
+        ]
+        labels = ["" if reported is None else format_rate(v) for v in values]
+        source.data.update(bps=values, label=labels)
+
+
+class MetricsStream:
+    """Feeds metric snapshot batches into a :class:`DashboardPlots`; keeps only what rates need.
+
+    ``rollover`` caps the points kept by the time-series sources, so a long run's dashboard stays cheap.
+    """
+
+    def __init__(self, node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None, rollover: int = 600):
+        if rollover < 1:
+            raise ValueError(f"rollover must be a positive number of points, got {rollover!r}")
+        self.node_of_rank = dict(node_of_rank)
+        self.capacity_bps = capacity_bps
+        self.rollover = rollover
+        self.plots = build_plots(self.node_of_rank, capacity_bps=capacity_bps)
+        self.latest: dict[int, Snapshot] = {}
+        self.last_interval: Interval | None = None
+        self.new_runs = 0  # how many times counters went backwards and history was dropped
+
+    @classmethod
+    def from_snapshots(cls, snapshots: Iterable[Snapshot], **kwargs: Any) -> MetricsStream:
+        """A stream laid out for the ranks and nodes of a first batch, which it then pushes."""
+        batch = list(snapshots)
+        stream = cls({int(s["rank"]): int(s["node"]) for s in batch if s.get("rank") is not None}, **kwargs)
+        stream.push(batch)
+        return stream
+
+    def push(self, snapshots: Iterable[Snapshot]) -> Interval | None:
+        """Add one batch (one snapshot per reporting rank); returns the interval it closed, if any."""
+        current = {int(s["rank"]): s for s in snapshots if s.get("rank") is not None}
+        if any(is_new_run(self.latest[r], s) for r, s in current.items() if r in self.latest):
+            self.clear()
+            self.new_runs += 1
+        interval = interval_between(self.latest, current)
+        self.latest.update(current)
+        if interval is not None:
+            self.last_interval = interval
+            self._render(interval)
+        return interval
+
+    def clear(self) -> None:
+        """Drop all history: empty the time series, blank the heatmaps and bars."""
+        self.latest.clear()
+        self.last_interval = None
+        for plot in (self.plots.throughput, self.plots.compression):
+            for source in plot.sources.values():
+                source.data = {name: [] for name in source.data}
+        for plot in (self.plots.node_links, self.plots.rank_links):
+            _fill_heatmap(plot, {}, None)
+        bars = self.plots.step_time.sources["step_time"]
+        n = len(bars.data["rank"])
+        bars.data.update(compute=[0.0] * n, wait=[0.0] * n, total=[0.0] * n, note=[""] * n)
+
+    def _render(self, interval: Interval) -> None:
+        point: dict[str, Any] = {"time": [interval.time], "total": [interval.total_samples_per_s]}
+        for rank in self.node_of_rank:
+            point[rank_column(rank)] = [interval.samples_per_s.get(rank, NAN)]
+        self.plots.throughput.sources["throughput"].stream(point, rollover=self.rollover)
+        self.plots.compression.sources["compression"].stream(
+            {"time": [interval.time], "ratio": [interval.compression_ratio], "saved_bytes": [interval.bytes_saved]},
+            rollover=self.rollover,
+        )
+        reported = set(interval.samples_per_s)
+        _fill_heatmap(self.plots.rank_links, interval.rank_bps, reported)
+        reported_nodes = {interval.node_of_rank.get(r, self.node_of_rank.get(r, -1)) for r in reported}
+        _fill_heatmap(self.plots.node_links, interval.node_bps, reported_nodes)
+        self._render_steps(interval)
+
+    def _render_steps(self, interval: Interval) -> None:
+        """Update the bars of ranks that reported; the others keep their last values.
+
+        In synchronous training every rank's step takes the same wall time, so the straggler is the rank with
+        the most compute (its peers wait for it), and that is the bar labelled "slowest".
+        """
+        bars = self.plots.step_time.sources["step_time"]
+        data = {name: list(bars.data[name]) for name in ("compute", "wait", "total")}
+        for i, name in enumerate(bars.data["rank"]):
+            rank = int(name)
+            if rank in interval.compute_seconds:
+                data["compute"][i] = interval.compute_seconds[rank]
+                data["wait"][i] = interval.wait_seconds[rank]
+                data["total"][i] = data["compute"][i] + data["wait"][i]
+        slowest = max(range(len(data["compute"])), key=data["compute"].__getitem__, default=None)
+        note = ["slowest" if i == slowest and data["compute"][i] > 0 else "" for i in range(len(data["compute"]))]
+        bars.data.update(note=note, **data)
+
+    def summary(self) -> str:
+        """A few lines for a notebook without widgets: throughput, bytes per node link, compression, straggler."""
+        if not self.latest:
+            return "taco metrics: no snapshot yet"
+        snaps = self.latest.values()
+        elapsed = max(s["elapsed_seconds"] for s in snaps)
+        nodes = {s.get("node") for s in snaps}
+        rate = sum(s.get("samples", 0) / s["elapsed_seconds"] for s in snaps if s["elapsed_seconds"] > 0)
+        lines = [
+            f"taco metrics: {len(self.latest)} ranks on {len(nodes)} nodes, {elapsed:.1f} s, "
+            f"{max(s.get('steps', 0) for s in snaps)} steps",
+            f"throughput: {rate:,.1f} samples/s total",
+            "links: " + (", ".join(self._link_totals()) or "no traffic"),
+            self._compression_line(),
+        ]
+        if self.last_interval is not None and self.last_interval.step_seconds:
+            last = self.last_interval
+            steps = last.step_seconds
+            rank = max(last.compute_seconds, key=last.compute_seconds.__getitem__)  # the one the others wait for
+            lines.append(
+                f"slowest rank: {rank} ({steps[rank]:.3f} s/step: compute {last.compute_seconds[rank]:.3f} s,"
+                f" wait {last.wait_seconds[rank]:.3f} s; median {statistics.median(steps.values()):.3f} s)"
+            )
+        return "\n".join(lines)
+
+    def _link_totals(self) -> list[str]:
+        """``node 0->1 1.0 MB (2.0 MB/s)`` for every node link, bytes since the run started."""
+        totals: defaultdict[tuple[int, int], int] = defaultdict(int)
+        seconds: defaultdict[tuple[int, int], float] = defaultdict(float)
+        for snap in self.latest.values():
+            src = int(snap["node"])
+            for dst, nbytes in _int_keys(snap.get("sent_by_node")).items():
+                totals[src, dst] += nbytes
+                seconds[src, dst] = max(seconds[src, dst], snap["elapsed_seconds"])
+        return [
+            f"node {s}->{d}{' (intra)' if s == d else ''} {format_bytes(n)}"
+            f" ({format_rate(n / seconds[s, d]) if seconds[s, d] > 0 else '-'})"
+            for (s, d), n in sorted(totals.items())
+        ]
+
+    def _compression_line(self) -> str:
+        raw = sum(s.get("raw_bytes", 0) for s in self.latest.values())
+        wire = sum(s.get("wire_bytes", 0) for s in self.latest.values())
+        ratio = raw / wire if wire else math.nan
+        return f"compression: {ratio:.2f}x, {format_bytes(raw - wire)} saved ({format_bytes(wire)} on the wire)"

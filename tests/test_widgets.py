@@ -1,0 +1,250 @@
+"""The dashboard's pure parts: real bokeh figures fed with hand-made snapshots of 4 ranks on 2 nodes.
+
+Counters grow linearly in time (``counter = rate * elapsed``), so every interval's expected rate is the rate
+written here: rank 0 sends rank 2 (the other node) 2 MB/s, i.e. 1,000,000 bytes per 0.5 s interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from bokeh.core.validation import check_integrity
+from bokeh.embed import json_item
+from bokeh.models import GlyphRenderer
+
+from taco_notebook.widgets import MetricsStream, build_plots, interval_between
+from taco_notebook.widgets.plots import format_bytes, format_rate, rank_column
+from taco_notebook.widgets.stream import is_new_run
+
+NODE_OF_RANK = {0: 0, 1: 0, 2: 1, 3: 1}
+LINK_BPS = {(0, 1): 1e5, (0, 2): 2e6, (1, 0): 1e5, (1, 3): 5e5, (2, 3): 4e5, (3, 2): 4e5, (2, 0): 3e5}
+SAMPLES_PER_S = 128.0  # every rank
+STEPS_PER_S = 4.0  # 0.25 s steps
+WAIT_PER_STEP = {0: 0.05, 1: 0.05, 2: 0.05, 3: 0.0}  # rank 3 is the straggler: nobody waits less than it
+RAW_BPS, WIRE_BPS = 8e6, 2e6  # per rank: ratio 4
+CAPACITY = 3.125e9  # a 25 Gbit/s NIC
+
+
+def snapshot(rank: int, elapsed: float) -> dict[str, Any]:
+    """What ``metrics.snapshot()`` would return on ``rank`` after ``elapsed`` seconds of the run above."""
+    sent = {dst: int(bps * elapsed) for (src, dst), bps in LINK_BPS.items() if src == rank}
+    by_node: defaultdict[int, int] = defaultdict(int)
+    for peer, nbytes in sent.items():
+        by_node[NODE_OF_RANK[peer]] += nbytes
+    steps = int(STEPS_PER_S * elapsed)
+    raw, wire = int(RAW_BPS * elapsed), int(WIRE_BPS * elapsed)
+    return {
+        "rank": rank,
+        "node": NODE_OF_RANK[rank],
+        "steps": steps,
+        "elapsed_seconds": elapsed,
+        "collectives": steps,
+        "comm_seconds": 0.1 * elapsed,
+        "wait_seconds": WAIT_PER_STEP[rank] * steps,
+        "samples": int(SAMPLES_PER_S * elapsed),
+        "samples_per_s": SAMPLES_PER_S,
+        "raw_bytes": raw,
+        "wire_bytes": wire,
+        "compression_ratio": raw / wire,
+        "bytes_saved": raw - wire,
+        "sent_by_rank": sent,
+        "sent_by_node": dict(by_node),
+        "last_step": {"seconds": 0.25, "compute_seconds": 0.25 - WAIT_PER_STEP[rank], "wait_seconds": 0.05},
+    }
+
+
+def batch(elapsed: float, ranks: tuple[int, ...] = (0, 1, 2, 3)) -> list[dict[str, Any]]:
+    return [snapshot(r, elapsed) for r in ranks]
+
+
+def cell(plot: Any, src: int, dst: int) -> float:
+    """The bytes/s a link heatmap shows for src -> dst, whichever of its sources holds the cell."""
+    for source in plot.sources.values():
+        for s, d, bps in zip(source.data["src"], source.data["dst"], source.data["bps"], strict=True):
+            if (s, d) == (str(src), str(dst)):
+                return float(bps)
+    raise KeyError((src, dst))
+
+
+def renderer_names(fig: Any) -> set[str]:
+    return {r.name for r in fig.renderers if isinstance(r, GlyphRenderer)}
+
+
+@pytest.fixture
+def stream() -> MetricsStream:
+    return MetricsStream(NODE_OF_RANK, capacity_bps=CAPACITY, rollover=3)
+
+
+def test_builders_return_figures_with_their_renderers_and_sources() -> None:
+    plots = build_plots(NODE_OF_RANK, capacity_bps=CAPACITY)
+
+    throughput = plots.throughput
+    assert renderer_names(throughput.figure) == {"total", "rank_0", "rank_1", "rank_2", "rank_3"}
+    assert set(throughput.sources["throughput"].data) == {"time", "total", "rank_0", "rank_1", "rank_2", "rank_3"}
+
+    nodes = plots.node_links.sources
+    assert list(zip(nodes["inter"].data["src"], nodes["inter"].data["dst"], strict=True)) == [("0", "1"), ("1", "0")]
+    assert list(zip(nodes["intra"].data["src"], nodes["intra"].data["dst"], strict=True)) == [("0", "0"), ("1", "1")]
+    ranks = plots.rank_links.sources
+    assert len(ranks["inter"].data["bps"]) == 8 and len(ranks["intra"].data["bps"]) == 8
+    assert ("0", "1") in zip(ranks["intra"].data["src"], ranks["intra"].data["dst"], strict=True)
+    assert {"inter", "intra", "inter_label", "intra_label"} <= renderer_names(plots.rank_links.figure)
+    colour_bar = plots.node_links.figure.right[0]
+    assert colour_bar.color_mapper.high == CAPACITY and "capacity 3.1 GB/s" in colour_bar.title
+
+    compression = plots.compression
+    assert {"ratio", "saved_bytes"} <= renderer_names(compression.figure)
+    saved = next(r for r in compression.figure.renderers if r.name == "saved_bytes")
+    assert saved.y_range_name == "saved" and "saved" in compression.figure.extra_y_ranges
+
+    steps = plots.step_time
+    assert steps.sources["step_time"].data["rank"] == ["0", "1", "2", "3"]
+    stacked = [r for r in steps.figure.renderers if r.glyph.__class__.__name__ == "VBar"]
+    assert len(stacked) == 2  # compute and communication wait
+
+
+def test_heatmap_without_capacity_autoscales_and_says_nothing_of_capacity() -> None:
+    plots = build_plots(NODE_OF_RANK)
+    colour_bar = plots.rank_links.figure.right[0]
+    assert colour_bar.color_mapper.high is None and "capacity" not in colour_bar.title
+
+
+def test_first_batch_has_no_interval_and_pushes_nothing(stream: MetricsStream) -> None:
+    assert stream.push(batch(1.0)) is None
+    assert stream.plots.throughput.sources["throughput"].data["time"] == []
+    assert cell(stream.plots.node_links, 0, 1) == 0.0
+    assert "4 ranks on 2 nodes" in stream.summary()
+
+
+def test_two_batches_give_the_interval_rates(stream: MetricsStream) -> None:
+    stream.push(batch(1.0))
+    interval = stream.push(batch(1.5))
+    assert interval is not None
+
+    throughput = stream.plots.throughput.sources["throughput"].data
+    assert throughput["time"] == [1.5]
+    assert throughput["total"] == [pytest.approx(4 * SAMPLES_PER_S)]
+    assert throughput[rank_column(2)] == [pytest.approx(SAMPLES_PER_S)]
+
+    # 1,000,000 bytes from rank 0 to rank 2 over 0.5 s; rank 1 -> rank 3 adds 0.5 MB/s to the same node link
+    assert cell(stream.plots.rank_links, 0, 2) == pytest.approx(2e6)
+    assert cell(stream.plots.node_links, 0, 1) == pytest.approx(2.5e6)
+    assert cell(stream.plots.node_links, 1, 1) == pytest.approx(8e5)  # intra-node, 2<->3
+    assert cell(stream.plots.node_links, 1, 0) == pytest.approx(3e5)
+    assert cell(stream.plots.rank_links, 3, 0) == 0.0  # a silent link, not missing data
+    inter = stream.plots.rank_links.sources["inter"].data
+    labels = {(s, d): label for s, d, label in zip(inter["src"], inter["dst"], inter["label"], strict=True)}
+    assert labels["0", "2"] == "2.0 MB/s" and labels["3", "0"] == "0 B/s"
+
+    compression = stream.plots.compression.sources["compression"].data
+    assert compression["ratio"] == [pytest.approx(4.0)]
+    assert compression["saved_bytes"] == [4 * (12_000_000 - 3_000_000)]
+
+    bars = stream.plots.step_time.sources["step_time"].data
+    assert bars["compute"] == pytest.approx([0.20, 0.20, 0.20, 0.25])
+    assert bars["wait"] == pytest.approx([0.05, 0.05, 0.05, 0.0])
+    assert bars["note"] == ["", "", "", "slowest"]
+
+
+def test_rollover_keeps_only_the_latest_points(stream: MetricsStream) -> None:
+    for elapsed in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5):
+        stream.push(batch(elapsed))
+    assert stream.plots.throughput.sources["throughput"].data["time"] == [2.5, 3.0, 3.5]
+    assert stream.plots.compression.sources["compression"].data["time"] == [2.5, 3.0, 3.5]
+
+
+def test_a_rank_missing_from_a_batch_is_no_data_not_zero(stream: MetricsStream) -> None:
+    stream.push(batch(1.0))
+    stream.push(batch(1.5))
+    interval = stream.push(batch(2.0, ranks=(0, 2, 3)))
+    assert interval is not None and set(interval.samples_per_s) == {0, 2, 3}
+
+    throughput = stream.plots.throughput.sources["throughput"].data
+    assert math.isnan(throughput[rank_column(1)][-1])
+    assert throughput["total"][-1] == pytest.approx(3 * SAMPLES_PER_S)
+    assert math.isnan(cell(stream.plots.rank_links, 1, 3))
+    assert cell(stream.plots.node_links, 0, 1) == pytest.approx(2e6)  # rank 0 reported; rank 1 did not
+    assert stream.plots.step_time.sources["step_time"].data["compute"][1] == pytest.approx(0.2)  # kept
+
+    # rank 1 comes back: its interval spans the 1.0 s since its last snapshot, and the rate is still right
+    stream.push(batch(2.5))
+    assert throughput[rank_column(1)][-1] == pytest.approx(SAMPLES_PER_S)
+    assert cell(stream.plots.rank_links, 1, 3) == pytest.approx(5e5)
+
+
+def test_counters_going_backwards_start_a_new_run(stream: MetricsStream) -> None:
+    for elapsed in (1.0, 1.5, 2.0):
+        stream.push(batch(elapsed))
+    assert is_new_run(snapshot(0, 2.0), snapshot(0, 0.5))
+
+    assert stream.push(batch(0.5)) is None  # the new run's first snapshot
+    assert stream.new_runs == 1
+    assert stream.plots.throughput.sources["throughput"].data == {
+        "time": [], "total": [], "rank_0": [], "rank_1": [], "rank_2": [], "rank_3": []
+    }  # fmt: skip
+    assert stream.plots.compression.sources["compression"].data["ratio"] == []
+    assert cell(stream.plots.node_links, 0, 1) == 0.0
+    assert stream.plots.step_time.sources["step_time"].data["note"] == ["", "", "", ""]
+
+    stream.push(batch(1.0))
+    assert stream.plots.throughput.sources["throughput"].data["time"] == [1.0]
+    assert cell(stream.plots.rank_links, 0, 2) == pytest.approx(2e6)
+
+
+def test_a_zero_interval_pushes_nothing(stream: MetricsStream) -> None:
+    stream.push(batch(1.0))
+    stream.push(batch(1.5))
+    assert stream.push(batch(1.5)) is None
+    assert stream.plots.throughput.sources["throughput"].data["time"] == [1.5]
+    assert stream.new_runs == 0
+
+
+def test_interval_without_traffic_has_nan_ratio_and_string_keys_are_read() -> None:
+    before, after = snapshot(0, 1.0), snapshot(0, 2.0)
+    after = json.loads(json.dumps(after))  # as if it crossed a JSON boundary: peer keys become strings
+    after["raw_bytes"], after["wire_bytes"] = before["raw_bytes"], before["wire_bytes"]
+    interval = interval_between({0: before}, {0: after})
+    assert interval is not None
+    assert math.isnan(interval.compression_ratio)
+    assert interval.rank_bps[0, 2] == pytest.approx(2e6)
+    assert interval.node_bps[0, 1] == pytest.approx(2e6)
+
+
+def test_figures_serialise_for_bokehjs_without_a_cdn(stream: MetricsStream) -> None:
+    stream.push(batch(1.0))
+    stream.push(batch(1.5))
+    stream.push(batch(2.0, ranks=(0, 2, 3)))  # NaNs in the sources must serialise too
+    for plot in stream.plots.all():
+        item = json_item(plot.figure)
+        text = json.dumps(item)
+        assert item["doc"]["roots"] and "cdn.bokeh.org" not in text
+        issues = check_integrity([plot.figure])  # e.g. a glyph on a y range the figure lacks
+        assert not issues.error and not issues.warning, issues
+
+
+def test_summary_has_the_key_figures(stream: MetricsStream) -> None:
+    assert stream.summary() == "taco metrics: no snapshot yet"
+    stream.push(batch(1.0))
+    stream.push(batch(2.0))
+    text = stream.summary()
+    assert "512.0 samples/s total" in text
+    assert "node 0->1 5.0 MB (2.5 MB/s)" in text and "node 1->1 (intra) 1.6 MB" in text
+    assert "compression: 4.00x, 48.0 MB saved"  # 4 ranks x (16 - 4) MB in text
+    assert "slowest rank: 3" in text
+
+
+def test_from_snapshots_lays_out_the_ranks_it_sees() -> None:
+    stream = MetricsStream.from_snapshots(batch(1.0, ranks=(0, 1)))
+    assert stream.plots.step_time.sources["step_time"].data["rank"] == ["0", "1"]
+    assert stream.latest.keys() == {0, 1}
+    with pytest.raises(ValueError, match="rollover must be a positive number"):
+        MetricsStream(NODE_OF_RANK, rollover=0)
+
+
+def test_formatting() -> None:
+    assert format_bytes(2e6) == "2.0 MB" and format_bytes(512) == "512 B" and format_bytes(float("nan")) == "-"
+    assert format_rate(3.125e9) == "3.1 GB/s"
