@@ -11,7 +11,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from taco_notebook.cluster.session import clusters
-from taco_notebook.errors import CellTimeoutError, RankDiedError, RankFailedError
+from taco_notebook.errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 
 from .conftest import session_processes
 
@@ -237,6 +237,19 @@ def test_bad_input_is_a_usage_error_and_starts_nothing(ip, line, message):
     assert message in str(info.value)
     assert set(clusters) == names
     assert set(session_processes()) <= before
+
+
+def test_engines_that_fail_to_start_stop_everything_and_say_why(ip, tmp_path):
+    broken = tmp_path / "mpiexec"
+    broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'HYDRA build details:'; exit 0; fi\n"
+                      "echo 'cannot place ranks: no slots on host n7' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    before = set(session_processes())
+    expected = r"(?s)failed to start: the engines' mpiexec exited.*no slots on host n7"
+    with pytest.raises(ClusterStartError, match=expected):
+        ip.run_cell_magic("taco_run", f"-np 2 --cluster broken --mpiexec {broken}", "pass")
+    assert "broken" not in clusters
+    assert set(session_processes()) <= before  # the controller it started is gone too
 
 
 def test_no_mpiexec_on_path_says_how_to_install(ip, monkeypatch, tmp_path):
