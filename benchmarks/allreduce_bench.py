@@ -183,27 +183,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     return er.markdown_table(header, out)
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    try:
-        launched = er.launch_or_work(__file__, args, argv, worker)
-    except KeyboardInterrupt as exc:
-        return er.interrupted(exc)
-    if launched is None:
-        return 0
-    result, meta = launched
+def report(args: argparse.Namespace, result: dict[str, Any], meta: dict[str, Any]) -> tuple[str, Any, str]:
     rows = build_rows(result, meta)
-    where = er.describe_setup(args)
-    print(f"\n### Allreduce, float32 sum, {meta['world_size']} ranks ({where}); median of {args.iters}\n")
-    print(table(rows))
-    if meta.get("error") or not result.get("complete"):
-        print(f"\nINCOMPLETE: {meta.get('error', 'rank 0 did not finish')}")
-    path = er.save("allreduce", args, {"meta": meta, "args": {k: v for k, v in vars(args).items()
-                                                            if k not in ("worker", "out")},
-                                       "result": result, "rows": rows})
-    print(f"\nJSON: {path}")
-    return 0 if result.get("complete") and not meta.get("error") else 1
+    caption = (f"Allreduce, float32 sum, {meta['world_size']} ranks ({er.describe_setup(args)}); "
+               f"median of {args.iters}")
+    return caption, rows, table(rows)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(er.main("allreduce", __file__, sys.argv[1:], parse_args, worker, report))

@@ -179,13 +179,27 @@ def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[
     return result, meta
 
 
-def launch_or_work(script: str, args: argparse.Namespace, argv: Sequence[str],
-                   worker: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The shared ``main()`` prologue: run the rank body (``--worker``) or launch the ranks; None when done."""
+def main(name: str, script: str, argv: Sequence[str], parse_args: Any, worker: Any,
+         report: Any) -> int:
+    """The benchmarks' shared driver: rank body (``--worker``) or launch, then a caption and table from
+    ``report(args, result, meta) -> (caption, rows, table)``, the INCOMPLETE line and the JSON file."""
+    args = parse_args(list(argv))
     if args.worker:
         worker(args)
-        return None
-    return launch(script, args, argv)
+        return 0
+    try:
+        result, meta = launch(script, args, argv)
+    except KeyboardInterrupt as exc:
+        return interrupted(exc)
+    caption, rows, table = report(args, result, meta)
+    print(f"\n### {caption}\n")
+    print(table)
+    if meta.get("error") or not result.get("complete"):
+        print(f"\nINCOMPLETE: {meta.get('error', 'rank 0 did not finish')}")
+    kept = {k: v for k, v in vars(args).items() if k not in ("worker", "out")}
+    path = save(name, args, {"meta": meta, "args": kept, "result": result, "rows": rows})
+    print(f"\nJSON: {path}")
+    return 0 if result.get("complete") and not meta.get("error") else 1
 
 
 def describe_setup(args: argparse.Namespace) -> str:

@@ -203,29 +203,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     return er.markdown_table(header, out)
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    try:
-        launched = er.launch_or_work(__file__, args, argv, worker)
-    except KeyboardInterrupt as exc:
-        return er.interrupted(exc)
-    if launched is None:
-        return 0
-    result, meta = launched
+def report(args: argparse.Namespace, result: dict[str, Any], meta: dict[str, Any]) -> tuple[str, Any, str]:
     rows = build_rows(result)
-    where = er.describe_setup(args)
     params = result.get("parameters")
-    print(f"\n### Training, MLP {params / 1e6:.1f}M parameters, batch {args.batch}/rank, {meta['world_size']} ranks "
-          f"({where}); {args.steps} timed steps after {args.warmup}\n" if params else "\n### Training\n")
-    print(table(rows))
-    if meta.get("error") or not result.get("complete"):
-        print(f"\nINCOMPLETE: {meta.get('error', 'rank 0 did not finish')}")
-    path = er.save("train", args, {"meta": meta, "args": {k: v for k, v in vars(args).items()
-                                                        if k not in ("worker", "out")},
-                                   "result": result, "rows": rows})
-    print(f"\nJSON: {path}")
-    return 0 if result.get("complete") and not meta.get("error") else 1
+    caption = (f"Training, MLP {params / 1e6:.1f}M parameters, batch {args.batch}/rank, {meta['world_size']} ranks "
+               f"({er.describe_setup(args)}); {args.steps} timed steps after {args.warmup}" if params else "Training")
+    return caption, rows, table(rows)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(er.main("train", __file__, sys.argv[1:], parse_args, worker, report))
