@@ -155,7 +155,9 @@ def _compressed_allreduce(shard: torch.Tensor, compressor: Compressor, key: Hash
         return (g - 1) * raw, (g - 1) * wire, _spread(peers, me, wire)
     assert isinstance(payload, torch.Tensor)
     dist.all_reduce(payload, group=group)
-    shard.copy_(compressor.decompress(payload, ctx).view_as(shard))
+    reduced = compressor.decompress(payload, ctx)
+    if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
+        shard.copy_(reduced.view_as(shard))
     wire = payload.numel() * payload.element_size()
     sends = _ring_sends(peers, me, wire)
     factor = sum(sends.values()) / wire if wire else 0.0
