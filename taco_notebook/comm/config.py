@@ -60,7 +60,8 @@ def _from_env() -> Settings:
 
 
 _current: Settings | None = None
-_compressors: dict[str, Compressor] = {}
+_compressors: dict[str, Compressor] = {}  # canonical name -> the one instance
+_by_spec: dict[str, Compressor] = {}  # any spelling seen ("TopK:0.01 ", "topk:0.01") -> that instance
 
 
 def settings() -> Settings:
@@ -88,8 +89,13 @@ def configure(algorithm: str | None = None, compression: str | None = None, fusi
 
 
 def compressor_for(spec: str | None) -> Compressor:
-    """The compressor for ``spec`` (None = the default), one instance per spec so TopK residuals persist."""
-    name = parse_compression(spec).name if spec is not None else settings().compression
-    if name not in _compressors:
-        _compressors[name] = parse_compression(name)
-    return _compressors[name]
+    """The compressor for ``spec`` (None = the default), one instance per canonical spec so TopK residuals
+    persist. Called for every allreduce: a spec is parsed once, then looked up."""
+    key = settings().compression if spec is None else spec
+    found = _by_spec.get(key)
+    if found is None:
+        name = parse_compression(key).name
+        if name not in _compressors:
+            _compressors[name] = parse_compression(name)
+        found = _by_spec[key] = _compressors[name]
+    return found

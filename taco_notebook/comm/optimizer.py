@@ -76,6 +76,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                    int(mb * 1024 * 1024))
         self._bucket_of = bucket_of(self.buckets)
         self._passes: dict[Any, int] = {}
+        self._waiting = [len(b.params) for b in self.buckets]  # per bucket: gradients still to come
         self._ready: set[int] = set()
         self._launched: dict[int, Future[torch.Tensor]] = {}
         self._synchronized = False
@@ -120,7 +121,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if passes < self.backward_passes_per_step:
             return
         bucket = self._bucket_of[param]
-        if all(self._passes.get(p, 0) == self.backward_passes_per_step for p in bucket.params):
+        self._waiting[bucket.index] -= 1
+        if self._waiting[bucket.index] == 0:
             self._ready.add(bucket.index)
             self._launch_in_order()
 
@@ -147,6 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launched.clear()
             self._ready.clear()
             self._passes.clear()
+            self._waiting = [len(b.params) for b in self.buckets]
         self._synchronized = True
 
     @contextmanager
