@@ -225,10 +225,6 @@ class TacoCluster:
         while time.monotonic() < deadline and any(_alive(getattr(es, "process", None)) for es in launchers):
             time.sleep(0.05)
 
-    def restart(self) -> TacoCluster:
-        self.stop()
-        return self.start()
-
     # ---------------------------------------------------------------- engines
     @property
     def view(self) -> Any:

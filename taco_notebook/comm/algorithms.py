@@ -33,7 +33,7 @@ from .compression import Compressor, NoneCompressor, TopKCompressor
 from .config import check_algorithm, compressor_for, settings
 from .shm import NodeSegment, new_tag
 
-__all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "comm_thread"]
+__all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "forget_groups", "comm_thread"]
 
 T = TypeVar("T")
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -102,6 +102,14 @@ def hierarchy() -> _Hierarchy | None:
         _hierarchy.clear()
         _hierarchy[generation] = _build_hierarchy()
     return _hierarchy[generation]
+
+
+def forget_groups() -> None:
+    """Drop the 2D groups and unmap the node's segment (the process group is going away)."""
+    for tiers in _hierarchy.values():
+        if tiers is not None and tiers.segment is not None:
+            tiers.segment.close()
+    _hierarchy.clear()
 
 
 def resolve_algorithm(algorithm: str | None) -> str:

@@ -152,12 +152,9 @@ def shutdown() -> None:
 
     if is_initialized():
         dist.destroy_process_group()  # every group, the 2D algorithm's subgroups included
-    from . import algorithms
+    from .algorithms import forget_groups
 
-    for tiers in algorithms._hierarchy.values():
-        if tiers is not None and tiers.segment is not None:
-            tiers.segment.close()
-    algorithms._hierarchy.clear()
+    forget_groups()
     state.store = None
     state.backend = None
 

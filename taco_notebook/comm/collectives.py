@@ -47,7 +47,7 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = N
               algorithm: str | None = None, name: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
 
-    ``sum`` and ``avg`` take the accelerated path (:mod:`.allreduce`: flat or 2D hierarchical, optionally
+    ``sum`` and ``avg`` take the accelerated path (:mod:`.algorithms`: flat or 2D hierarchical, optionally
     compressed, ``name`` keying TopK's error feedback); ``min``, ``max`` and ``product`` use the backend's.
 
     >>> t = torch.ones(3); taco.allreduce(t, op="avg")   # every rank now holds the mean

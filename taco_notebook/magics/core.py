@@ -76,8 +76,6 @@ def format_status(status: ClusterStatus) -> str:
 class TacoMagics(Magics):
     """Registered by ``%load_ext taco_notebook``."""
 
-    last_result: Any = None
-
     @magic_arguments()
     @run_args
     @cell_magic
