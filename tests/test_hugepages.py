@@ -22,7 +22,8 @@ from taco_notebook.comm import algorithms
 t = torch.full((1_000_003,), float(taco.rank()))
 taco.allreduce(t, algorithm="2d")
 assert torch.equal(t, torch.full_like(t, 6.0)), t[:4]
-print("LOCATION", taco.rank(), algorithms.hierarchy().segment.location, flush=True)
+# one write per report: ranks share one stdout, and print() with several arguments writes each apart
+print(f"LOCATION {taco.rank()} {algorithms.hierarchy().segment.location}", flush=True)
 """
 
 
