@@ -17,14 +17,34 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["__version__", "dashboard", "load_ipython_extension", "unload_ipython_extension"]
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext taco_notebook``: register ``%%taco_run`` and ``%taco_cluster``."""
+    """``%load_ext taco_notebook``: register ``%%taco_run`` and ``%taco_cluster``; in the notebook, ``taco`` is
+    this package (``taco.dashboard()``) unless the name is already taken."""
+    import sys
+
     from .magics import TacoMagics
 
     ipython.register_magics(TacoMagics)
+    if "taco" not in ipython.user_ns:
+        ipython.push({"taco": sys.modules[__name__]})
+
+
+def dashboard() -> Any:
+    """The last ``%%taco_run`` cell's dashboard, to show again (its final picture) or read (``.summary()``).
+
+    Example: ``taco.dashboard()`` as the last line of a notebook cell.
+    """
+    from .errors import TacoError
+    from .widgets.dashboard import last_dashboard
+
+    last = last_dashboard()
+    if last is None:
+        raise TacoError("no dashboard yet: a %%taco_run cell shows one once its ranks report metrics "
+                        "(taco.DistributedOptimizer steps, taco.metrics.step() or a taco.progress loop)")
+    return last
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -17,6 +17,13 @@ from bokeh.embed import json_item
 from bokeh.models import GlyphRenderer
 
 from taco_notebook.widgets import MetricsStream, build_plots, interval_between
+from taco_notebook.widgets.dashboard import (
+    CellDashboard,
+    Dashboard,
+    aggregate_progress,
+    dashboard_mode,
+    last_dashboard,
+)
 from taco_notebook.widgets.plots import format_bytes, format_rate, rank_column
 from taco_notebook.widgets.stream import is_new_run
 
@@ -83,8 +90,11 @@ def test_builders_return_figures_with_their_renderers_and_sources() -> None:
     plots = build_plots(NODE_OF_RANK, capacity_bps=CAPACITY)
 
     throughput = plots.throughput
-    assert renderer_names(throughput.figure) == {"total", "rank_0", "rank_1", "rank_2", "rank_3"}
-    assert set(throughput.sources["throughput"].data) == {"time", "total", "rank_0", "rank_1", "rank_2", "rank_3"}
+    assert renderer_names(throughput.figure) == {"total", "tokens", "rank_0", "rank_1", "rank_2", "rank_3"}
+    assert set(throughput.sources["throughput"].data) == {"time", "total", "tokens", "rank_0", "rank_1", "rank_2",
+                                                          "rank_3"}  # fmt: skip
+    assert throughput.sources["throughput"].name == "taco-throughput"  # found by name in the browser
+    assert not next(r for r in throughput.figure.renderers if r.name == "tokens").visible  # until reported
 
     nodes = plots.node_links.sources
     assert list(zip(nodes["inter"].data["src"], nodes["inter"].data["dst"], strict=True)) == [("0", "1"), ("1", "0")]
@@ -104,7 +114,7 @@ def test_builders_return_figures_with_their_renderers_and_sources() -> None:
     steps = plots.step_time
     assert steps.sources["step_time"].data["rank"] == ["0", "1", "2", "3"]
     stacked = [r for r in steps.figure.renderers if r.glyph.__class__.__name__ == "VBar"]
-    assert len(stacked) == 2  # compute and communication wait
+    assert len(stacked) == 3  # compute, overlapped communication, waiting
 
 
 def test_heatmap_without_capacity_autoscales_and_says_nothing_of_capacity() -> None:
@@ -145,7 +155,9 @@ def test_two_batches_give_the_interval_rates(stream: MetricsStream) -> None:
     assert compression["saved_bytes"] == [4 * (12_000_000 - 3_000_000)]
 
     bars = stream.plots.step_time.sources["step_time"].data
-    assert bars["compute"] == pytest.approx([0.20, 0.20, 0.20, 0.25])
+    # 0.025 s of communication per step: hidden in the 0.05 s wait on ranks 0-2, overlapping compute on rank 3
+    assert bars["compute"] == pytest.approx([0.20, 0.20, 0.20, 0.225])
+    assert bars["comm"] == pytest.approx([0.0, 0.0, 0.0, 0.025])
     assert bars["wait"] == pytest.approx([0.05, 0.05, 0.05, 0.0])
     assert bars["note"] == ["", "", "", "slowest"]
 
@@ -184,7 +196,7 @@ def test_counters_going_backwards_start_a_new_run(stream: MetricsStream) -> None
     assert stream.push(batch(0.5)) is None  # the new run's first snapshot
     assert stream.new_runs == 1
     assert stream.plots.throughput.sources["throughput"].data == {
-        "time": [], "total": [], "rank_0": [], "rank_1": [], "rank_2": [], "rank_3": []
+        "time": [], "total": [], "tokens": [], "rank_0": [], "rank_1": [], "rank_2": [], "rank_3": []
     }  # fmt: skip
     assert stream.plots.compression.sources["compression"].data["ratio"] == []
     assert cell(stream.plots.node_links, 0, 1) == 0.0
@@ -248,3 +260,89 @@ def test_from_snapshots_lays_out_the_ranks_it_sees() -> None:
 def test_formatting() -> None:
     assert format_bytes(2e6) == "2.0 MB" and format_bytes(512) == "512 B" and format_bytes(float("nan")) == "-"
     assert format_rate(3.125e9) == "3.1 GB/s"
+
+
+def test_without_samples_throughput_is_steps_per_second_and_tokens_appear_when_reported() -> None:
+    stream = MetricsStream(NODE_OF_RANK)
+    no_samples = [{**snap, "samples": 0} for snap in batch(1.0)], [{**snap, "samples": 0} for snap in batch(1.5)]
+    stream.push(no_samples[0])
+    stream.push(no_samples[1])
+    fig = stream.plots.throughput.figure
+    assert stream.unit == "steps" and fig.title.text == "Throughput (steps/s)"
+    assert stream.plots.throughput.sources["throughput"].data["total"] == [pytest.approx(STEPS_PER_S)]
+
+    stream.push([{**snap, "tokens": int(1000 * 2.0)} for snap in batch(2.0)])
+    assert stream.unit == "samples" and fig.yaxis[0].axis_label == "samples/s"
+    assert next(r for r in fig.renderers if r.name == "tokens").visible
+    assert stream.plots.throughput.sources["throughput"].data["tokens"][-1] == pytest.approx(4 * 2000 / 0.5)
+
+
+# ---------------------------------------------------------------- the dashboard (real ipywidgets and jupyter_bokeh)
+
+def payloads(elapsed: float, n: int, total: int | None = 60) -> dict[int, dict[str, Any]]:
+    return {r: {"metrics": snapshot(r, elapsed),
+                "progress": {"n": n - (r == 3), "total": total, "desc": "train", "elapsed_seconds": elapsed}}
+            for r in NODE_OF_RANK}  # fmt: skip  (rank 3 is one iteration behind)
+
+
+def test_progress_of_many_ranks_is_the_slowest_one() -> None:
+    view = aggregate_progress({r: p["progress"] for r, p in payloads(2.0, 30).items()})
+    assert view is not None and (view.n, view.total, view.desc) == (29, 60, "train")
+    assert view.text() == "train: 29/60 (48%) · 14.50 it/s · 2.0 s · ETA 2.1 s"
+    unknown = aggregate_progress({0: {"n": 7, "total": None, "desc": "", "elapsed_seconds": 1.0}})
+    assert unknown is not None and unknown.text() == "7 it · 7.00 it/s · 1.0 s"
+    assert aggregate_progress({0: {}, 1: {}}) is None
+
+
+def test_dashboard_updates_bar_status_and_plots_then_freezes() -> None:
+    from bokeh.models import ColumnDataSource
+    from ipywidgets import VBox
+    from jupyter_bokeh import BokehModel
+
+    board = Dashboard(NODE_OF_RANK, title="cluster 'x'")
+    view = board.widget()  # displayed before data arrives, as under a cell
+    assert isinstance(view, VBox) and "taco-dashboard" in view._dom_classes
+    plots = view.children[-1]
+    assert isinstance(plots, BokehModel)
+    sent: list[Any] = []
+    plots.send = lambda content, buffers=None: sent.append(content)  # what would go to the browser
+
+    board.update(payloads(1.0, 20), running=4, elapsed=1.0)
+    board.update(payloads(1.5, 30), running=4, elapsed=1.5)
+    assert (board.bar.value, board.bar.max) == (29, 60)
+    assert board.bar_text.value.startswith("train: 29/60 (48%)")
+    assert "running · 4/4 ranks running on 2 nodes · step 6 · 1.5 s" in board.status.value
+    throughput = board.layout.select_one({"type": ColumnDataSource, "name": "taco-throughput"})
+    assert throughput.data["time"] == [1.5]
+    assert sent and all(c["msg"] == "patch" for c in sent)  # the live view received the change
+
+    board.update(payloads(2.0, 60), running=0, elapsed=2.0)
+    board.finish("finished", elapsed=2.1)
+    assert board.bar.bar_style == "success" and board.bar.value == 59
+    assert "finished · 4 ranks on 2 nodes" in board.status.value
+    again = board.widget()  # taco.dashboard(): a new view that starts from the current picture
+    assert "taco-throughput" in str(again.children[-1].render_bundle["docs_json"])
+
+
+def test_dashboard_summary_is_the_text_fallback() -> None:
+    board = Dashboard(NODE_OF_RANK)
+    board.update(payloads(1.0, 10), running=4, elapsed=1.0)
+    board.update(payloads(1.5, 15), running=4, elapsed=1.5)
+    board.finish("failed: rank 2 raised", elapsed=1.6)
+    text = board.summary()
+    assert text.splitlines()[0] == "taco dashboard: failed: rank 2 raised · 4 ranks on 2 nodes · step 6 · 1.6 s"
+    assert "progress: train: 14/60 (23%)" in text and "throughput:" in text and "compression: 4.00x" in text
+    assert board.bar.bar_style == "danger"
+
+
+def test_cell_dashboard_waits_for_training_and_rejects_unknown_modes() -> None:
+    cell = CellDashboard(NODE_OF_RANK, "text")
+    cell.update({r: {"metrics": {**snapshot(r, 0.1), "steps": 0}, "progress": None} for r in NODE_OF_RANK}, [0])
+    assert cell.dashboard is None  # nothing trained yet: nothing to show
+    cell.update(payloads(1.0, 5), [0, 1, 2, 3])
+    assert cell.dashboard is not None and last_dashboard() is cell.dashboard
+    with pytest.raises(ValueError, match="mode must be 'widget' or 'text'"):
+        CellDashboard(NODE_OF_RANK, "html")
+    with pytest.raises(ValueError, match="TACO_DASHBOARD must be one of auto, widget, text, off"):
+        dashboard_mode("fancy")
+    assert dashboard_mode() == "text"  # no kernel, no widget frontend here

@@ -10,24 +10,38 @@ ladder, the same for Ctrl-C, ``--timeout`` and a rank that raised while its peer
 3. ranks still running a few seconds later are killed; the next cell gets a fresh cluster.
 
 Whatever happened, the next cell on a live cluster first rebuilds the process group on every rank.
+
+While the cell runs, what the engines publish (metric snapshots and ``taco.progress`` counts, see
+``cluster/publish.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
+``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome.
 """
 
 from __future__ import annotations
 
 import ast
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ipyparallel.error import RemoteError
 
-from ..errors import CellTimeoutError, RankFailedError
+from ..errors import CellTimeoutError, RankDiedError, RankFailedError
+from .publish import KEY as PUBLISH_KEY
 from .session import TacoCluster, _ranks_text
 
-__all__ = ["CellOptions", "OutputSink", "run_cell", "capture_last_expression", "RESULT_NAME"]
+__all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "capture_last_expression", "RESULT_NAME"]
 
 RESULT_NAME = "__taco_result__"
 POLL_S = 0.05
+REPORT_S = 0.25  # how often monitors hear from the ranks: the dashboard redraws at about 4 Hz
+
+
+class CellMonitor(Protocol):
+    """Watches a running cell: ``update`` with every rank's latest published payload, ``finish`` once."""
+
+    def update(self, payloads: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> None: ...
+    def finish(self, outcome: str) -> None: ...
 
 
 @dataclass
@@ -38,6 +52,7 @@ class CellOptions:
     interrupt_grace: float = 2.5  # seconds ranks get to honour SIGINT before they are killed
     failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
+    monitors: Sequence[CellMonitor] = ()  # engines publish metrics only when someone watches
 
 
 class OutputSink(Protocol):
@@ -115,6 +130,8 @@ class _CellRun:
         self.failure_deadline: float | None = None
         self.killed: list[int] = []
         self.ar: Any = None
+        self.reported_at = 0.0
+        self.reported: dict[int, int] = {}  # rank -> id() of the payload last handed to the monitors
 
     # ---------------------------------------------------------------- output
     def drain(self) -> None:
@@ -133,6 +150,33 @@ class _CellRun:
             for content in outputs[seen:]:
                 self.sink.display(rank, content)
             self.shown[(rank, "outputs")] = len(outputs)
+
+    def report(self, force: bool = False) -> None:
+        """Hand the monitors every rank's latest payload, at most every REPORT_S unless ``force``."""
+        if not self.options.monitors or self.ar is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.reported_at < REPORT_S:
+            return
+        self.reported_at = now
+        payloads = {rank: md["data"][PUBLISH_KEY] for rank, md in zip(self.targets, self.ar._metadata, strict=True)
+                    if PUBLISH_KEY in md["data"]}  # fmt: skip
+        fresh = {rank: id(payload) for rank, payload in payloads.items()}
+        if fresh == self.reported:
+            return
+        self.reported = fresh
+        running = self.running()
+        for monitor in self.options.monitors:
+            monitor.update(payloads, running)
+
+    def finish_monitors(self, error: BaseException | None) -> None:
+        """The final picture: the engines' last payloads, and how the cell ended."""
+        if not self.options.monitors:
+            return
+        self.report(force=True)
+        outcome = _outcome(error)
+        for monitor in self.options.monitors:
+            monitor.finish(outcome)
 
     # ---------------------------------------------------------------- states
     def running(self) -> list[int]:
@@ -188,6 +232,7 @@ class _CellRun:
         while not self.ar.ready():
             self.check_alive()
             self.drain()
+            self.report()
             self.collect_errors()
             if self.errors:
                 self.release_peers()
@@ -220,8 +265,18 @@ class _CellRun:
             self.cluster.needs_reinit = False
         if self.options.settings:
             self.cluster.client[self.targets].execute(f"taco.configure(**{self.options.settings!r})", block=True)
+        # no reply awaited: the engines run it before the cell, in order
+        self.cluster.client[self.targets].execute(
+            f"__import__('taco_notebook.cluster.publish').cluster.publish.begin_cell({bool(self.options.monitors)})",
+            block=False)  # fmt: skip
         try:
-            return self._execute(source, captured)
+            value = self._execute(source, captured)
+        except BaseException as exc:
+            self.finish_monitors(exc)
+            raise
+        else:
+            self.finish_monitors(None)
+            return value
         finally:
             if self.options.settings and self.cluster.running:
                 self.cluster.client[self.targets].execute("taco.configure(reset=True)", block=False)
@@ -287,6 +342,21 @@ class _CellRun:
 
     def _host(self, rank: int) -> str:
         return next((r.host for r in self.cluster.ranks if r.rank == rank), "?")
+
+
+def _outcome(error: BaseException | None) -> str:
+    """How a cell ended, in a few words for the dashboard's status line."""
+    if error is None:
+        return "finished"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, CellTimeoutError):
+        return "timed out"
+    if isinstance(error, RankFailedError):
+        return f"failed: rank {error.first_rank} raised"
+    if isinstance(error, RankDiedError):
+        return f"failed: rank {error.rank} died" if error.rank is not None else "failed: a rank died"
+    return f"failed: {type(error).__name__}"
 
 
 def _earliest(a: float | None, b: float) -> float:

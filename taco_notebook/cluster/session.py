@@ -37,6 +37,8 @@ get_ipython().run_line_magic("xmode", "Plain")
 import torch
 import taco_notebook.comm as taco
 taco.init()
+import taco_notebook.cluster.publish
+taco_notebook.cluster.publish.install()
 """
 
 

@@ -16,6 +16,7 @@ from .bootstrap import init, is_initialized, reinit, shutdown
 from .collectives import REDUCE_OPS, allreduce, barrier, broadcast, broadcast_parameters
 from .compression import parse_compression
 from .config import configure, settings
+from .progress import progress
 from .topology import Topology
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "settings",
     "parse_compression",
     "metrics",
+    "progress",
     "DistributedOptimizer",
     "hooks",
     "broadcast",

@@ -6,6 +6,11 @@ step; ``DistributedOptimizer`` calls it for you. ``snapshot()`` returns a dict t
 can read: totals since ``reset()``, the last step, and per-link bytes by rank and by node.
 
 Recording is a few dict updates per collective (never per element), so it stays on in the hot path.
+
+A *publisher* (``set_publisher``) is how snapshots leave the rank while a cell runs: ``step()`` and
+``taco.progress`` call it at most once per interval with ``{"metrics": snapshot(), "progress": ...}``. Under
+``%%taco_run`` the engine installs one that sends the payload to the notebook (ipyparallel's datapub);
+under plain ``mpiexec`` there is none and nothing is sent.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["record", "add_wait", "step", "snapshot", "reset"]
+__all__ = ["record", "add_wait", "step", "snapshot", "reset",
+           "set_publisher", "set_progress", "publish", "maybe_publish"]
 
 
 class _Counters:
@@ -52,6 +59,22 @@ class _Metrics:
 
 
 _metrics = _Metrics()
+Publisher = Callable[[dict[str, Any]], None]
+
+
+class _Publishing:
+    """Who receives snapshots, how often, and what the progress bar (``taco.progress``) last said."""
+
+    __slots__ = ("publisher", "interval", "last", "progress")
+
+    def __init__(self) -> None:
+        self.publisher: Publisher | None = None
+        self.interval = 0.25  # seconds: the dashboard redraws at 2-4 Hz, faster would only cost the ranks
+        self.last = 0.0
+        self.progress: dict[str, Any] | None = None
+
+
+_publishing = _Publishing()
 
 
 def record(seconds: float, raw_bytes: int, wire_bytes: int, sent: dict[int, int]) -> None:
@@ -97,6 +120,8 @@ def step(samples: int = 0, tokens: int = 0) -> None:
         _metrics.current = _Counters()
         _metrics.steps += 1
         _metrics.step_started = now
+    if _publishing.publisher is not None and now - _publishing.last >= _publishing.interval:
+        publish()
 
 
 def snapshot() -> dict[str, Any]:
@@ -132,11 +157,46 @@ def snapshot() -> dict[str, Any]:
         "bytes_saved": total.raw - total.wire,
         "sent_by_rank": dict(total.sent),
         "sent_by_node": dict(by_node),
+        "tokens": total.tokens,
         "last_step": last,
     }
 
 
 def reset() -> None:
-    """Start counting afresh (for example at the start of a benchmark)."""
+    """Start counting afresh (for example at the start of a benchmark). ``%%taco_run`` does it before each cell."""
     with _metrics.lock:
         _metrics.reset()
+    _publishing.progress = None
+
+
+def set_publisher(publisher: Publisher | None, interval: float = 0.25) -> None:
+    """Send ``{"metrics": snapshot(), "progress": …}`` to ``publisher`` at most every ``interval`` seconds
+    (from ``step()`` and ``taco.progress``); ``None`` stops publishing."""
+    if not interval > 0:
+        raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+    _publishing.publisher = publisher
+    _publishing.interval = interval
+    _publishing.last = 0.0
+
+
+def set_progress(state: dict[str, Any] | None) -> None:
+    """What ``taco.progress`` reports: ``{"n", "total", "desc", "elapsed_seconds"}`` (published with metrics)."""
+    _publishing.progress = state
+
+
+def maybe_publish(now: float | None = None) -> None:
+    """Publish if a publisher is set and the interval has passed: cheap enough to call every iteration."""
+    if _publishing.publisher is None:
+        return
+    if (now or time.perf_counter()) - _publishing.last >= _publishing.interval:
+        publish()
+
+
+def publish() -> None:
+    """Publish now (no-op without a publisher): the end of a loop or a cell must not wait for the interval."""
+    publisher = _publishing.publisher
+    if publisher is None:
+        return
+    _publishing.last = time.perf_counter()
+    progress = _publishing.progress
+    publisher({"metrics": snapshot(), "progress": dict(progress) if progress is not None else None})

@@ -42,6 +42,8 @@ run_args = _stack(
     argument("--gather", action="store_true",
              help="return every rank's value of the last expression (default: rank 0's)"),
     argument("--quiet", action="store_true", help="print no cluster start/resize messages"),
+    argument("--no-dashboard", dest="dashboard", action="store_false",
+             help="no live dashboard (and no end-of-cell metrics summary); the ranks publish no metrics"),
     argument("--algorithm", default=None, metavar="NAME",
              help="allreduce for this cell: auto (2d across several nodes), flat or 2d (default: LIGHT_2D_ALLREDUCE)"),
     argument("--compression", default=None, metavar="SPEC",

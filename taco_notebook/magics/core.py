@@ -72,6 +72,24 @@ def format_status(status: ClusterStatus) -> str:
     return "\n".join(lines)
 
 
+def _dashboard_mode(wanted: bool) -> str:
+    if not wanted:
+        return "off"
+    from ..widgets.dashboard import dashboard_mode
+
+    try:
+        return dashboard_mode()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str) -> Any:
+    from ..widgets.dashboard import CellDashboard
+
+    node_of_rank = {r.rank: r.node for r in cluster.ranks if targets is None or r.rank in targets}
+    return CellDashboard(node_of_rank, mode, title=f"cluster {cluster.name!r}")
+
+
 @magics_class
 class TacoMagics(Magics):
     """Registered by ``%load_ext taco_notebook``."""
@@ -98,8 +116,11 @@ class TacoMagics(Magics):
         say = RankOutput(live=args.stream, quiet=args.quiet)
         if intra_size is not None and planned % intra_size:
             raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
+        mode = _dashboard_mode(args.dashboard)
         cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, intra_size)
-        options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings)
+        monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode)]
+        options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
+                              monitors=monitors)  # fmt: skip
         return run_cell(cluster, cell, options, say)
 
     @magic_arguments()

@@ -35,7 +35,7 @@ __all__ = [
 TOOLS = "pan,wheel_zoom,box_zoom,reset,save,hover"
 MAX_LABELLED_CELLS = 16  # above this many rows a heatmap shows colours only: numbers would overlap
 CELL_COLUMNS = ("src", "dst", "bps", "label")
-STEP_COLUMNS = ("rank", "compute", "wait", "total", "note")
+STEP_COLUMNS = ("rank", "compute", "comm", "wait", "total", "note")
 
 
 @dataclass(frozen=True)
@@ -91,11 +91,22 @@ def _figure(title: str, **kwargs: Any) -> figure:
 def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s)") -> Plot:
     """Samples/s over elapsed time: a thick ``total`` line and one line per rank (click the legend to hide).
 
-    One source ``"throughput"`` with columns ``time``, ``total`` and ``rank_column(r)`` for each rank.
+    One source ``"throughput"`` with columns ``time``, ``total``, ``tokens`` (tokens/s of all ranks; its line and
+    axis stay hidden until tokens are reported) and ``rank_column(r)`` for each rank.
     """
-    source = ColumnDataSource(data={"time": [], "total": [], **{rank_column(r): [] for r in ranks}})
+    source = ColumnDataSource(data={"time": [], "total": [], "tokens": [], **{rank_column(r): [] for r in ranks}},
+                              name="taco-throughput")  # fmt: skip
     fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="samples/s")
-    fig.line("time", "total", source=source, line_width=3, color="black", legend_label="total", name="total")
+    total = fig.line("time", "total", source=source, line_width=3, color="black", legend_label="total", name="total")
+    fig.y_range = DataRange1d(renderers=[total], start=0)
+    # tokens/s has another scale; hidden (with its axis) until a rank reports tokens
+    token_range = DataRange1d(start=0)
+    fig.extra_y_ranges = {"tokens": token_range}
+    tokens = fig.line("time", "tokens", source=source, y_range_name="tokens", color="#9467bd", line_dash="dotted",
+                      line_width=2, legend_label="tokens/s (total)", name="tokens", visible=False)  # fmt: skip
+    token_range.renderers = [tokens]
+    fig.add_layout(LinearAxis(y_range_name="tokens", axis_label="tokens/s", name="tokens_axis", visible=False),
+                   "right")  # fmt: skip
     for i, rank in enumerate(ranks):
         column = rank_column(rank)
         color = Category10_10[i % len(Category10_10)]
@@ -105,10 +116,11 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
     return Plot(fig, {"throughput": source})
 
 
-def _cell_source(cells: Sequence[tuple[str, str]]) -> ColumnDataSource:
+def _cell_source(cells: Sequence[tuple[str, str]], name: str) -> ColumnDataSource:
     n = len(cells)
     return ColumnDataSource(
-        data={"src": [s for s, _ in cells], "dst": [d for _, d in cells], "bps": [0.0] * n, "label": [""] * n}
+        data={"src": [s for s, _ in cells], "dst": [d for _, d in cells], "bps": [0.0] * n, "label": [""] * n},
+        name=name,
     )
 
 
@@ -123,8 +135,8 @@ def _link_heatmap(
     """
     cells = [(s, d) for s in names for d in names]
     sources = {
-        "inter": _cell_source([c for c in cells if c not in intra]),
-        "intra": _cell_source([c for c in cells if c in intra]),
+        "inter": _cell_source([c for c in cells if c not in intra], f"taco-{unit}-links-inter"),
+        "intra": _cell_source([c for c in cells if c in intra], f"taco-{unit}-links-intra"),
     }
     fig = _figure(title, x_range=list(names), y_range=list(reversed(names)))
     fig.xaxis.axis_label, fig.yaxis.axis_label = f"to {unit}", f"from {unit}"
@@ -168,7 +180,7 @@ def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
     One source ``"compression"`` with columns ``time``, ``ratio`` (NaN for an interval without communication)
     and ``saved_bytes``.
     """
-    source = ColumnDataSource(data={"time": [], "ratio": [], "saved_bytes": []})
+    source = ColumnDataSource(data={"time": [], "ratio": [], "saved_bytes": []}, name="taco-compression")
     fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="compression ratio")
     ratio = fig.line("time", "ratio", source=source, line_width=2, color="#1f77b4", legend_label="ratio", name="ratio")
     saved = fig.line("time", "saved_bytes", source=source, y_range_name="saved", color="#ff7f0e", line_dash="dashed",
@@ -181,20 +193,23 @@ def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
 
 
 def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)") -> Plot:
-    """Per-rank stacked bars of a step's compute and communication-wait seconds; the slowest bar is labelled.
+    """Per-rank stacked bars of a step: compute, communication hidden behind it, and waiting; the slowest is labelled.
 
-    One source ``"step_time"`` with columns ``rank`` (str), ``compute``, ``wait``, ``total`` and ``note``
-    (``"slowest"`` on the straggler, else empty): the straggler has the tallest compute part and the
+    One source ``"step_time"`` with columns ``rank`` (str), ``compute`` (compute alone), ``comm``
+    (communication that overlapped compute), ``wait`` (the loop blocked on communication), ``total`` and
+    ``note`` (``"slowest"`` on the straggler, else empty): the straggler has the tallest compute part and the
     shortest wait, its peers the reverse.
     """
     names = [str(r) for r in ranks]
     n = len(names)
-    source = ColumnDataSource(data={"rank": names, "compute": [0.0] * n, "wait": [0.0] * n, "total": [0.0] * n,
-                                    "note": [""] * n})  # fmt: skip
+    source = ColumnDataSource(data={"rank": names, "compute": [0.0] * n, "comm": [0.0] * n, "wait": [0.0] * n,
+                                    "total": [0.0] * n, "note": [""] * n}, name="taco-step-time")  # fmt: skip
     fig = _figure(title, x_range=names, y_range=DataRange1d(start=0), x_axis_label="rank",
                   y_axis_label="seconds per step")  # fmt: skip
-    fig.vbar_stack(["compute", "wait"], x="rank", width=0.8, source=source, color=["#2ca02c", "#d62728"],
-                   legend_label=["compute", "communication wait"], name="step")  # fmt: skip
+    fig.vbar_stack(["compute", "comm", "wait"], x="rank", width=0.8, source=source,
+                   color=["#2ca02c", "#98df8a", "#d62728"],
+                   legend_label=["compute", "communication (overlapped)", "waiting for communication"],
+                   name="step")  # fmt: skip
     fig.text("rank", "total", text="note", source=source, text_align="center", text_baseline="bottom",
              text_font_size="9pt", name="note")  # fmt: skip
     fig.legend.location = "top_left"

@@ -23,12 +23,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bokeh.models.annotations import Title
+
 from .plots import Plot, build_plots, format_bytes, format_rate, rank_column
 
 __all__ = ["Interval", "MetricsStream", "interval_between", "is_new_run"]
 
 Snapshot = Mapping[str, Any]
-COUNTERS = ("elapsed_seconds", "samples", "steps", "raw_bytes", "wire_bytes", "wait_seconds")
+COUNTERS = ("elapsed_seconds", "samples", "steps", "raw_bytes", "wire_bytes", "wait_seconds", "comm_seconds")
 NAN = float("nan")
 
 
@@ -39,13 +41,16 @@ class Interval:
     time: float  # elapsed seconds of the run at the interval's end (the latest rank's clock)
     node_of_rank: dict[int, int]
     samples_per_s: dict[int, float]
+    steps_per_s: dict[int, float]
+    tokens_per_s: dict[int, float]
     rank_bps: dict[tuple[int, int], float]  # (src rank, dst rank) -> bytes/s
     node_bps: dict[tuple[int, int], float]  # (src node, dst node) -> bytes/s; (n, n) is intra-node
     raw_bytes: int  # this interval, all ranks
     wire_bytes: int
     bytes_saved: int  # since the run started, all ranks
-    compute_seconds: dict[int, float]  # per step, averaged over the interval
-    wait_seconds: dict[int, float]
+    compute_seconds: dict[int, float]  # per step, averaged over the interval: compute alone
+    comm_seconds: dict[int, float]  # communication that overlapped compute
+    wait_seconds: dict[int, float]  # the loop blocked on communication
 
     @property
     def total_samples_per_s(self) -> float:
@@ -58,9 +63,18 @@ class Interval:
         return self.raw_bytes / self.wire_bytes if self.wire_bytes else NAN
 
     @property
+    def total_steps_per_s(self) -> float:
+        """Steps/s of the slowest reporting rank (in synchronous training all ranks step together)."""
+        return min(self.steps_per_s.values(), default=NAN)
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return sum(self.tokens_per_s.values())
+
+    @property
     def step_seconds(self) -> dict[int, float]:
-        """Per-rank seconds per step (compute + wait)."""
-        return {r: self.compute_seconds[r] + self.wait_seconds[r] for r in self.compute_seconds}
+        """Per-rank seconds per step (compute + overlapped communication + wait)."""
+        return {r: self.compute_seconds[r] + self.comm_seconds[r] + self.wait_seconds[r] for r in self.compute_seconds}
 
 
 def is_new_run(previous: Snapshot, current: Snapshot) -> bool:
@@ -73,14 +87,21 @@ def _int_keys(mapping: Mapping[Any, int] | None) -> dict[int, int]:
     return {int(k): int(v) for k, v in (mapping or {}).items()}
 
 
-def _step_split(prev: Snapshot, cur: Snapshot, dt: float) -> tuple[float, float]:
-    """(compute, wait) seconds per step over the interval; the last step's split when no step closed in it."""
+def _step_split(prev: Snapshot, cur: Snapshot, dt: float) -> tuple[float, float, float]:
+    """(compute alone, overlapped communication, wait) seconds per step over the interval; the last step's split
+    when no step closed in it. Communication beyond the wait ran while the rank computed (background buckets)."""
     steps = cur.get("steps", 0) - prev.get("steps", 0)
     if steps > 0:
         wait = (cur.get("wait_seconds", 0.0) - prev.get("wait_seconds", 0.0)) / steps
-        return max(dt / steps - wait, 0.0), wait
-    last = cur.get("last_step") or {}
-    return float(last.get("compute_seconds", 0.0)), float(last.get("wait_seconds", 0.0))
+        comm = (cur.get("comm_seconds", 0.0) - prev.get("comm_seconds", 0.0)) / steps
+        step = dt / steps
+    else:
+        last = cur.get("last_step") or {}
+        wait, comm = float(last.get("wait_seconds", 0.0)), float(last.get("comm_seconds", 0.0))
+        step = float(last.get("seconds", wait + float(last.get("compute_seconds", 0.0))))
+    busy = max(step - wait, 0.0)
+    overlapped = min(max(comm - wait, 0.0), busy)
+    return busy - overlapped, overlapped, wait
 
 
 def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Snapshot]) -> Interval | None:
@@ -90,9 +111,12 @@ def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Sna
     """
     node_of_rank = {r: int(s["node"]) for r, s in current.items() if s.get("node") is not None}
     samples: dict[int, float] = {}
+    steps: dict[int, float] = {}
+    tokens: dict[int, float] = {}
     rank_bps: defaultdict[tuple[int, int], float] = defaultdict(float)
     node_bps: defaultdict[tuple[int, int], float] = defaultdict(float)
     compute: dict[int, float] = {}
+    comm: dict[int, float] = {}
     wait: dict[int, float] = {}
     raw = wire = 0
     for rank, cur in current.items():
@@ -101,6 +125,8 @@ def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Sna
         if prev is None or dt <= 0:
             continue
         samples[rank] = (cur.get("samples", 0) - prev.get("samples", 0)) / dt
+        steps[rank] = (cur.get("steps", 0) - prev.get("steps", 0)) / dt
+        tokens[rank] = (cur.get("tokens", 0) - prev.get("tokens", 0)) / dt
         before = _int_keys(prev.get("sent_by_rank"))
         for peer, nbytes in _int_keys(cur.get("sent_by_rank")).items():
             rank_bps[rank, peer] += (nbytes - before.get(peer, 0)) / dt
@@ -109,19 +135,22 @@ def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Sna
             node_bps[node_of_rank[rank], node] += (nbytes - before.get(node, 0)) / dt
         raw += cur.get("raw_bytes", 0) - prev.get("raw_bytes", 0)
         wire += cur.get("wire_bytes", 0) - prev.get("wire_bytes", 0)
-        compute[rank], wait[rank] = _step_split(prev, cur, dt)
+        compute[rank], comm[rank], wait[rank] = _step_split(prev, cur, dt)
     if not samples:
         return None
     return Interval(
         time=max(s["elapsed_seconds"] for s in current.values()),
         node_of_rank=node_of_rank,
         samples_per_s=samples,
+        steps_per_s=steps,
+        tokens_per_s=tokens,
         rank_bps=dict(rank_bps),
         node_bps=dict(node_bps),
         raw_bytes=raw,
         wire_bytes=wire,
         bytes_saved=sum(s.get("raw_bytes", 0) - s.get("wire_bytes", 0) for s in current.values()),
         compute_seconds=compute,
+        comm_seconds=comm,
         wait_seconds=wait,
     )
 
@@ -153,6 +182,8 @@ class MetricsStream:
         self.latest: dict[int, Snapshot] = {}
         self.last_interval: Interval | None = None
         self.new_runs = 0  # how many times counters went backwards and history was dropped
+        self.unit = "steps"  # throughput in steps/s until some rank reports samples (a batch size)
+        self.tokens_shown = False
 
     @classmethod
     def from_snapshots(cls, snapshots: Iterable[Snapshot], **kwargs: Any) -> MetricsStream:
@@ -186,12 +217,28 @@ class MetricsStream:
             _fill_heatmap(plot, {}, None)
         bars = self.plots.step_time.sources["step_time"]
         n = len(bars.data["rank"])
-        bars.data.update(compute=[0.0] * n, wait=[0.0] * n, total=[0.0] * n, note=[""] * n)
+        bars.data.update(compute=[0.0] * n, comm=[0.0] * n, wait=[0.0] * n, total=[0.0] * n, note=[""] * n)
+
+    def _use_units(self) -> None:
+        """Switch the throughput plot to samples/s once a rank reports samples, and show tokens/s once reported."""
+        fig = self.plots.throughput.figure
+        if self.unit == "steps" and any(s.get("samples", 0) > 0 for s in self.latest.values()):
+            self.unit = "samples"
+        assert isinstance(fig.title, Title)  # figure(title=str) makes one
+        fig.title.text = f"Throughput ({self.unit}/s)"
+        fig.yaxis[0].axis_label = f"{self.unit}/s"
+        if not self.tokens_shown and any(s.get("tokens", 0) > 0 for s in self.latest.values()):
+            self.tokens_shown = True
+            for model in [*fig.select(name="tokens"), *fig.select(name="tokens_axis")]:
+                model.visible = True  # type: ignore[attr-defined]  # a renderer and an axis
 
     def _render(self, interval: Interval) -> None:
-        point: dict[str, Any] = {"time": [interval.time], "total": [interval.total_samples_per_s]}
+        self._use_units()
+        rates = interval.samples_per_s if self.unit == "samples" else interval.steps_per_s
+        total = sum(rates.values()) if self.unit == "samples" else interval.total_steps_per_s
+        point: dict[str, Any] = {"time": [interval.time], "total": [total], "tokens": [interval.total_tokens_per_s]}
         for rank in self.node_of_rank:
-            point[rank_column(rank)] = [interval.samples_per_s.get(rank, NAN)]
+            point[rank_column(rank)] = [rates.get(rank, NAN)]
         self.plots.throughput.sources["throughput"].stream(point, rollover=self.rollover)
         self.plots.compression.sources["compression"].stream(
             {"time": [interval.time], "ratio": [interval.compression_ratio], "saved_bytes": [interval.bytes_saved]},
@@ -210,13 +257,14 @@ class MetricsStream:
         the most compute (its peers wait for it), and that is the bar labelled "slowest".
         """
         bars = self.plots.step_time.sources["step_time"]
-        data = {name: list(bars.data[name]) for name in ("compute", "wait", "total")}
+        data = {name: list(bars.data[name]) for name in ("compute", "comm", "wait", "total")}
         for i, name in enumerate(bars.data["rank"]):
             rank = int(name)
             if rank in interval.compute_seconds:
                 data["compute"][i] = interval.compute_seconds[rank]
+                data["comm"][i] = interval.comm_seconds[rank]
                 data["wait"][i] = interval.wait_seconds[rank]
-                data["total"][i] = data["compute"][i] + data["wait"][i]
+                data["total"][i] = data["compute"][i] + data["comm"][i] + data["wait"][i]
         slowest = max(range(len(data["compute"])), key=data["compute"].__getitem__, default=None)
         note = ["slowest" if i == slowest and data["compute"][i] > 0 else "" for i in range(len(data["compute"]))]
         bars.data.update(note=note, **data)

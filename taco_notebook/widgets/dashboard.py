@@ -1,0 +1,268 @@
+"""The live dashboard under a ``%%taco_run`` cell: status line, one progress bar for all ranks, bokeh plots.
+
+``cluster/run.py`` reads what the engines publish (``{"metrics": snapshot, "progress": state}`` per rank) and
+hands it to a :class:`CellDashboard`, which decides how to show it:
+
+* ``widget``: an ipywidgets ``VBox`` (status ``HTML``, ``IntProgress`` + label, and the plots in one
+  ``jupyter_bokeh.BokehModel``), created at the first payload and updated in place; it stays as the final picture.
+* ``text``: where no widget frontend listens (terminal IPython, nbval, ``python -m taco_notebook run``), a compact
+  summary printed when the cell ends.
+* ``off``: ``--no-dashboard``.
+
+``auto`` picks ``widget`` when a widget manager has opened its control channel to this kernel (JupyterLab and
+Notebook 7 do as soon as they connect), else ``text``; ``TACO_DASHBOARD=widget|text|off`` overrides it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .stream import MetricsStream
+
+__all__ = ["Dashboard", "CellDashboard", "ProgressView", "aggregate_progress", "dashboard_mode", "last_dashboard"]
+
+MODES = ("auto", "widget", "text", "off")
+_last: Dashboard | None = None
+_bokeh_loaded = False
+
+
+def last_dashboard() -> Dashboard | None:
+    """The dashboard of this kernel's last ``%%taco_run`` cell that reported metrics, if any."""
+    return _last
+
+
+def dashboard_mode(requested: str | None = None) -> str:
+    """``widget``, ``text`` or ``off`` for this kernel: see the module docstring."""
+    mode = (requested or os.environ.get("TACO_DASHBOARD") or "auto").lower()
+    if mode not in MODES:
+        raise ValueError(f"TACO_DASHBOARD must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "widget" if _widget_frontend() else "text"
+
+
+def _widget_frontend() -> bool:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        from ipywidgets import Widget
+    except ImportError:
+        return False
+    return Widget._control_comm is not None
+
+
+class ProgressView:
+    """One progress bar for many ranks: a synchronous job is as far along as its slowest rank."""
+
+    def __init__(self, n: int, total: int | None, desc: str, seconds: float) -> None:
+        self.n, self.total, self.desc, self.seconds = n, total, desc, seconds
+
+    @property
+    def rate(self) -> float:
+        return self.n / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def fraction(self) -> float | None:
+        return min(self.n / self.total, 1.0) if self.total else None
+
+    def text(self) -> str:
+        """``epoch 1: 30/60 (50%) · 12.3 it/s · ETA 2.4 s`` — like tqdm's."""
+        label = f"{self.desc}: " if self.desc else ""
+        rate = f"{self.rate:.2f} it/s" if not math.isnan(self.rate) else "- it/s"
+        if self.fraction is None:
+            return f"{label}{self.n} it · {rate} · {self.seconds:.1f} s"
+        assert self.total is not None
+        left = (self.total - self.n) / self.rate if self.rate > 0 else math.nan
+        eta = "done" if self.n >= self.total else ("ETA -" if math.isnan(left) else f"ETA {left:.1f} s")
+        return f"{label}{self.n}/{self.total} ({self.fraction:.0%}) · {rate} · {self.seconds:.1f} s · {eta}"
+
+
+def aggregate_progress(states: Mapping[int, Mapping[str, Any]]) -> ProgressView | None:
+    """The bar for ``{rank: taco.progress state}``: the slowest rank's count, the largest total."""
+    states = {r: s for r, s in states.items() if s}
+    if not states:
+        return None
+    slowest = min(states.values(), key=lambda s: s["n"])
+    totals = [s["total"] for s in states.values() if s.get("total") is not None]
+    return ProgressView(int(slowest["n"]), max(totals) if totals else None, str(slowest.get("desc") or ""),
+                        float(slowest.get("elapsed_seconds", 0.0)))
+
+
+class Dashboard:
+    """The live picture of one cell's run on ranks placed as ``node_of_rank``; display it to get a view."""
+
+    def __init__(self, node_of_rank: Mapping[int, int], *, title: str = "", capacity_bps: float | None = None):
+        import ipywidgets as w
+
+        self.title = title
+        self.ranks = sorted(node_of_rank)
+        self.nodes = len(set(node_of_rank.values()))
+        self.stream = MetricsStream(node_of_rank, capacity_bps=capacity_bps)
+        self.progress: ProgressView | None = None
+        self.outcome: str | None = None
+        self.running = len(self.ranks)
+        self.elapsed = 0.0
+        self.status = w.HTML(_dom_classes=("taco-status",))
+        self.bar = w.IntProgress(min=0, max=1, value=0, layout=w.Layout(width="40%", min_width="200px"),
+                                 _dom_classes=("taco-progress",))  # fmt: skip
+        self.bar_text = w.HTML(_dom_classes=("taco-progress-text",))
+        self.layout = self._bokeh_layout()
+        self._render_status()
+
+    def _bokeh_layout(self) -> Any:
+        from bokeh.layouts import column, row
+
+        p = self.stream.plots
+        return column(row(p.throughput.figure, p.compression.figure, sizing_mode="stretch_width"),
+                      row(p.node_links.figure, p.rank_links.figure, sizing_mode="stretch_width"),
+                      p.step_time.figure, sizing_mode="stretch_width")  # fmt: skip
+
+    # ------------------------------------------------------------ updates
+    def update(self, payloads: Mapping[int, Mapping[str, Any]], *, running: int, elapsed: float) -> None:
+        """One poll's worth of ``{rank: {"metrics": snapshot, "progress": state}}`` (latest per rank)."""
+        self.running, self.elapsed = running, elapsed
+        snapshots = [p["metrics"] for p in payloads.values() if p.get("metrics")]
+        document = self.layout.document
+        if document is not None:
+            document.hold("combine")  # one patch message per poll, not one per changed column
+        try:
+            if snapshots:
+                self.stream.push(snapshots)
+        finally:
+            if document is not None:
+                document.unhold()
+        progress = aggregate_progress({r: p.get("progress") or {} for r, p in payloads.items()})
+        if progress is not None:
+            self.progress = progress
+        self._render_progress()
+        self._render_status()
+
+    def finish(self, outcome: str, elapsed: float) -> None:
+        """The cell ended (``finished``, ``failed: …``, ``interrupted``, …): freeze the picture with its outcome."""
+        self.outcome, self.elapsed, self.running = outcome, elapsed, 0
+        self.bar.bar_style = "success" if outcome == "finished" else "danger"
+        self._render_progress()
+        self._render_status()
+
+    def _render_progress(self) -> None:
+        view = self.progress
+        if view is None:
+            self.bar_text.value = "no taco.progress loop in this cell" if self.outcome else "waiting for the ranks…"
+            return
+        if view.total:
+            self.bar.max, self.bar.value = view.total, min(view.n, view.total)
+        else:  # unknown length: a full bar that counts
+            self.bar.max, self.bar.value = 1, 1
+        self.bar_text.value = view.text()
+
+    def _status_text(self) -> str:
+        snaps = self.stream.latest.values()
+        step = max((s.get("steps", 0) for s in snaps), default=0)
+        state = self.outcome or "running"
+        ranks = len(self.ranks)
+        alive = f"{self.running}/{ranks} ranks running" if self.outcome is None else f"{ranks} ranks"
+        return (f"{self.title + ' · ' if self.title else ''}{state} · {alive} on {self.nodes} "
+                f"node{'s' if self.nodes != 1 else ''} · step {step} · {self.elapsed:.1f} s")
+
+    def _render_status(self) -> None:
+        self.status.value = f"<b>taco</b> {_escape(self._status_text())}"
+
+    # ------------------------------------------------------------ views
+    def summary(self) -> str:
+        """The text fallback: status, progress and the metrics summary."""
+        lines = [f"taco dashboard: {self._status_text()}"]
+        if self.progress is not None:
+            lines.append(f"progress: {self.progress.text()}")
+        if self.stream.latest:
+            lines += self.stream.summary().splitlines()[1:]
+        return "\n".join(lines)
+
+    def widget(self) -> Any:
+        """A new view: ipywidgets share their models, and a fresh ``BokehModel`` starts from the plots' current
+        state (re-displaying an old one would replay its first render)."""
+        import ipywidgets as w
+        from jupyter_bokeh import BokehModel
+
+        _load_bokehjs()
+        plots = BokehModel(self.layout, combine_events=True, layout=w.Layout(width="100%"))
+        head = w.HBox([self.bar, self.bar_text], layout=w.Layout(align_items="center"))
+        return w.VBox([self.status, head, plots], _dom_classes=("taco-dashboard",), layout=w.Layout(width="100%"))
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget())
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+def _load_bokehjs() -> None:
+    """BokehJS inline, once per kernel: the notebook may have no internet, and only core bokeh is needed."""
+    global _bokeh_loaded
+    if _bokeh_loaded:
+        return
+    from bokeh.io.notebook import load_notebook
+    from bokeh.resources import Resources
+
+    load_notebook(resources=Resources(mode="inline", components=["bokeh"]), hide_banner=True)
+    _bokeh_loaded = True
+
+
+def _escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+class CellDashboard:
+    """What one cell shows: created before the cell, fed by the wait loop, finished when the cell ends.
+
+    The :class:`Dashboard` is built at the first payload that carries metrics or progress, so a cell that
+    trains nothing shows nothing.
+    """
+
+    def __init__(self, node_of_rank: Mapping[int, int], mode: str, *, title: str = "",
+                 capacity_bps: float | None = None) -> None:
+        if mode not in ("widget", "text"):
+            raise ValueError(f"mode must be 'widget' or 'text', got {mode!r}")
+        self.node_of_rank = dict(node_of_rank)
+        self.mode = mode
+        self.title = title
+        self.capacity_bps = capacity_bps
+        self.dashboard: Dashboard | None = None
+        self.started = time.monotonic()
+        # bokeh and the widget libraries take ~1.5 s to import: pay it before the cell runs, not mid-stream
+        import bokeh.plotting  # noqa: F401
+
+        if mode == "widget":
+            import ipywidgets  # noqa: F401
+            import jupyter_bokeh  # noqa: F401
+
+    def update(self, payloads: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> None:
+        if not any(p.get("progress") or (p.get("metrics") or {}).get("steps") for p in payloads.values()):
+            return
+        global _last
+        if self.dashboard is None:
+            self.dashboard = _last = Dashboard(self.node_of_rank, title=self.title, capacity_bps=self.capacity_bps)
+            if self.mode == "widget":
+                from IPython.display import display
+
+                display(self.dashboard)
+        self.dashboard.update(payloads, running=len(running), elapsed=time.monotonic() - self.started)
+
+    def finish(self, outcome: str) -> None:
+        if self.dashboard is None:
+            return
+        self.dashboard.finish(outcome, time.monotonic() - self.started)
+        if self.mode == "text":
+            sys.stdout.write(self.dashboard.summary() + "\n")
+            sys.stdout.flush()

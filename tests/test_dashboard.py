@@ -1,0 +1,119 @@
+"""The dashboard fed by real engines: what ``%%taco_run`` shows while and after a training cell runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+
+import taco_notebook
+from taco_notebook.cluster.run import CellOptions, run_cell
+from taco_notebook.errors import RankFailedError, TacoError
+from taco_notebook.magics.output import RankOutput
+from taco_notebook.widgets import dashboard as dashboard_module
+
+pytestmark = pytest.mark.cluster
+
+TRAIN = """\
+import time
+model = torch.nn.Linear(64, 1)
+opt = taco.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                samples_per_step=32)
+for step in taco.progress(range({steps}), desc="train"):
+    x = torch.randn(32, 64)
+    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    time.sleep({sleep})
+    {fail}
+"""
+
+
+def train(steps: int = 30, sleep: float = 0.02, fail: str = "") -> str:
+    return TRAIN.format(steps=steps, sleep=sleep, fail=fail)
+
+
+class Recorder:
+    """A real monitor that keeps what the wait loop handed it."""
+
+    def __init__(self) -> None:
+        self.updates: list[tuple[dict[int, Any], list[int]]] = []
+        self.outcome: str | None = None
+
+    def update(self, payloads: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> None:
+        self.updates.append(({r: dict(p) for r, p in payloads.items()}, list(running)))
+
+    def finish(self, outcome: str) -> None:
+        self.outcome = outcome
+
+
+def test_engines_publish_at_least_twice_a_second_and_the_final_state(shared_cluster):
+    recorder = Recorder()
+    run_cell(shared_cluster, train(steps=60, sleep=0.03), CellOptions(monitors=[recorder]), RankOutput())
+    progress = [min(p["progress"]["n"] for p in payloads.values() if p.get("progress"))
+                for payloads, _ in recorder.updates if payloads]  # fmt: skip
+    assert len(set(progress)) >= 4, progress  # 60 x 30 ms ≈ 2 s of loop: ≥ 2 distinct updates per second
+    final, running = recorder.updates[-1]
+    assert sorted(final) == [0, 1, 2, 3] and running == []
+    assert all(p["progress"]["n"] == 60 and p["metrics"]["steps"] == 60 for p in final.values())
+    assert final[0]["metrics"]["samples"] == 60 * 32 and final[0]["metrics"]["collectives"] > 0
+    assert recorder.outcome == "finished"
+
+
+def test_text_summary_at_the_end_without_a_widget_frontend(ip, shared_cluster, capsys):
+    ip.run_cell_magic("taco_run", "", train())
+    out = capsys.readouterr().out
+    summary = out[out.index("taco dashboard:"):].splitlines()
+    assert summary[0].startswith("taco dashboard: cluster 'default' · finished · 4 ranks on 1 node · step 30 ·")
+    assert summary[1].startswith("progress: train: 30/30 (100%)")
+    assert summary[2].startswith("throughput: ") and "samples/s total" in summary[2]
+    assert any(line.startswith("links: node 0->0 (intra)") for line in summary)
+    assert taco_notebook.dashboard() is dashboard_module.last_dashboard()
+    assert taco_notebook.dashboard().bar.value == 30
+
+
+def test_a_cell_that_trains_nothing_shows_nothing(ip, shared_cluster, capsys):
+    ip.run_cell_magic("taco_run", "", "x = 1")
+    assert "taco dashboard" not in capsys.readouterr().out
+
+
+def test_no_dashboard_prints_nothing_and_ranks_publish_nothing(ip, shared_cluster, capsys):
+    ip.run_cell_magic("taco_run", "--no-dashboard", train(steps=5, sleep=0))
+    assert "taco dashboard" not in capsys.readouterr().out
+    publisher = ip.run_cell_magic("taco_run", "--no-dashboard --gather", "taco.metrics._publishing.publisher")
+    assert publisher == [None] * 4
+
+
+def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, capsys):
+    monkeypatch.setenv("TACO_DASHBOARD", "widget")
+    ip.run_cell_magic("taco_run", "--compression fp16 --intra-size 2", train(steps=40, sleep=0.03))
+    board = taco_notebook.dashboard()
+    assert "taco dashboard" not in capsys.readouterr().out  # the widget, not the text
+    throughput = board.stream.plots.throughput.sources["throughput"].data
+    assert len(throughput["time"]) >= 2 and all(v > 0 for v in throughput["total"])
+    ratio = board.stream.plots.compression.sources["compression"].data["ratio"]
+    assert ratio and ratio[-1] == pytest.approx(2.0, rel=0.2)  # fp16 halves what crosses nodes
+    assert board.nodes == 2 and board.bar.bar_style == "success" and "finished" in board.status.value
+
+
+def test_a_failing_rank_freezes_the_dashboard_with_the_failure(ip, shared_cluster, capsys):
+    fail = "if step == 10 and taco.rank() == 1: raise ValueError('bad batch')"
+    with pytest.raises(RankFailedError):
+        ip.run_cell_magic("taco_run", "", train(steps=30, sleep=0.01, fail=fail))
+    out = capsys.readouterr().out
+    assert "taco dashboard: cluster 'default' · failed: rank 1 raised" in out
+
+
+def test_bad_dashboard_setting_is_a_usage_error(ip, monkeypatch):
+    monkeypatch.setenv("TACO_DASHBOARD", "fancy")
+    with pytest.raises(UsageError, match="TACO_DASHBOARD must be one of auto, widget, text, off"):
+        ip.run_cell_magic("taco_run", "-np 2 --cluster never", "x = 1")
+    from taco_notebook.cluster.session import clusters
+
+    assert "never" not in clusters
+
+
+def test_taco_dashboard_before_any_run_says_what_makes_one(monkeypatch):
+    monkeypatch.setattr(dashboard_module, "_last", None)
+    with pytest.raises(TacoError, match="no dashboard yet"):
+        taco_notebook.dashboard()
