@@ -1,0 +1,105 @@
+"""What the live dashboard costs a training step: the ranks' publishing, and a whole training cell with and without.
+
+Two measurements on one running cluster, in one real IPython shell with the widget dashboard forced on
+(``TACO_DASHBOARD=widget``: the client builds the widgets and sends every bokeh patch, as under JupyterLab):
+
+1. on the ranks, the microseconds of one ``taco.metrics.publish()`` (snapshot + ipyparallel datapub send) and of one
+   ``taco.progress`` iteration, turned into a cost per second of training at the default 4 publishes/s;
+2. the same training cell (``taco.progress`` + ``DistributedOptimizer``), alternately with the dashboard and with
+   ``--no-dashboard``, timed on rank 0 around the loop only.
+
+    .venv/bin/python benchmarks/dashboard_cost.py --ranks 4 --repeats 5 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+
+from IPython.testing.globalipapp import start_ipython
+
+PUBLISH = """\
+import time as _t
+from taco_notebook.cluster import publish as _p
+_p.begin_cell(True)
+for _ in range(50):
+    taco.metrics.step(samples=1)            # something to report
+_began = _t.perf_counter()
+for _ in range({n}):
+    taco.metrics.publish()
+_publish_s = (_t.perf_counter() - _began) / {n}
+_began = _t.perf_counter()
+for _ in range({n}):
+    pass
+_plain = _t.perf_counter() - _began
+_began = _t.perf_counter()
+for _ in taco.progress(range({n})):
+    pass
+_iter_s = (_t.perf_counter() - _began - _plain) / {n}
+(_publish_s, _iter_s)
+"""
+
+TRAIN = """\
+import time as _t
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+opt = taco.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                samples_per_step=64)
+x, y = torch.randn(64, 256), torch.randn(64, 1)
+_began = _t.perf_counter()
+for step in taco.progress(range({steps})):
+    opt.zero_grad(); nn.functional.mse_loss(model(x), y).backward(); opt.step()
+{steps} / (_t.perf_counter() - _began)
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5, help="training cells per variant, alternating")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per cell")
+    parser.add_argument("--calls", type=int, default=2000, help="publishes / iterations timed on the ranks")
+    args = parser.parse_args()
+    os.environ["TACO_DASHBOARD"] = "widget"
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "taco_notebook")
+    quiet = contextlib.redirect_stdout(io.StringIO())
+    with quiet, contextlib.redirect_stderr(io.StringIO()):
+        ip.run_line_magic("taco_cluster", f"start -n {args.ranks} --cluster bench")
+        costs = ip.run_cell_magic("taco_run", "--cluster bench --gather --no-dashboard",
+                                  PUBLISH.format(n=args.calls))
+        rates: dict[str, list[float]] = {"dashboard": [], "--no-dashboard": []}
+        ip.run_cell_magic("taco_run", "--cluster bench --no-dashboard", TRAIN.format(steps=20))  # warm-up
+        for _ in range(args.repeats):
+            for variant, line in (("dashboard", ""), ("--no-dashboard", "--no-dashboard")):
+                rate = ip.run_cell_magic("taco_run", f"--cluster bench {line}", TRAIN.format(steps=args.steps))
+                rates[variant].append(rate)
+        ip.run_line_magic("taco_cluster", "stop --cluster bench")
+
+    publish_us = statistics.median(c[0] for c in costs) * 1e6
+    iter_us = statistics.median(c[1] for c in costs) * 1e6
+    print(f"### Dashboard cost on the ranks ({args.ranks} ranks, median over ranks of {args.calls} calls)\n")
+    print("| step time | publishes per step | cost per step | share of the step |")
+    print("|---|---|---|---|")
+    for step_ms in (5, 20, 100, 1000):
+        per_step = min(1.0, step_ms / 250)  # at most one publish per 0.25 s
+        cost_us = per_step * publish_us + iter_us
+        print(f"| {step_ms} ms | {per_step:.2f} | {cost_us:.1f} µs | {cost_us / (step_ms * 10):.3f} % |")
+    print(f"\none publish: {publish_us:.0f} µs; one taco.progress iteration: {iter_us:.2f} µs\n")
+
+    on, off = statistics.median(rates["dashboard"]), statistics.median(rates["--no-dashboard"])
+    print(f"### Training cell, {args.ranks} ranks, {args.steps} steps, {args.repeats} alternating repeats\n")
+    print("| variant | steps/s (median) | all runs |")
+    print("|---|---|---|")
+    for variant, runs in rates.items():
+        print(f"| {variant} | {statistics.median(runs):.1f} | {', '.join(f'{r:.1f}' for r in runs)} |")
+    print(f"\ndashboard vs --no-dashboard: {100 * (on / off - 1):+.1f} % steps/s")
+
+
+if __name__ == "__main__":
+    main()
