@@ -21,3 +21,14 @@ def test_allreduce_benchmark_measures_every_variant(tmp_path):
     rows = {line.split("|")[2].strip() for line in result.stdout.splitlines() if line.startswith("| 1 MiB")}
     assert {"gloo", "mpi4py", "taco flat", "taco 2d", "taco 2d+fp16", "taco 2d+topk:0.01"} <= rows, result.stdout
     assert list(tmp_path.glob("allreduce-*.json")), "no JSON result written"
+
+
+@pytest.mark.timeout(240)
+def test_dashboard_cost_benchmark_reports_both_measurements():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "dashboard_cost.py"), "--ranks", "2", "--repeats", "1", "--steps", "20",
+         "--calls", "100"],
+        capture_output=True, text=True, timeout=220, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| 20 ms | 0.08 |" in result.stdout and "one publish:" in result.stdout
+    assert "| dashboard |" in result.stdout and "| --no-dashboard |" in result.stdout
