@@ -9,8 +9,9 @@ hands it to a :class:`CellDashboard`, which decides how to show it:
   summary printed when the cell ends.
 * ``off``: ``--no-dashboard``.
 
-``auto`` picks ``widget`` when a widget manager has opened its control channel to this kernel (JupyterLab and
-Notebook 7 do as soon as they connect), else ``text``; ``TACO_DASHBOARD=widget|text|off`` overrides it.
+``auto`` picks ``widget`` in a kernel that a Jupyter server started for a notebook session (JupyterLab,
+Notebook 7, Voilà) or that a widget manager has talked to, else ``text``; ``TACO_DASHBOARD=widget|text|off``
+overrides it (VS Code, for example, needs ``widget``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def _widget_frontend() -> bool:
         from ipywidgets import Widget
     except ImportError:
         return False
-    return Widget._control_comm is not None
+    # A widget manager opens this channel when it connects, but only to a kernel that had imported ipywidgets
+    # by then; a kernel that a Jupyter server started for a notebook or console session (JupyterLab, Notebook,
+    # Voilà) has JPY_SESSION_NAME, whereas nbclient/nbval kernels do not.
+    return Widget._control_comm is not None or "JPY_SESSION_NAME" in os.environ
 
 
 class ProgressView:
