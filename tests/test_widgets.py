@@ -245,8 +245,11 @@ def test_summary_has_the_key_figures(stream: MetricsStream) -> None:
     text = stream.summary()
     assert "512.0 samples/s total" in text
     assert "node 0->1 5.0 MB (2.5 MB/s)" in text and "node 1->1 (intra) 1.6 MB" in text
-    assert "compression: 4.00x, 48.0 MB saved"  # 4 ranks x (16 - 4) MB in text
-    assert "slowest rank: 3" in text
+    assert "compression: 4.00x, 48.0 MB saved" in text  # 4 ranks x (16 - 4) MB
+    assert "slowest rank: 3 (0.250 s/step: compute 0.225 s, overlapped communication 0.025 s, wait 0.000 s" in text
+    no_samples = MetricsStream(NODE_OF_RANK)
+    no_samples.push([{**snap, "samples": 0} for snap in batch(2.0)])
+    assert "throughput: 4.00 steps/s (give the optimizer samples_per_step for samples/s)" in no_samples.summary()
 
 
 def test_from_snapshots_lays_out_the_ranks_it_sees() -> None:

@@ -277,10 +277,19 @@ class MetricsStream:
         elapsed = max(s["elapsed_seconds"] for s in snaps)
         nodes = {s.get("node") for s in snaps}
         rate = sum(s.get("samples", 0) / s["elapsed_seconds"] for s in snaps if s["elapsed_seconds"] > 0)
+        if rate > 0:
+            throughput = f"throughput: {rate:,.1f} samples/s total"
+        else:  # no batch size given: steps/s of the slowest rank
+            step_rate = min((s.get("steps", 0) / s["elapsed_seconds"] for s in snaps if s["elapsed_seconds"] > 0),
+                            default=0.0)  # fmt: skip
+            throughput = f"throughput: {step_rate:,.2f} steps/s (give the optimizer samples_per_step for samples/s)"
+        tokens = sum(s.get("tokens", 0) / s["elapsed_seconds"] for s in snaps if s["elapsed_seconds"] > 0)
+        if tokens > 0:
+            throughput += f", {tokens:,.0f} tokens/s"
         lines = [
             f"taco metrics: {len(self.latest)} ranks on {len(nodes)} nodes, {elapsed:.1f} s, "
             f"{max(s.get('steps', 0) for s in snaps)} steps",
-            f"throughput: {rate:,.1f} samples/s total",
+            throughput,
             "links: " + (", ".join(self._link_totals()) or "no traffic"),
             self._compression_line(),
         ]
@@ -290,7 +299,8 @@ class MetricsStream:
             rank = max(last.compute_seconds, key=last.compute_seconds.__getitem__)  # the one the others wait for
             lines.append(
                 f"slowest rank: {rank} ({steps[rank]:.3f} s/step: compute {last.compute_seconds[rank]:.3f} s,"
-                f" wait {last.wait_seconds[rank]:.3f} s; median {statistics.median(steps.values()):.3f} s)"
+                f" overlapped communication {last.comm_seconds[rank]:.3f} s, wait {last.wait_seconds[rank]:.3f} s;"
+                f" median {statistics.median(steps.values()):.3f} s)"
             )
         return "\n".join(lines)
 
