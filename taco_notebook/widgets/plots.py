@@ -84,8 +84,17 @@ def format_rate(bytes_per_s: float) -> str:
 
 
 def _figure(title: str, **kwargs: Any) -> figure:
-    kwargs.setdefault("height", 260)
+    kwargs.setdefault("height", 290)
     return figure(title=title, sizing_mode="stretch_width", tools=TOOLS, toolbar_location="right", **kwargs)
+
+
+def _legend_below(fig: figure) -> None:
+    """Move the legend under the plot, in a row: inside it would cover the data it explains."""
+    legend = fig.legend[0]
+    fig.center.remove(legend)
+    legend.orientation = "horizontal"
+    legend.location = "center"
+    fig.add_layout(legend, "below")
 
 
 def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s)") -> Plot:
@@ -112,7 +121,7 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
         color = Category10_10[i % len(Category10_10)]
         fig.line("time", column, source=source, color=color, legend_label=f"rank {rank}", name=column)
     fig.legend.click_policy = "hide"
-    fig.legend.location = "top_left"
+    _legend_below(fig)
     return Plot(fig, {"throughput": source})
 
 
@@ -151,13 +160,14 @@ def _link_heatmap(
         )  # fmt: skip
         if len(names) <= MAX_LABELLED_CELLS:
             fig.text("dst", "src", text="label", source=sources[role], text_align="center", text_baseline="middle",
-                     text_font_size="9pt", color="white" if role == "inter" else "black",
+                     text_font_size="9pt", color="black", background_fill_color="white",
+                     background_fill_alpha=0.7,  # readable on dark and light cells alike
                      name=f"{role}_label")  # fmt: skip
     scale = "bytes/s, inter-node"
     if capacity_bps is not None:
         scale += f" (max = capacity {format_rate(capacity_bps)})"
     fig.add_layout(ColorBar(color_mapper=inter_mapper, title=scale, width=8), "right")
-    fig.legend.location = "top_right"
+    _legend_below(fig)
     return Plot(fig, sources)
 
 
@@ -188,7 +198,7 @@ def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
     fig.y_range = DataRange1d(renderers=[ratio], start=0)
     fig.extra_y_ranges = {"saved": DataRange1d(renderers=[saved], start=0)}
     fig.add_layout(LinearAxis(y_range_name="saved", axis_label="bytes saved"), "right")
-    fig.legend.location = "top_left"
+    _legend_below(fig)
     return Plot(fig, {"compression": source})
 
 
@@ -204,7 +214,7 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
     n = len(names)
     source = ColumnDataSource(data={"rank": names, "compute": [0.0] * n, "comm": [0.0] * n, "wait": [0.0] * n,
                                     "total": [0.0] * n, "note": [""] * n}, name="taco-step-time")  # fmt: skip
-    fig = _figure(title, x_range=names, y_range=DataRange1d(start=0), x_axis_label="rank",
+    fig = _figure(title, x_range=names, y_range=DataRange1d(start=0, range_padding=0.15), x_axis_label="rank",
                   y_axis_label="seconds per step")  # fmt: skip
     fig.vbar_stack(["compute", "comm", "wait"], x="rank", width=0.8, source=source,
                    color=["#2ca02c", "#98df8a", "#d62728"],
@@ -212,7 +222,7 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
                    name="step")  # fmt: skip
     fig.text("rank", "total", text="note", source=source, text_align="center", text_baseline="bottom",
              text_font_size="9pt", name="note")  # fmt: skip
-    fig.legend.location = "top_left"
+    _legend_below(fig)
     return Plot(fig, {"step_time": source})
 
 
