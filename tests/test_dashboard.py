@@ -86,7 +86,8 @@ def test_no_dashboard_prints_nothing_and_ranks_publish_nothing(ip, shared_cluste
 
 def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, capsys):
     monkeypatch.setenv("TACO_DASHBOARD", "widget")
-    ip.run_cell_magic("taco_run", "--compression fp16 --intra-size 2", train(steps=40, sleep=0.03))
+    monkeypatch.setenv("TACO_LINK_GBITS", "25")
+    ip.run_cell_magic("taco_run", "--compression fp16 --intra-size 2", train(steps=80, sleep=0.03))
     board = taco_notebook.dashboard()
     assert "taco dashboard" not in capsys.readouterr().out  # the widget, not the text
     throughput = board.stream.plots.throughput.sources["throughput"].data
@@ -94,6 +95,8 @@ def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, c
     ratio = board.stream.plots.compression.sources["compression"].data["ratio"]
     assert ratio and ratio[-1] == pytest.approx(2.0, rel=0.2)  # fp16 halves what crosses nodes
     assert board.nodes == 2 and board.bar.bar_style == "success" and "finished" in board.status.value
+    colour_bar = board.stream.plots.node_links.figure.right[0]
+    assert colour_bar.color_mapper.high == 25e9 / 8 and "capacity 3.1 GB/s" in colour_bar.title
 
 
 def test_a_failing_rank_freezes_the_dashboard_with_the_failure(ip, shared_cluster, capsys):
@@ -104,9 +107,14 @@ def test_a_failing_rank_freezes_the_dashboard_with_the_failure(ip, shared_cluste
     assert "taco dashboard: cluster 'default' · failed: rank 1 raised" in out
 
 
-def test_bad_dashboard_setting_is_a_usage_error(ip, monkeypatch):
-    monkeypatch.setenv("TACO_DASHBOARD", "fancy")
-    with pytest.raises(UsageError, match="TACO_DASHBOARD must be one of auto, widget, text, off"):
+@pytest.mark.parametrize("name, value, message", [
+    ("TACO_DASHBOARD", "fancy", "TACO_DASHBOARD must be one of auto, widget, text, off"),
+    ("TACO_LINK_GBITS", "fast", "TACO_LINK_GBITS must be a positive number of Gbit/s, got 'fast'"),
+    ("TACO_LINK_GBITS", "-1", "TACO_LINK_GBITS must be a positive number of Gbit/s"),
+])
+def test_bad_dashboard_setting_is_a_usage_error(ip, monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=message):
         ip.run_cell_magic("taco_run", "-np 2 --cluster never", "x = 1")
     from taco_notebook.cluster.session import clusters
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -83,11 +84,25 @@ def _dashboard_mode(wanted: bool) -> str:
         raise UsageError(str(exc)) from None
 
 
-def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str) -> Any:
+def _link_capacity() -> float | None:
+    """Bytes/s of a node's network link from ``TACO_LINK_GBITS`` (e.g. ``25``), for the heatmaps' scale."""
+    value = os.environ.get("TACO_LINK_GBITS")
+    if not value:
+        return None
+    try:
+        gbits = float(value)
+    except ValueError:
+        gbits = float("nan")
+    if not 0 < gbits < float("inf"):
+        raise UsageError(f"TACO_LINK_GBITS must be a positive number of Gbit/s, got {value!r}")
+    return gbits * 1e9 / 8
+
+
+def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str, capacity: float | None) -> Any:
     from ..widgets.dashboard import CellDashboard
 
     node_of_rank = {r.rank: r.node for r in cluster.ranks if targets is None or r.rank in targets}
-    return CellDashboard(node_of_rank, mode, title=f"cluster {cluster.name!r}")
+    return CellDashboard(node_of_rank, mode, title=f"cluster {cluster.name!r}", capacity_bps=capacity)
 
 
 @magics_class
@@ -117,8 +132,9 @@ class TacoMagics(Magics):
         if intra_size is not None and planned % intra_size:
             raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
         mode = _dashboard_mode(args.dashboard)
+        capacity = _link_capacity()  # checked before anything starts
         cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, intra_size)
-        monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode)]
+        monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
         return run_cell(cluster, cell, options, say)
