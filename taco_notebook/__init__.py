@@ -20,6 +20,11 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "dashboard", "load_ipython_extension", "unload_ipython_extension"]
 
 
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    """The Jupyter server extension (REST API for the sidebar); ``taco_notebook.server`` loads it lazily."""
+    return [{"module": "taco_notebook.server"}]
+
+
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext taco_notebook``: register ``%%taco_run`` and ``%taco_cluster``; in the notebook, ``taco`` is
     this package (``taco.dashboard()``) unless the name is already taken."""

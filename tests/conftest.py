@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ import pytest
 
 SESSION_MARK = uuid.uuid4().hex
 os.environ["TACO_TEST_SESSION"] = SESSION_MARK
+# clusters started by tests (and by kernels and Jupyter servers they start) publish here, not in the user's registry
+os.environ["TACO_REGISTRY_DIR"] = tempfile.mkdtemp(prefix="taco-registry-")
 REPO = Path(__file__).resolve().parent.parent
 SHARED = "default"
 
@@ -118,3 +121,9 @@ def no_leaked_processes(request) -> Iterator[None]:
 @pytest.fixture
 def mpiexec() -> str:
     return str(Path(sys.executable).parent / "mpiexec")
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    shutil.rmtree(os.environ["TACO_REGISTRY_DIR"], ignore_errors=True)

@@ -36,6 +36,8 @@ def train(steps: int = 30, sleep: float = 0.02, fail: str = "") -> str:
 class Recorder:
     """A real monitor that keeps what the wait loop handed it."""
 
+    wants_metrics = True
+
     def __init__(self) -> None:
         self.updates: list[tuple[dict[int, Any], list[int]]] = []
         self.outcome: str | None = None
@@ -125,3 +127,21 @@ def test_taco_dashboard_before_any_run_says_what_makes_one(monkeypatch):
     monkeypatch.setattr(dashboard_module, "_last", None)
     with pytest.raises(TacoError, match="no dashboard yet"):
         taco_notebook.dashboard()
+
+
+def test_the_registry_entry_shows_the_running_cell_and_its_step(shared_cluster):
+    from taco_notebook.cluster import registry
+
+    seen = []
+
+    class Peek(Recorder):
+        def update(self, payloads, running):
+            entry = registry.read_entry(registry.registry_dir(), shared_cluster.cluster_id)
+            seen.append(entry and entry["model"]["run"])
+
+    run_cell(shared_cluster, train(steps=60, sleep=0.03), CellOptions(monitors=[Peek()]), RankOutput())
+    runs = [r for r in seen if r]
+    assert runs and runs[0]["cell"] == "import time" and runs[-1]["total"] == 60
+    assert max(r["step"] for r in runs) > 0 and any(r["samples_per_s"] for r in runs)
+    entry = registry.read_entry(registry.registry_dir(), shared_cluster.cluster_id)
+    assert entry is not None and entry["model"]["run"] is None  # cleared when the cell ended

@@ -21,12 +21,12 @@ from __future__ import annotations
 import ast
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ipyparallel.error import RemoteError
 
-from ..errors import CellTimeoutError, RankDiedError, RankFailedError
+from ..errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 from .publish import KEY as PUBLISH_KEY
 from .session import TacoCluster, _ranks_text
 
@@ -38,7 +38,12 @@ REPORT_S = 0.25  # how often monitors hear from the ranks: the dashboard redraws
 
 
 class CellMonitor(Protocol):
-    """Watches a running cell: ``update`` with every rank's latest published payload, ``finish`` once."""
+    """Watches a running cell: ``update`` with every rank's latest published payload, ``finish`` once.
+
+    The ranks publish metrics only if some monitor ``wants_metrics``; the others read what comes.
+    """
+
+    wants_metrics: bool
 
     def update(self, payloads: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> None: ...
     def finish(self, outcome: str) -> None: ...
@@ -132,6 +137,7 @@ class _CellRun:
         self.ar: Any = None
         self.reported_at = 0.0
         self.reported: dict[int, int] = {}  # rank -> id() of the payload last handed to the monitors
+        self.publishing = any(m.wants_metrics for m in options.monitors)
 
     # ---------------------------------------------------------------- output
     def drain(self) -> None:
@@ -267,7 +273,7 @@ class _CellRun:
             self.cluster.client[self.targets].execute(f"taco.configure(**{self.options.settings!r})", block=True)
         # no reply awaited: the engines run it before the cell, in order
         self.cluster.client[self.targets].execute(
-            f"__import__('taco_notebook.cluster.publish').cluster.publish.begin_cell({bool(self.options.monitors)})",
+            f"__import__('taco_notebook.cluster.publish').cluster.publish.begin_cell({self.publishing})",
             block=False)  # fmt: skip
         try:
             value = self._execute(source, captured)
@@ -372,5 +378,15 @@ def _render(error: Any) -> str:
 
 def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
     """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
-    ``gather``) value of the last expression, or None."""
-    return _CellRun(cluster, options, sink).execute(code)
+    ``gather``) value of the last expression, or None.
+
+    Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end.
+    """
+    from .reporting import RegistryRun
+
+    with cluster.busy:
+        if not cluster.running:  # stopped or rescaled from the sidebar between the magic's check and now
+            raise ClusterStartError(f"cluster {cluster.name!r} was stopped or rescaled from the sidebar just "
+                                    "before this cell: run the cell again to use it or start a fresh one")
+        options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, code)])
+        return _CellRun(cluster, options, sink).execute(code)

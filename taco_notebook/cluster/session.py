@@ -15,10 +15,11 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
 from .mpi import MPIInfo, find_mpi
@@ -44,13 +45,19 @@ taco_notebook.cluster.publish.install()
 
 @dataclass(frozen=True)
 class RankInfo:
-    """One engine: its MPI rank (= engine id), where it runs and its placement."""
+    """One engine: its MPI rank (= engine id), where it runs, its placement, and what its host offers.
+
+    ``gpus``: NVIDIA GPUs the rank can see (``CUDA_VISIBLE_DEVICES`` applied); ``hugepages``: its host's
+    ``/proc/meminfo`` huge pages as ``{"total", "free", "page_kb"}``, or None where the kernel has none.
+    """
 
     rank: int
     host: str
     pid: int
     local_rank: int
     node: int
+    gpus: int = 0
+    hugepages: dict[str, int] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -73,6 +80,14 @@ class ClusterStatus:
     def hosts(self) -> list[str]:
         return sorted({r.host for r in self.ranks})
 
+    @property
+    def gpus(self) -> int:
+        """GPUs over all nodes (the ranks of a node see the same devices)."""
+        per_node: dict[int, int] = {}
+        for r in self.ranks:
+            per_node[r.node] = max(per_node.get(r.node, 0), r.gpus)
+        return sum(per_node.values())
+
 
 def _engine_info() -> dict[str, Any]:
     """Runs on each engine right after start."""
@@ -81,8 +96,25 @@ def _engine_info() -> dict[str, Any]:
     import taco_notebook.comm as _taco
 
     topo = _taco.topology()
+    try:  # without importing torch or touching CUDA: one directory per GPU the driver knows
+        gpus = len(_os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        gpus = 0
+    visible = _os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # CUDA stops at the first invalid entry ("-1" hides every device)
+        entries = [d.strip() for d in visible.split(",")]
+        gpus = min(gpus, next((i for i, d in enumerate(entries) if not d or d.startswith("-")), len(entries)))
+    hugepages = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in meminfo)
+                      if k in ("HugePages_Total", "HugePages_Free", "Hugepagesize")}
+        hugepages = {"total": fields["HugePages_Total"], "free": fields["HugePages_Free"],
+                     "page_kb": fields["Hugepagesize"]}
+    except (OSError, KeyError, ValueError):
+        pass
     return {"rank": topo.rank, "host": topo.hostname, "pid": _os.getpid(),
-            "local_rank": topo.local_rank, "node": topo.node}
+            "local_rank": topo.local_rank, "node": topo.node, "gpus": gpus, "hugepages": hugepages}
 
 
 def _signal_name(number: int) -> str:
@@ -99,7 +131,14 @@ class TacoCluster:
     >>> c.view.apply_sync(lambda: 1)
     [1, 1, 1, 1]
     >>> c.stop()
+
+    ``busy`` is held while a cell runs (by the cell runner) and while the cluster restarts: the registry's
+    watcher carries out the sidebar's stop/scale requests only when it can take it. ``cluster_id`` is set by
+    the first start and kept by later ones (:meth:`scale`), so the registry entry keeps its id.
     """
+
+    owner_kind: Literal["kernel", "server"] = "kernel"  # the server extension sets "server" on its own clusters
+    cluster_id: str | None = None
 
     def __init__(self, name: str = "default", size: int = 4, mpiexec: str | None = None,
                  start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
@@ -119,6 +158,7 @@ class TacoCluster:
         self.needs_reinit = False
         self._started_processes: list[Any] = []
         self._shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
+        self.busy = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -146,15 +186,21 @@ class TacoCluster:
         return config
 
     def start(self) -> TacoCluster:
-        """Start controller and ``size`` engines, check them, and bring up the process group on every rank."""
+        """Start controller and ``size`` engines, check them, and bring up the process group on every rank.
+
+        Publishes the cluster to the registry (``starting``, then ``running``) for the Jupyter sidebar.
+        """
         import ipyparallel as ipp
 
+        from . import registry
+
         self.mpi = self.mpi or find_mpi(self.mpiexec)
-        cluster_id = f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        cluster_id = self.cluster_id = self.cluster_id or f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.broken_reason = None
+        registry.publish(self, "starting")
         self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
                                        controller_ip="127.0.0.1", log_level=logging.ERROR,
                                        config=self._ipp_config(self.mpi))
-        self.broken_reason = None
         try:
             self.ipp_cluster.start_cluster_sync()
             self.client = self.ipp_cluster.connect_client_sync()
@@ -172,6 +218,7 @@ class TacoCluster:
         self.needs_reinit = False
         self._started_processes = _process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
         self._shared_memory = _shared_memory_files(self.ranks)
+        registry.publish(self, "running")
         return self
 
     def _wait_for_engines(self) -> None:
@@ -192,8 +239,35 @@ class TacoCluster:
         if mismatched:
             raise ClusterStartError(f"engine ids differ from MPI ranks: {mismatched}")
 
-    def stop(self) -> None:
-        """Stop engines and controller; leaves nothing running. Safe to call twice."""
+    def stop(self, unpublish: bool = True) -> None:
+        """Stop engines and controller; leaves nothing running. Safe to call twice.
+
+        Removes the registry entry, unless ``unpublish`` is False (a restart under the same id: :meth:`scale`).
+        """
+        from . import registry
+
+        if self.ipp_cluster is not None and self.cluster_id:
+            registry.publish(self, "stopping")
+        try:
+            self._stop_processes()
+        finally:
+            if unpublish:
+                registry.remove(self)
+
+    def scale(self, size: int) -> TacoCluster:
+        """Restart with ``size`` ranks under the same name and registry id.
+
+        An MPI job's world size is fixed at launch, so scaling is a stop and a start of a new ``size``-rank MPI
+        job: what the engines held (variables, the process group) is lost. Holds :attr:`busy` meanwhile.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"size must be a positive integer, got {size!r}")
+        with self.busy:
+            self.stop(unpublish=False)
+            self.size = size
+            return self.start()
+
+    def _stop_processes(self) -> None:
         cluster, client = self.ipp_cluster, self.client
         self.ipp_cluster = self.client = None
         self.ranks = []
@@ -247,6 +321,10 @@ class TacoCluster:
             _kill(engine_sets + [p for p in self._started_processes if p not in _descendants(controller)],
                   wait=False)
         self.broken_reason = reason
+        if self.cluster_id:
+            from . import registry
+
+            registry.publish(self)  # "broken", with the reason, for the sidebar
 
     def engines_alive(self) -> bool:
         engine_sets = self._engine_sets()

@@ -234,6 +234,8 @@ class CellDashboard:
     trains nothing shows nothing.
     """
 
+    wants_metrics = True
+
     def __init__(self, node_of_rank: Mapping[int, int], mode: str, *, title: str = "",
                  capacity_bps: float | None = None) -> None:
         if mode not in ("widget", "text"):

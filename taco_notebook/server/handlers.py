@@ -1,0 +1,91 @@
+"""Thin, authenticated REST handlers over :class:`~taco_notebook.server.manager.ClusterManager`.
+
+``GET  clusters``             → ClusterList             ``GET    clusters/{id}`` → ClusterModel
+``POST clusters`` {size,name?} → 202 ClusterModel        ``PATCH  clusters/{id}`` {size} → 202 ClusterModel
+``GET  version``              → {"version": ...}        ``DELETE clusters/{id}`` → 202 ClusterModel
+
+Errors are ``{"message", "reason"}`` (APIHandler.write_error) with 400, 404 or 409 from the manager's errors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import tornado.web
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+from .. import __version__
+from . import API_PATH, MANAGER_SETTING
+from .manager import ClusterManager
+from .models import ManagerError
+
+__all__ = ["VersionHandler", "ClustersHandler", "ClusterHandler", "setup_handlers"]
+
+T = TypeVar("T")
+
+
+class _ManagerHandler(APIHandler):
+    @property
+    def manager(self) -> ClusterManager:
+        manager: ClusterManager = self.settings[MANAGER_SETTING]
+        return manager
+
+    def call(self, method: Callable[..., T], *args: Any) -> T:
+        """``method(*args)``, its refusal turned into the HTTP error it stands for."""
+        try:
+            return method(*args)
+        except ManagerError as exc:
+            message = str(exc)
+            raise tornado.web.HTTPError(exc.status, message, reason=message.splitlines()[0][:200]) from None
+
+    def reply(self, model: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(model))
+
+
+class VersionHandler(APIHandler):
+    @tornado.web.authenticated
+    def get(self) -> None:
+        self.finish(json.dumps({"version": __version__}))
+
+
+class ClustersHandler(_ManagerHandler):
+    @tornado.web.authenticated
+    def get(self) -> None:
+        self.reply(self.call(self.manager.list))
+
+    @tornado.web.authenticated
+    def post(self) -> None:
+        self.reply(self.call(self.manager.start, self.request.body), 202)
+
+
+class ClusterHandler(_ManagerHandler):
+    @tornado.web.authenticated
+    def get(self, cluster_id: str) -> None:
+        self.reply(self.call(self.manager.get, cluster_id))
+
+    @tornado.web.authenticated
+    def delete(self, cluster_id: str) -> None:
+        self.reply(self.call(self.manager.stop, cluster_id), 202)
+
+    @tornado.web.authenticated
+    def patch(self, cluster_id: str) -> None:
+        self.reply(self.call(self.manager.scale, cluster_id, self.request.body), 202)
+
+
+def setup_handlers(web_app: Any, manager: ClusterManager | None = None) -> ClusterManager:
+    """Route ``/taco-notebook/api/…`` to the handlers; the manager is stopped at process exit."""
+    manager = manager or ClusterManager()
+    web_app.settings[MANAGER_SETTING] = manager
+    atexit.register(manager.shutdown)
+    base = url_path_join(web_app.settings["base_url"], API_PATH)
+    web_app.add_handlers(".*$", [
+        (url_path_join(base, "version"), VersionHandler),
+        (url_path_join(base, "clusters"), ClustersHandler),
+        (url_path_join(base, "clusters", "([^/]+)"), ClusterHandler),
+    ])
+    return manager

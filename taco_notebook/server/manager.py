@@ -1,0 +1,206 @@
+"""ClusterManager: the logic behind the REST API, over the cluster registry. No tornado here.
+
+Two kinds of cluster, one list:
+
+- kernel-owned (started by ``%%taco_run`` / ``%taco_cluster`` in a notebook kernel): read from the registry.
+  The server cannot call into a kernel, so stop and scale leave a request file that the kernel's watcher
+  carries out between cells; until then the model shows it as ``pending``. An entry whose kernel died is
+  ``stale``: deleting it removes the entry and kills the processes recorded in it (see
+  :func:`~taco_notebook.cluster.registry.discard_stale`).
+- server-owned (``POST /clusters``): plain :class:`TacoCluster` objects in this process, started, stopped and
+  scaled in worker threads (never on the server's event loop) and all stopped by :meth:`ClusterManager.shutdown`.
+
+Every method returns models and raises :class:`BadRequest`, :class:`NotFound` or :class:`Conflict`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..cluster import registry
+from ..cluster.session import TacoCluster
+from .models import (
+    BadRequest,
+    ClusterList,
+    ClusterModel,
+    Conflict,
+    NotFound,
+    PendingModel,
+    State,
+    check_cluster_id,
+    parse_scale_request,
+    parse_start_request,
+)
+
+__all__ = ["ClusterManager", "BadRequest", "NotFound", "Conflict"]
+
+log = logging.getLogger("taco_notebook")
+
+Body = bytes | str | Mapping[str, Any]
+
+
+@dataclass
+class _Owned:
+    """A cluster this server started, and what its TacoCluster does not record: state, pending, last error."""
+
+    cluster: TacoCluster
+    state: State
+    pending: PendingModel | None = None
+    error: str | None = None
+
+
+class ClusterManager:
+    """Lists, starts, stops and scales clusters; ``registry_dir`` defaults to :func:`registry.registry_dir`."""
+
+    def __init__(self, registry_dir: str | os.PathLike[str] | None = None, max_workers: int = 4) -> None:
+        self.directory: Path = registry.registry_dir(registry_dir)
+        self._owned: dict[str, _Owned] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="taco-cluster")
+        self._closed = False
+
+    # ---------------------------------------------------------------- reading
+    def _owned_model(self, owned: _Owned) -> ClusterModel:
+        state, error = owned.state, owned.error
+        if state == "running" and not owned.cluster.engines_alive():
+            state, error = "broken", error or "the engines' mpiexec exited; scale or delete the cluster"
+        return registry.model_of(owned.cluster, state, "server", pending=owned.pending, error=error)
+
+    def list(self) -> ClusterList:
+        with self._lock:
+            owned = [self._owned_model(o) for o in self._owned.values()]
+        theirs = registry.read_models(self.directory, exclude={m["id"] for m in owned})
+        return {"clusters": theirs + owned}
+
+    def get(self, cluster_id: str) -> ClusterModel:
+        check_cluster_id(cluster_id)
+        with self._lock:
+            owned = self._owned.get(cluster_id)
+            if owned is not None:
+                return self._owned_model(owned)
+        model = registry.read_model(self.directory, cluster_id)
+        if model is None:
+            raise NotFound(f"No such cluster: {cluster_id}")
+        return model
+
+    # ---------------------------------------------------------------- actions
+    def start(self, body: Body) -> ClusterModel:
+        """Start a cluster owned by this server; returns at once with state ``starting``."""
+        request = parse_start_request(body)
+        name = request.get("name", "default")
+        cluster = TacoCluster(name, request["size"])
+        cluster.owner_kind = "server"
+        cluster.cluster_id = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        with self._lock:
+            if self._closed:
+                raise Conflict("the Jupyter server is shutting down; start the cluster after it restarts")
+            owned = self._owned[cluster.cluster_id] = _Owned(cluster, "starting")
+            registry.publish(cluster, "starting", directory=self.directory)
+            self._pool.submit(self._run, owned, "start", None)
+            return self._owned_model(owned)
+
+    def stop(self, cluster_id: str) -> ClusterModel:
+        """Stop a cluster: now (server-owned), by request (kernel-owned), or discard a stale entry."""
+        with self._lock:
+            owned = self._owned.get(check_cluster_id(cluster_id))
+            if owned is not None:
+                return self._act(owned, "stop", None)
+        model = self.get(cluster_id)
+        if model["state"] == "stale":
+            killed = registry.discard_stale(self.directory, cluster_id)
+            log.info("removed stale cluster %s; killed the processes it left: %s", cluster_id, killed or "none")
+            return {**model, "state": "stopped", "engines_up": 0}
+        self._check_requestable(model, "stop")
+        return {**model, "pending": registry.write_request(self.directory, cluster_id, "stop", None)}
+
+    def scale(self, cluster_id: str, body: Body) -> ClusterModel:
+        """Restart a cluster with another number of ranks (a new MPI job: MPI fixes the world size at launch)."""
+        size = parse_scale_request(body)["size"]
+        with self._lock:
+            owned = self._owned.get(check_cluster_id(cluster_id))
+            if owned is not None:
+                self._check_size(self._owned_model(owned), size)
+                return self._act(owned, "scale", size)
+        model = self.get(cluster_id)
+        if model["state"] == "stale":
+            raise Conflict(f"cluster {cluster_id} is stale (its owner is gone) and cannot be scaled; delete it")
+        self._check_requestable(model, "scale")
+        self._check_size(model, size)
+        return {**model, "pending": registry.write_request(self.directory, cluster_id, "scale", size)}
+
+    @staticmethod
+    def _check_size(model: ClusterModel, size: int) -> None:
+        if model["state"] == "running" and model["size"] == size:
+            raise Conflict(f"cluster {model['id']} already runs {size} ranks; ask for another size")
+
+    def _check_requestable(self, model: ClusterModel, action: str) -> None:
+        cluster_id = model["id"]
+        if model["pending"] is not None:
+            raise Conflict(f"cluster {cluster_id} already has a pending {model['pending']['action']}; "
+                           "it runs when the cell on the cluster ends")
+        if model["state"] == "stopping":
+            raise Conflict(f"cluster {cluster_id} is stopping; cannot {action} it")
+        if model["owner"]["kind"] == "server":  # another server's: only its manager acts on it
+            raise Conflict(f"cluster {cluster_id} belongs to another Jupyter server (pid "
+                           f"{model['owner']['pid']}); {action} it there")
+
+    def _act(self, owned: _Owned, action: str, size: int | None) -> ClusterModel:
+        """Queue ``action`` on a server-owned cluster (caller holds the lock)."""
+        cluster_id = owned.cluster.cluster_id
+        if owned.pending is not None or owned.state == "stopping":
+            what = f"a pending {owned.pending['action']}" if owned.pending else "a stop in progress"
+            raise Conflict(f"cluster {cluster_id} already has {what}; try again when it is done")
+        if self._closed:
+            raise Conflict("the Jupyter server is shutting down and stops every cluster it started")
+        owned.pending = {"action": "stop" if action == "stop" else "scale", "size": size,
+                         "requested_at": time.time()}
+        self._pool.submit(self._run, owned, action, size)
+        return self._owned_model(owned)
+
+    def _run(self, owned: _Owned, action: str, size: int | None) -> None:
+        """Worker thread: carry out one action; ``busy`` keeps actions on one cluster in order."""
+        cluster = owned.cluster
+        with cluster.busy:
+            with self._lock:
+                owned.pending = None
+                owned.state = "stopping" if action == "stop" else "starting"
+                owned.error = None
+            try:
+                if action == "stop":
+                    cluster.stop()
+                elif action == "scale" and size is not None:
+                    cluster.scale(size)
+                else:
+                    cluster.start()
+            except Exception as exc:  # a worker thread: the error goes to the model, where the sidebar shows it
+                log.warning("cluster %s: %s failed: %s", cluster.cluster_id, action, exc)
+                with self._lock:
+                    owned.state, owned.error = "broken", f"{action} failed: {exc}"
+                return
+            with self._lock:
+                if action == "stop":
+                    self._owned.pop(cluster.cluster_id or "", None)
+                else:
+                    owned.state = "running"
+
+    def shutdown(self) -> None:
+        """Stop every cluster this server started (waits for starts in progress). Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            owned = list(self._owned.values())
+            self._owned.clear()
+        for item in owned:
+            item.cluster.stop()
+        atexit.unregister(self.shutdown)

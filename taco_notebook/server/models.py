@@ -1,0 +1,190 @@
+"""The cluster state model: one typed structure for the registry files, the REST API and the sidebar.
+
+``labextension/src/models.ts`` mirrors these TypedDicts field for field; change both together. Request bodies
+are parsed here too, so that every 400 names the field at fault whatever calls the manager. No tornado import:
+the kernel's registry writes these models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any, Literal, TypedDict
+
+__all__ = [
+    "State", "OwnerKind", "Action", "Owner", "NodeModel", "HugePagesModel", "RunModel", "PendingModel",
+    "ClusterModel", "ClusterList", "ErrorModel", "StartRequest", "ScaleRequest",
+    "ManagerError", "BadRequest", "NotFound", "Conflict",
+    "parse_start_request", "parse_scale_request", "check_cluster_id", "NAME_PATTERN",
+]
+
+State = Literal["starting", "running", "stopping", "broken", "stopped", "stale"]
+OwnerKind = Literal["kernel", "server"]
+Action = Literal["stop", "scale"]
+
+
+class Owner(TypedDict):
+    """The process that owns a cluster: a notebook kernel, or the Jupyter server (clusters started via REST)."""
+
+    kind: OwnerKind
+    pid: int
+
+
+class NodeModel(TypedDict):
+    """One node of a cluster: its index, host name, the MPI ranks on it and the GPUs they can see."""
+
+    node: int
+    host: str
+    ranks: list[int]
+    gpus: int
+
+
+class HugePagesModel(TypedDict):
+    """Huge pages of the rank-0 host (``/proc/meminfo``); HARP-style network stacks need them on every node."""
+
+    total: int
+    free: int
+    page_kb: int
+
+
+class RunModel(TypedDict):
+    """The cell running on a cluster, as the kernel's cell runner last reported it."""
+
+    cell: str
+    started_at: float
+    step: int
+    total: int | None
+    samples_per_s: float | None
+
+
+class PendingModel(TypedDict):
+    """A stop or scale asked for but not yet carried out (a kernel acts only when no cell runs)."""
+
+    action: Action
+    size: int | None
+    requested_at: float
+
+
+class ClusterModel(TypedDict):
+    """One cluster as the sidebar shows it. ``id`` is the ipyparallel cluster_id; ``stale``: its owner is dead."""
+
+    id: str
+    name: str
+    profile: str
+    owner: Owner
+    state: State
+    size: int
+    engines_up: int
+    mpi: str
+    nodes: list[NodeModel]
+    gpus: int
+    hugepages: HugePagesModel | None
+    started_at: float | None
+    updated_at: float
+    run: RunModel | None
+    pending: PendingModel | None
+    error: str | None
+
+
+class ClusterList(TypedDict):
+    clusters: list[ClusterModel]
+
+
+class ErrorModel(TypedDict):
+    """Body of every 4xx/5xx reply (written by jupyter_server's ``APIHandler.write_error``)."""
+
+    message: str
+    reason: str
+
+
+class StartRequest(TypedDict, total=False):
+    """``POST /taco-notebook/api/clusters``: ``size`` is required."""
+
+    size: int
+    name: str
+
+
+class ScaleRequest(TypedDict):
+    """``PATCH /taco-notebook/api/clusters/{id}``."""
+
+    size: int
+
+
+class ManagerError(Exception):
+    """A request the manager refuses; ``status`` is the HTTP code the handlers answer with."""
+
+    status = 500
+
+
+class BadRequest(ManagerError):
+    status = 400
+
+
+class NotFound(ManagerError):
+    status = 404
+
+
+class Conflict(ManagerError):
+    status = 409
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _json_object(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(body, Mapping):
+        return dict(body)
+    try:
+        parsed = json.loads(body or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body must be a JSON object, e.g. {{\"size\": 2}}: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise BadRequest(f"request body must be a JSON object, e.g. {{\"size\": 2}}, got {type(parsed).__name__}")
+    return parsed
+
+
+def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(repr(f) for f in unknown)}; allowed: {', '.join(allowed)}")
+
+
+def _size(body: dict[str, Any]) -> int:
+    if "size" not in body:
+        raise BadRequest("field 'size' is required: the number of MPI ranks, a positive integer")
+    size = body["size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise BadRequest(f"field 'size' must be a positive integer, got {json.dumps(size)}")
+    return size
+
+
+def parse_start_request(body: bytes | str | Mapping[str, Any]) -> StartRequest:
+    """Validate a start body: ``{"size": int >= 1, "name"?: str}``; raises :class:`BadRequest` naming the field."""
+    parsed = _json_object(body)
+    _check_fields(parsed, ("size", "name"))
+    request: StartRequest = {"size": _size(parsed)}
+    if "name" in parsed:
+        name = parsed["name"]
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise BadRequest(f"field 'name' must be 1-64 letters, digits, '_', '.' or '-' (starting with a letter "
+                             f"or digit), got {json.dumps(name)}")
+        request["name"] = name
+    return request
+
+
+def parse_scale_request(body: bytes | str | Mapping[str, Any]) -> ScaleRequest:
+    """Validate a scale body: ``{"size": int >= 1}``; raises :class:`BadRequest` naming the field."""
+    parsed = _json_object(body)
+    _check_fields(parsed, ("size",))
+    return {"size": _size(parsed)}
+
+
+_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_cluster_id(cluster_id: str) -> str:
+    """A cluster id safe to use as a file name; anything else cannot exist, so it is a :class:`NotFound`."""
+    if not _ID_PATTERN.fullmatch(cluster_id) or cluster_id.startswith("."):
+        raise NotFound(f"No such cluster: {cluster_id}")
+    return cluster_id

@@ -1,0 +1,178 @@
+"""The cluster registry: atomic entries, stale owners, and the kernel-side watcher that obeys the sidebar."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from taco_notebook.cluster import registry
+from taco_notebook.cluster.session import TacoCluster
+
+
+@pytest.fixture
+def registry_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "registry"
+    monkeypatch.setenv(registry.ENV_VAR, str(directory))
+    return directory
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def make_entry(directory: Path, cluster_id: str, owner_pid: int, owner_created: float | None,
+               processes: Sequence[tuple[int, float]] = (), rank_pids: Sequence[tuple[int, int]] = (),
+               state: str = "running", kind: str = "kernel") -> None:
+    """An entry as a kernel would write it, for owners and ranks the test controls."""
+    model = {
+        "id": cluster_id, "name": cluster_id, "profile": "taco", "owner": {"kind": kind, "pid": owner_pid},
+        "state": state, "size": len(rank_pids) or 1, "engines_up": len(rank_pids) or 1, "mpi": "mpich",
+        "nodes": [{"node": 0, "host": "h", "ranks": [r for r, _ in rank_pids], "gpus": 0}], "gpus": 0,
+        "hugepages": None, "started_at": time.time(), "updated_at": time.time(), "run": None, "pending": None,
+        "error": None,
+    }
+    entry = {"model": model, "owner_create_time": owner_created, "processes": list(processes),
+             "rank_pids": list(rank_pids)}
+    registry._write_atomic(directory / f"{cluster_id}.json", entry)
+
+
+@pytest.fixture
+def sleeper() -> Iterator[Callable[[], psutil.Process]]:
+    """Start throwaway processes (stand-ins for a dead kernel's leftovers); all are killed and reaped."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> psutil.Process:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return psutil.Process(started[-1].pid)
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait(10)
+
+
+def dead_pid() -> tuple[int, float]:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(proc.pid).create_time()
+    proc.wait(10)
+    return proc.pid, created
+
+
+def test_writes_are_atomic(tmp_path: Path) -> None:
+    """A reader polling while the owner rewrites never sees half a file, and no temporary is left."""
+    path = tmp_path / "x.json"
+    stop = threading.Event()
+
+    def writer() -> None:
+        n = 0
+        while not stop.is_set():
+            registry._write_atomic(path, {"n": n, "pad": "x" * 200_000})
+            n += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        wait_for(path.exists, 5, "the first write")
+        reads = 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            with open(path) as f:
+                assert len(json.load(f)["pad"]) == 200_000
+            reads += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert reads > 10
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_dead_and_reused_owners_are_stale(registry_dir: Path) -> None:
+    me = psutil.Process()
+    pid, created = dead_pid()
+    make_entry(registry_dir, "alive", me.pid, me.create_time())
+    make_entry(registry_dir, "dead", pid, created)
+    make_entry(registry_dir, "reused", me.pid, me.create_time() - 100)  # our pid, another process's birth
+    states = {m["id"]: m["state"] for m in registry.read_models(registry_dir)}
+    assert states == {"alive": "running", "dead": "stale", "reused": "stale"}
+    stale = registry.read_model(registry_dir, "dead")
+    assert stale is not None and "is gone" in (stale["error"] or "") and stale["engines_up"] == 0
+
+
+def test_dead_local_rank_marks_cluster_broken(registry_dir: Path, sleeper: Callable[[], psutil.Process]) -> None:
+    me = psutil.Process()
+    rank0 = sleeper()
+    gone, gone_created = dead_pid()
+    make_entry(registry_dir, "c", me.pid, me.create_time(),
+               processes=[(rank0.pid, rank0.create_time()), (gone, gone_created)],
+               rank_pids=[(0, rank0.pid), (1, gone)])
+    model = registry.read_model(registry_dir, "c")
+    assert model is not None
+    assert (model["state"], model["engines_up"]) == ("broken", 1)
+    assert model["error"] == f"rank 1 (pid {gone}) exited"
+
+
+def test_discard_stale_kills_only_recorded_processes(registry_dir: Path,
+                                                     sleeper: Callable[[], psutil.Process]) -> None:
+    left_behind, reused = sleeper(), sleeper()
+    owner, owner_created = dead_pid()
+    make_entry(registry_dir, "old", owner, owner_created,
+               processes=[(left_behind.pid, left_behind.create_time()), (reused.pid, reused.create_time() - 50)])
+    registry.write_request(registry_dir, "old", "stop", None)
+    assert registry.discard_stale(registry_dir, "old") == [left_behind.pid]
+    left_behind.wait(10)
+    assert reused.is_running()
+    assert list(registry_dir.iterdir()) == []
+
+
+@pytest.mark.cluster
+def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
+    """The server's requests, carried out by the kernel's watcher between cells (never during one)."""
+    cluster = TacoCluster("regtest", 2)
+    try:
+        cluster.start()
+        cluster_id = cluster.cluster_id or ""
+        model = registry.read_model(registry_dir, cluster_id)
+        assert model is not None
+        assert (model["state"], model["engines_up"], model["owner"]) == ("running", 2, {"kind": "kernel",
+                                                                                          "pid": os.getpid()})
+        assert [n["ranks"] for n in model["nodes"]] == [[0, 1]]
+        assert model["hugepages"] is None or set(model["hugepages"]) == {"total", "free", "page_kb"}
+        registry.set_run(cluster, {"cell": "x = 1", "started_at": 1.0, "step": 3, "total": None,
+                                   "samples_per_s": 2.5})
+        assert registry.read_model(registry_dir, cluster_id)["run"]["step"] == 3  # type: ignore[index]
+
+        registry.write_request(registry_dir, cluster_id, "scale", 1)
+        wait_for(lambda: (m := registry.read_model(registry_dir, cluster_id)) and m["size"] == 1
+                 and m["state"] == "running", what="the scale to 1 rank")
+        assert cluster.size == 1 and len(cluster.view) == 1 and cluster.cluster_id == cluster_id
+
+        with cluster.busy:  # a cell is running (and hangs, so the runner kills the engines): the stop waits
+            cluster.kill_engines("killed by the test")
+            registry.write_request(registry_dir, cluster_id, "stop", None)
+            time.sleep(3 * registry.POLL_INTERVAL)
+            model = registry.read_model(registry_dir, cluster_id)
+            assert model is not None and model["pending"] is not None
+            assert (model["state"], model["error"]) == ("broken", "killed by the test")
+        wait_for(lambda: registry.read_model(registry_dir, cluster_id) is None, what="the stop")
+        assert cluster.ipp_cluster is None
+        if not any(r.kind == "kernel" for r in registry._published.values()):  # the suite's shared cluster
+            wait_for(lambda: registry._watcher is None, 5, "the watcher to end with no cluster left")
+    finally:
+        cluster.stop()
+    assert list(registry_dir.iterdir()) == []

@@ -1,0 +1,146 @@
+"""ClusterManager without HTTP: body validation, 404/409 decisions, stale entries, and no tornado import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from taco_notebook.cluster import registry
+from taco_notebook.server.manager import BadRequest, ClusterManager, Conflict, NotFound
+from taco_notebook.server.models import parse_scale_request, parse_start_request
+
+from .test_registry import dead_pid, make_entry
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[ClusterManager]:
+    made = ClusterManager(tmp_path / "registry")
+    yield made
+    made.shutdown()
+
+
+def me() -> tuple[int, float]:
+    process = psutil.Process()
+    return process.pid, process.create_time()
+
+
+def test_server_package_and_manager_import_no_tornado() -> None:
+    """The package is imported on every MPI rank, the manager by tests and kernels: neither may pull in tornado."""
+    code = ("import sys, taco_notebook, taco_notebook.server, taco_notebook.server.manager, "
+            "taco_notebook.cluster.registry, taco_notebook.cluster.session\n"
+            "assert taco_notebook._jupyter_server_extension_points() == [{'module': 'taco_notebook.server'}]\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tornado', 'jupyter_server')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (b"{not json", "JSON object"),
+    (b"[1]", "JSON object"),
+    (b"{}", "'size' is required"),
+    (b'{"size": "x"}', "'size' must be a positive integer, got \"x\""),
+    (b'{"size": 0}', "'size' must be a positive integer, got 0"),
+    (b'{"size": true}', "'size' must be a positive integer"),
+    (b'{"size": 2.5}', "'size' must be a positive integer"),
+    (b'{"size": 2, "ranks": 3}', "unknown field(s) 'ranks'"),
+    (b'{"size": 2, "name": "a b"}', "field 'name' must be"),
+])
+def test_start_body_errors_name_the_field(body: bytes, words: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_start_request(body)
+    assert words in str(info.value)
+
+
+def test_valid_bodies() -> None:
+    assert parse_start_request(b'{"size": 3, "name": "big-1"}') == {"size": 3, "name": "big-1"}
+    assert parse_scale_request('{"size": 1}') == {"size": 1}
+    with pytest.raises(BadRequest, match="unknown field"):
+        parse_scale_request({"size": 1, "name": "x"})
+
+
+def test_empty_and_unknown(manager: ClusterManager) -> None:
+    assert manager.list() == {"clusters": []}
+    for bad in ("nope", "../etc", ".hidden"):
+        with pytest.raises(NotFound, match=f"No such cluster: {bad}"):
+            manager.get(bad)
+        with pytest.raises(NotFound):
+            manager.stop(bad)
+
+
+def test_kernel_cluster_requests_and_conflicts(manager: ClusterManager) -> None:
+    make_entry(manager.directory, "k1", *me())
+    [listed] = manager.list()["clusters"]
+    assert listed["id"] == "k1" and listed["pending"] is None
+    with pytest.raises(Conflict, match="already runs 1 ranks"):
+        manager.scale("k1", b'{"size": 1}')
+    answer = manager.scale("k1", b'{"size": 4}')
+    assert answer["pending"] is not None and (answer["pending"]["action"], answer["pending"]["size"]) == ("scale", 4)
+    request = json.loads((manager.directory / "k1.request.json").read_text())
+    assert (request["action"], request["size"]) == ("scale", 4)
+    assert manager.get("k1")["pending"] == answer["pending"]
+    with pytest.raises(Conflict, match="already has a pending scale"):
+        manager.stop("k1")
+
+    make_entry(manager.directory, "k2", *me(), state="stopping")
+    with pytest.raises(Conflict, match="is stopping"):
+        manager.stop("k2")
+    make_entry(manager.directory, "s1", *me(), kind="server")
+    with pytest.raises(Conflict, match="another Jupyter server"):
+        manager.stop("s1")
+
+
+def test_stale_entry_is_deleted_not_scaled(manager: ClusterManager) -> None:
+    make_entry(manager.directory, "gone", *dead_pid())
+    assert manager.get("gone")["state"] == "stale"
+    with pytest.raises(Conflict, match="stale"):
+        manager.scale("gone", {"size": 2})
+    assert manager.stop("gone")["state"] == "stopped"
+    assert not (manager.directory / "gone.json").exists()
+    with pytest.raises(NotFound):
+        manager.get("gone")
+
+
+def test_no_start_after_shutdown(manager: ClusterManager) -> None:
+    manager.shutdown()
+    with pytest.raises(Conflict, match="shutting down"):
+        manager.start({"size": 1})
+    assert manager.list() == {"clusters": []}
+
+
+def test_registry_dir_default_and_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "rt"))
+    assert registry.registry_dir() == tmp_path / "rt" / "taco-notebook" / "clusters"
+    monkeypatch.setenv(registry.ENV_VAR, str(tmp_path / "elsewhere"))
+    assert ClusterManager().directory == tmp_path / "elsewhere"
+    assert os.fspath(registry.registry_dir(tmp_path)) == os.fspath(tmp_path)
+
+
+def test_openapi_spec_matches_the_models() -> None:
+    """The published spec and the TypedDicts must not drift apart (the TypeScript side reads the spec)."""
+    import typing
+
+    import yaml
+
+    from taco_notebook.server import models
+
+    spec = yaml.safe_load((Path(models.__file__).parent / "openapi.yaml").read_text())
+    schemas = spec["components"]["schemas"]
+    cluster = schemas["ClusterModel"]
+    assert cluster["required"] == list(models.ClusterModel.__annotations__)
+    props = cluster["properties"]
+    nested = {"owner": models.Owner, "hugepages": models.HugePagesModel, "run": models.RunModel,
+              "pending": models.PendingModel}
+    for field, typed in nested.items():
+        assert props[field]["required"] == list(typed.__annotations__), field
+    assert props["nodes"]["items"]["required"] == list(models.NodeModel.__annotations__)
+    assert props["state"]["enum"] == list(typing.get_args(models.State))
+    assert schemas["Error"]["required"] == list(models.ErrorModel.__annotations__)
+    assert set(schemas["StartRequest"]["properties"]) == set(models.StartRequest.__annotations__)
