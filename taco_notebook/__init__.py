@@ -20,6 +20,11 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "dashboard", "load_ipython_extension", "unload_ipython_extension"]
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """The prebuilt JupyterLab sidebar, for ``jupyter labextension develop`` (pip installs it as shared data)."""
+    return [{"src": "labextension", "dest": "taco-notebook"}]
+
+
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
     """The Jupyter server extension (REST API for the sidebar); ``taco_notebook.server`` loads it lazily."""
     return [{"module": "taco_notebook.server"}]

@@ -1,0 +1,237 @@
+/**
+ * The REST models of the taco_notebook server extension (`/taco-notebook/api/`), mirrored once here,
+ * and the checks that turn a response body into them.
+ *
+ * Pure: no JupyterLab import, so the unit tests run in plain Node.
+ */
+
+export type ClusterState = 'starting' | 'running' | 'stopping' | 'broken' | 'stopped' | 'stale';
+
+export interface IClusterNode {
+  node: number;
+  host: string;
+  ranks: number[];
+  gpus: number;
+}
+
+export interface IHugepages {
+  total: number;
+  free: number;
+  page_kb: number;
+}
+
+export interface IClusterRun {
+  cell: string;
+  started_at: number;
+  step: number;
+  total: number | null;
+  samples_per_s: number | null;
+}
+
+export interface IPendingAction {
+  action: 'stop' | 'scale';
+  size: number | null;
+  requested_at: number;
+}
+
+export interface IClusterModel {
+  id: string;
+  name: string;
+  profile: string;
+  owner: { kind: 'kernel' | 'server'; pid: number };
+  state: ClusterState;
+  size: number;
+  engines_up: number;
+  mpi: string;
+  nodes: IClusterNode[];
+  gpus: number;
+  hugepages: IHugepages | null;
+  started_at: number | null;
+  updated_at: number;
+  run: IClusterRun | null;
+  pending: IPendingAction | null;
+  error: string | null;
+}
+
+/** `GET clusters`. */
+export interface IClusterList {
+  clusters: IClusterModel[];
+}
+
+/** `GET version`. */
+export interface IVersion {
+  version: string;
+}
+
+/** The error body every 4xx/5xx of the server extension carries. */
+export interface IErrorBody {
+  message: string;
+  reason: string;
+}
+
+export const CLUSTER_STATES: readonly ClusterState[] = [
+  'starting',
+  'running',
+  'stopping',
+  'broken',
+  'stopped',
+  'stale'
+];
+
+/** A response body that does not have the shape of the model it should be. */
+export class InvalidResponseError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = 'InvalidResponseError';
+  }
+}
+
+type Json = Record<string, unknown>;
+
+function fail(path: string, expected: string, value: unknown): never {
+  const got = value === null ? 'null' : Array.isArray(value) ? 'array' : typeof value;
+  throw new InvalidResponseError(`${path}: expected ${expected}, got ${got}`);
+}
+
+function object(value: unknown, path: string): Json {
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) {
+    fail(path, 'an object', value);
+  }
+  return value as Json;
+}
+
+function strValue(value: unknown, path: string): string {
+  if (typeof value !== 'string') {
+    fail(path, 'a string', value);
+  }
+  return value;
+}
+
+function numValue(value: unknown, path: string): number {
+  if (typeof value !== 'number' || !Number.isFinite(value)) {
+    fail(path, 'a number', value);
+  }
+  return value;
+}
+
+function str(obj: Json, key: string, path: string): string {
+  return strValue(obj[key], `${path}.${key}`);
+}
+
+function num(obj: Json, key: string, path: string): number {
+  return numValue(obj[key], `${path}.${key}`);
+}
+
+function optional<T>(obj: Json, key: string, path: string, parse: (v: unknown, p: string) => T): T | null {
+  const value = obj[key];
+  return value === null || value === undefined ? null : parse(value, `${path}.${key}`);
+}
+
+function oneOf<T extends string>(obj: Json, key: string, path: string, allowed: readonly T[]): T {
+  const value = str(obj, key, path);
+  if (!(allowed as readonly string[]).includes(value)) {
+    throw new InvalidResponseError(`${path}.${key}: expected one of ${allowed.join('|')}, got '${value}'`);
+  }
+  return value as T;
+}
+
+function parseNode(value: unknown, path: string): IClusterNode {
+  const obj = object(value, path);
+  const ranks = obj.ranks;
+  if (!Array.isArray(ranks) || !ranks.every(r => typeof r === 'number')) {
+    fail(`${path}.ranks`, 'an array of numbers', ranks);
+  }
+  return { node: num(obj, 'node', path), host: str(obj, 'host', path), ranks, gpus: num(obj, 'gpus', path) };
+}
+
+function parseHugepages(value: unknown, path: string): IHugepages {
+  const obj = object(value, path);
+  return { total: num(obj, 'total', path), free: num(obj, 'free', path), page_kb: num(obj, 'page_kb', path) };
+}
+
+function parseRun(value: unknown, path: string): IClusterRun {
+  const obj = object(value, path);
+  return {
+    cell: str(obj, 'cell', path),
+    started_at: num(obj, 'started_at', path),
+    step: num(obj, 'step', path),
+    total: optional(obj, 'total', path, numValue),
+    samples_per_s: optional(obj, 'samples_per_s', path, numValue)
+  };
+}
+
+function parsePending(value: unknown, path: string): IPendingAction {
+  const obj = object(value, path);
+  return {
+    action: oneOf(obj, 'action', path, ['stop', 'scale'] as const),
+    size: optional(obj, 'size', path, numValue),
+    requested_at: num(obj, 'requested_at', path)
+  };
+}
+
+function parseOwner(value: unknown, path: string): IClusterModel['owner'] {
+  const obj = object(value, path);
+  return { kind: oneOf(obj, 'kind', path, ['kernel', 'server'] as const), pid: num(obj, 'pid', path) };
+}
+
+function arrayOf<T>(obj: Json, key: string, path: string, parse: (v: unknown, p: string) => T): T[] {
+  const value = obj[key];
+  if (!Array.isArray(value)) {
+    fail(`${path}.${key}`, 'an array', value);
+  }
+  return value.map((item, i) => parse(item, `${path}.${key}[${i}]`));
+}
+
+/** Check one `ClusterModel`; throws {@link InvalidResponseError} naming the first bad field. */
+export function parseCluster(value: unknown, path = 'cluster'): IClusterModel {
+  const obj = object(value, path);
+  return {
+    id: str(obj, 'id', path),
+    name: str(obj, 'name', path),
+    profile: str(obj, 'profile', path),
+    owner: parseOwner(obj.owner, `${path}.owner`),
+    state: oneOf(obj, 'state', path, CLUSTER_STATES),
+    size: num(obj, 'size', path),
+    engines_up: num(obj, 'engines_up', path),
+    mpi: str(obj, 'mpi', path),
+    nodes: arrayOf(obj, 'nodes', path, parseNode),
+    gpus: num(obj, 'gpus', path),
+    hugepages: optional(obj, 'hugepages', path, parseHugepages),
+    started_at: optional(obj, 'started_at', path, numValue),
+    updated_at: num(obj, 'updated_at', path),
+    run: optional(obj, 'run', path, parseRun),
+    pending: optional(obj, 'pending', path, parsePending),
+    error: optional(obj, 'error', path, strValue)
+  };
+}
+
+/** Check a `GET clusters` body. */
+export function parseClusterList(value: unknown): IClusterList {
+  const obj = object(value, 'response');
+  if (!Array.isArray(obj.clusters)) {
+    fail('response.clusters', 'an array', obj.clusters);
+  }
+  return { clusters: obj.clusters.map((c, i) => parseCluster(c, `clusters[${i}]`)) };
+}
+
+/** Check a `GET version` body. */
+export function parseVersion(value: unknown): IVersion {
+  return { version: str(object(value, 'response'), 'version', 'response') };
+}
+
+/**
+ * The message to show for an error response: the server's `message` when the body is the documented
+ * `{"message", "reason"}`, else the HTTP status text.
+ */
+export function errorMessage(status: number, statusText: string, body: unknown): string {
+  if (typeof body === 'object' && body !== null && typeof (body as Json).message === 'string') {
+    const message = ((body as Json).message as string).trim();
+    if (message) {
+      return message;
+    }
+  }
+  if (typeof body === 'string' && body.trim() && !body.trimStart().startsWith('<')) {
+    return body.trim();
+  }
+  return `HTTP ${status}${statusText ? ` ${statusText}` : ''}`;
+}
