@@ -104,6 +104,11 @@ export function insertTacoRunCell(actions: IActions, cluster: IClusterModel): bo
     return false;
   }
   cell.model.sharedModel.setSource(tacoRunHeader(cluster));
+  // The magic needs the extension in that kernel: load it quietly (a no-op when it is loaded already).
+  const kernel = panel.sessionContext.session?.kernel;
+  kernel
+    ?.requestExecute({ code: '%load_ext taco_notebook', silent: true, store_history: false })
+    .done.catch(() => undefined);
   actions.activate(panel.id);
   // Activating the panel focuses the notebook in command mode; once that is done, put the cursor on the line
   // after the magic, ready to type the cell's code.

@@ -57,7 +57,22 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
         clusters.pop(name).stop()
         cluster = None
     if cluster is None:
-        return _start(name, size or DEFAULT_NP, mpiexec, say, intra_size)
+        return _attach(name, size, say) or _start(name, size or DEFAULT_NP, mpiexec, say, intra_size)
+    return cluster
+
+
+def _attach(name: str, size: int | None, say: RankOutput) -> TacoCluster | None:
+    """The cluster ``name`` started from the sidebar (owned by the Jupyter server), if there is one."""
+    from ..cluster.attach import attach, find_shared
+
+    model = find_shared(name)
+    if model is None:
+        return None
+    if size is not None and size != model["size"]:
+        raise UsageError(f"cluster {name!r} was started from the sidebar with {model['size']} ranks: scale it "
+                         f"there, or use -np {model['size']} or another --cluster name")
+    cluster = clusters[name] = attach(model)
+    say.notice(f"using cluster {name!r} started from the sidebar: {model['size']} ranks")
     return cluster
 
 
@@ -71,6 +86,13 @@ def format_status(status: ClusterStatus) -> str:
         lines.append("  rank  node  local  host                 pid")
         lines += [f"  {r.rank:>4}  {r.node:>4}  {r.local_rank:>5}  {r.host:<20} {r.pid:>6}" for r in status.ranks]
     return "\n".join(lines)
+
+
+def _shared_size(name: str) -> int | None:
+    from ..cluster.attach import find_shared
+
+    model = find_shared(name)
+    return model["size"] if model is not None else None
 
 
 def _dashboard_mode(wanted: bool) -> str:
@@ -126,7 +148,7 @@ class TacoMagics(Magics):
         intra_size = positive_int(args.intra_size, "--intra-size")
         settings = comm_settings(args.algorithm, args.compression, args.fusion_mb)
         running = clusters.get(args.cluster)
-        planned = size or (running.size if running is not None else DEFAULT_NP)
+        planned = size or (running.size if running is not None else _shared_size(args.cluster) or DEFAULT_NP)
         targets = parse_targets(args.targets, planned)
         say = RankOutput(live=args.stream, quiet=args.quiet)
         if intra_size is not None and planned % intra_size:

@@ -1,0 +1,69 @@
+"""Run a kernel's cells on a cluster another process owns: one started from the JupyterLab sidebar.
+
+The sidebar's "New cluster" starts a cluster in the Jupyter server and its "Insert cell" button writes
+``%%taco_run -np N --cluster NAME``; that cell finds the cluster in the registry and attaches to it through
+ipyparallel's cluster file instead of starting a second cluster of the same name. The owner keeps the
+lifecycle: stopping it from the kernel only disconnects; stop and scale it from the sidebar.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..errors import ClusterStartError
+from .session import PROFILE, TacoCluster
+
+__all__ = ["AttachedCluster", "find_shared", "attach"]
+
+
+def find_shared(name: str) -> Any:
+    """The registry's running cluster ``name`` owned by a Jupyter server, or None."""
+    from . import registry
+
+    for model in registry.read_models(registry.registry_dir()):
+        if model["name"] == name and model["owner"]["kind"] == "server" and model["state"] == "running":
+            return model
+    return None
+
+
+class AttachedCluster(TacoCluster):
+    """A :class:`TacoCluster` whose processes belong to another process; this kernel only runs cells on it."""
+
+    owner_kind = "server"
+
+    def stop(self, unpublish: bool = True) -> None:
+        """Disconnect; the owner (the sidebar's server) stops the engines."""
+        client, self.client, self.ipp_cluster, self.ranks = self.client, None, None, []
+        if client is not None:
+            client.close()
+
+    def kill_engines(self, reason: str) -> None:
+        """Ranks hung after Ctrl-C: kill them as for an own cluster, but leave the registry entry to its owner."""
+        cluster_id, self.cluster_id = self.cluster_id, None  # TacoCluster publishes only clusters with an id
+        try:
+            super().kill_engines(reason)
+        finally:
+            self.cluster_id = cluster_id
+
+    def scale(self, size: int) -> TacoCluster:
+        raise ClusterStartError(f"cluster {self.name!r} belongs to the Jupyter server: scale it from the sidebar")
+
+
+def attach(model: Any, timeout: float = 30.0) -> AttachedCluster:
+    """Connect to the cluster of a registry ``model``; checks its engines are the MPI ranks it says."""
+    import ipyparallel as ipp
+
+    cluster = AttachedCluster(model["name"], model["size"])
+    cluster.cluster_id = model["id"]
+    try:
+        cluster.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=model["id"])
+        cluster.client = cluster.ipp_cluster.connect_client_sync()
+        cluster.client.wait_for_engines(model["size"], timeout=timeout)
+        cluster._check_ranks()
+    except Exception as exc:
+        cluster.stop()
+        raise ClusterStartError(f"cannot attach to cluster {model['name']!r} started from the sidebar "
+                                f"({model['id']}): {exc}") from exc
+    cluster.started_at = model.get("started_at") or time.time()
+    return cluster
