@@ -1,0 +1,241 @@
+"""The "TACO clusters" left sidebar, in a real JupyterLab in a real chromium.
+
+Contract under test (``labextension/src/sidebar.tsx``, top comment): the panel ``#taco-notebook-sidebar`` lists one
+``li.taco-cluster[data-cluster-id][data-cluster-name][data-state]`` per cluster, with ``.taco-cluster-engines``
+(``up/size``), ``.taco-cluster-state`` and the buttons ``.taco-cluster-scale`` / ``.taco-cluster-stop``; the panel's
+``.taco-new-cluster`` starts a server-owned cluster. Size dialogs: ``.jp-Dialog input.taco-size-input`` and
+``.jp-Dialog .jp-mod-accept``. Stop asks for confirmation only while a run is in progress.
+
+The Lab server and its kernels share one registry directory: the server is started with ``JUPYTER_RUNTIME_DIR`` set
+(``tests/browser/conftest.py``) and its kernels inherit that environment (and ``TACO_REGISTRY_DIR`` where the
+session sets it), so both resolve the same ``<runtime dir>/taco-notebook/clusters``.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import uuid
+
+import pytest
+
+from .conftest import (
+    ARTIFACTS,
+    cell_output,
+    open_notebook,
+    run_all_cells,
+    wait_for_cells_executed,
+    wait_for_kernel_idle,
+)
+
+API = "/taco-notebook/api/clusters"
+SIDEBAR = "#taco-notebook-sidebar"
+SIDEBAR_TAB = f'.jp-SideBar .lm-TabBar-tab[data-id="{SIDEBAR[1:]}"]'
+ROW = "li.taco-cluster"
+DIALOG_INPUT = ".jp-Dialog input.taco-size-input"
+DIALOG_ACCEPT = ".jp-Dialog .jp-mod-accept"
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+def _clusters(lab) -> list[dict]:
+    return lab.api("GET", API)["clusters"]
+
+
+def _describe(lab) -> str:
+    try:
+        return repr([
+            {k: c.get(k) for k in ("id", "name", "state", "size", "engines_up", "pending", "error", "owner")}
+            for c in _clusters(lab)
+        ])  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - only for a failure message
+        return f"<GET {API} failed: {exc!r}>"
+
+
+def _ids(lab) -> set[str]:
+    return {c["id"] for c in _clusters(lab)}
+
+
+def _stop_every_cluster(lab, before: set[str], timeout: float = 60.0) -> None:
+    """DELETE every listed cluster (but those listed in ``before``, not this test's) that is not stopped yet and wait
+    until none is left: nothing this test started outlives it, failed or not."""
+    deadline = time.monotonic() + timeout
+    asked: dict[str, float] = {}  # id -> when last DELETEd
+    while True:
+        try:
+            live = [c for c in _clusters(lab) if c.get("state") != "stopped" and c["id"] not in before]
+        except (urllib.error.URLError, OSError):
+            return  # the server is gone: the lab fixture deals with its leftovers
+        if not live:
+            return
+        for cluster in live:
+            # Ask again every 10 s: a kernel-owned cluster may have been mid-scale (409) when first asked.
+            if time.monotonic() - asked.get(cluster["id"], -1e9) > 10:
+                try:
+                    lab.api("DELETE", f"{API}/{cluster['id']}", timeout=30)
+                except (urllib.error.HTTPError, urllib.error.URLError, OSError):
+                    pass
+                asked[cluster["id"]] = time.monotonic()
+        if time.monotonic() > deadline:
+            print(f"clusters still listed after {timeout:.0f} s of DELETEs: {_describe(lab)}")
+            return
+        time.sleep(1)
+
+
+def _row_ids(page) -> list[str]:
+    """The ``data-cluster-id`` of every row the panel shows now (read in one go: rows re-render under us)."""
+    return page.eval_on_selector_all(f"{SIDEBAR} {ROW}", "rows => rows.map(r => r.dataset.clusterId)")
+
+
+def _open_sidebar(page) -> None:
+    from playwright.sync_api import expect
+
+    panel = page.locator(SIDEBAR)
+    if not panel.is_visible():
+        tab = page.locator(SIDEBAR_TAB)
+        tab.wait_for(timeout=60_000)
+        tab.click()
+    expect(panel).to_be_visible(timeout=30_000)
+    expect(panel.locator(".taco-new-cluster")).to_be_visible(timeout=30_000)
+    expect(panel.locator(".taco-server-missing")).to_have_count(0)
+
+
+def _answer_size_dialog(page, size: int) -> None:
+    from playwright.sync_api import expect
+
+    field = page.locator(DIALOG_INPUT)
+    field.wait_for(timeout=30_000)
+    field.fill(str(size))
+    accept = page.locator(DIALOG_ACCEPT)
+    expect(accept).to_be_enabled(timeout=10_000)
+    accept.click()
+    expect(page.locator(".jp-Dialog")).to_have_count(0, timeout=30_000)
+
+
+def _wait_for_row(page, lab, row, engines: str, state: str, timeout: float, what: str) -> float:
+    """Until ``row`` shows ``engines`` and ``data-state == state``; returns the seconds it took."""
+    start = time.monotonic()
+    deadline = start + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            if row.count() == 1:
+                last = (row.get_attribute("data-state", timeout=2_000),
+                        row.locator(".taco-cluster-engines").inner_text(timeout=2_000).strip(),
+                        row.locator(".taco-cluster-state").inner_text(timeout=2_000).strip())  # fmt: skip
+                if last[0] == state and last[1] == engines:
+                    return time.monotonic() - start
+        except Exception:  # noqa: BLE001 - the row re-renders under us
+            pass
+        error = page.locator(".jp-Dialog")
+        if error.count():
+            pytest.fail(f"{what}: a dialog showed up: {error.first.inner_text()!r}; clusters {_describe(lab)}")
+        time.sleep(0.5)
+    pytest.fail(
+        f"{what}: no row with engines {engines} in state {state!r} within {timeout:.0f} s; last seen "
+        f"(data-state, engines, badge) = {last}; rows {row.count()}; clusters {_describe(lab)}"
+    )
+
+
+def _stop_from_panel(page, lab, row, what: str, timeout: float = 60.0) -> float:
+    """Click the row's Stop (accepting the confirmation if one shows) and wait until the row is gone."""
+    from playwright.sync_api import expect
+
+    stop = row.locator(".taco-cluster-stop")
+    expect(stop).to_be_enabled(timeout=30_000)
+    start = time.monotonic()
+    stop.click()
+    confirm = page.locator(".jp-Dialog .jp-mod-accept")
+    try:  # a confirmation only while a run is in progress: none expected here, but accept one if it shows
+        confirm.wait_for(timeout=2_000)
+        confirm.click()
+    except Exception:  # noqa: BLE001 - no dialog
+        pass
+    deadline = start + timeout
+    while time.monotonic() < deadline:
+        if row.count() == 0:
+            return time.monotonic() - start
+        dialogs = page.locator(".jp-Dialog")
+        if dialogs.count():
+            pytest.fail(f"{what}: a dialog showed up after Stop: {dialogs.first.inner_text()!r}; {_describe(lab)}")
+        time.sleep(0.5)
+    state = row.first.get_attribute("data-state") if row.count() else None
+    pytest.fail(f"{what}: the row was still there {timeout:.0f} s after Stop (data-state {state!r}); {_describe(lab)}")
+
+
+# ---- tests --------------------------------------------------------------------------------------------------
+def test_sidebar_shows_scales_and_stops_a_notebook_cluster(lab, page):
+    """A kernel-owned cluster: listed with 2/2, scaled to 3 from the panel (the kernel restarts the MPI job once
+    it is idle), then stopped from the panel."""
+    from playwright.sync_api import expect
+
+    lab.write_notebook("sidebar.ipynb", ["%load_ext taco_notebook", "%taco_cluster start -n 2 --cluster panel"])
+    timings: dict[str, float] = {}
+    before = _ids(lab)
+    try:
+        open_notebook(page, lab, "sidebar.ipynb")
+        started = time.monotonic()
+        run_all_cells(page)
+        wait_for_cells_executed(page, timeout=150)
+        wait_for_kernel_idle(page, timeout=30)
+        timings["cluster start (cells)"] = time.monotonic() - started
+        output = cell_output(page, 1).inner_text(timeout=5_000)
+        if "Error" in output or "Traceback" in output:
+            pytest.fail(f"%taco_cluster start failed:\n{output[-4000:]}")
+
+        _open_sidebar(page)
+        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="panel"]')
+        timings["row shows 2/2"] = _wait_for_row(page, lab, row, "2/2", "running", 30, "after %taco_cluster start")
+        cluster_id = row.get_attribute("data-cluster-id")
+        assert cluster_id, "the row has no data-cluster-id"
+        expect(row.locator(".taco-cluster-state")).to_have_text("running")
+
+        scale = row.locator(".taco-cluster-scale")
+        expect(scale).to_be_enabled(timeout=10_000)
+        scale.click()
+        _answer_size_dialog(page, 3)
+        timings["row shows 3/3"] = _wait_for_row(page, lab, row, "3/3", "running", 90, "after Scale to 3")
+        assert row.get_attribute("data-cluster-id") == cluster_id, "scaling changed the cluster's id"
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "sidebar-scaled.png"), full_page=True)
+
+        timings["row gone after Stop"] = _stop_from_panel(page, lab, row, "kernel-owned cluster")
+        remaining = [c for c in _clusters(lab) if c["id"] == cluster_id and c.get("state") != "stopped"]
+        assert not remaining, f"the registry still lists the stopped cluster: {remaining}"
+    finally:
+        _stop_every_cluster(lab, before)
+        print(f"sidebar (kernel-owned): {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}")
+
+
+def test_sidebar_starts_a_cluster_from_the_panel(lab, page):
+    """A server-owned cluster: started with New cluster (size 1), listed 1/1 running, stopped from the panel."""
+    from playwright.sync_api import expect
+
+    timings: dict[str, float] = {}
+    before = _ids(lab)
+    try:
+        page.goto(f"{lab.url}/lab/workspaces/w{uuid.uuid4().hex[:12]}?token={lab.token}", timeout=120_000)
+        _open_sidebar(page)
+        new = page.locator(f"{SIDEBAR} .taco-new-cluster")
+        expect(new).to_be_enabled(timeout=30_000)
+        started = time.monotonic()
+        new.click()
+        _answer_size_dialog(page, 1)
+
+        deadline = time.monotonic() + 30
+        while True:  # the POST answers 202 at once: a new row (state "starting") shows on the next refresh
+            ids = _row_ids(page)
+            new_ids = [i for i in ids if i not in before]
+            if new_ids or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert len(new_ids) == 1, f"expected one new row after New cluster; rows {ids}; clusters {_describe(lab)}"
+        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-id="{new_ids[0]}"]')
+        timings["row shows 1/1 running"] = _wait_for_row(page, lab, row, "1/1", "running", 90, "after New cluster")
+        timings["start (click to running)"] = time.monotonic() - started
+        owner = next(c["owner"] for c in _clusters(lab) if c["id"] == new_ids[0])
+        assert owner.get("kind") != "kernel", f"a cluster started from the panel is owned by {owner}"
+
+        timings["row gone after Stop"] = _stop_from_panel(page, lab, row, "server-owned cluster")
+    finally:
+        _stop_every_cluster(lab, before)
+        print(f"sidebar (server-owned): {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}")
