@@ -32,7 +32,7 @@ class AttachedCluster(TacoCluster):
 
     owner_kind = "server"
 
-    def stop(self, unpublish: bool = True) -> None:
+    def stop(self, unpublish: bool = True, fast: bool = False) -> None:
         """Disconnect; the owner (the sidebar's server) stops the engines."""
         client, self.client, self.ipp_cluster, self.ranks = self.client, None, None, []
         if client is not None:

@@ -276,7 +276,7 @@ def _at_exit() -> None:
         records = list(_published.values())
     for record in records:
         try:
-            record.cluster.stop()
+            record.cluster.stop(fast=True)
         except Exception:  # at exit there is no caller: log, and stop the others
             log.exception("stopping cluster %r at exit failed", record.cluster.name)
 
