@@ -253,7 +253,11 @@ class _CellRun:
         running = self.running()
         if running:
             self.sink.notice(f"{why}: sending SIGINT to ranks {_ranks_text(running)}")
-            self.cluster.client.send_signal("SIGINT", targets=running, block=False)
+            delivered = self.cluster.client.send_signal("SIGINT", targets=running, block=False)
+            try:  # a signal still in flight could land in the next cell on a loaded machine: see it delivered
+                delivered.result(timeout=1.0)
+            except Exception:  # a dead or wedged engine: the ladder's kill step deals with it
+                pass
         self.cluster.needs_reinit = True
         self.failure_deadline = float("inf")  # the ladder is climbing: only its own grace counts now
         if self.wait_until(time.monotonic() + self.options.interrupt_grace):
