@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
 from .mpi import MPIInfo, find_mpi
+from .processes import alive, descendants, kill, process_tree, shared_memory_files, stop_at_exit
 from .rankwrap import MARKER
 
 __all__ = ["RankInfo", "ClusterStatus", "TacoCluster", "clusters", "stop_all"]
@@ -94,27 +95,11 @@ def _engine_info() -> dict[str, Any]:
     import os as _os
 
     import taco_notebook.comm as _taco
+    from taco_notebook.cluster.preflight import hugepages, visible_gpus
 
     topo = _taco.topology()
-    try:  # without importing torch or touching CUDA: one directory per GPU the driver knows
-        gpus = len(_os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        gpus = 0
-    visible = _os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:  # CUDA stops at the first invalid entry ("-1" hides every device)
-        entries = [d.strip() for d in visible.split(",")]
-        gpus = min(gpus, next((i for i, d in enumerate(entries) if not d or d.startswith("-")), len(entries)))
-    hugepages = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in meminfo)
-                      if k in ("HugePages_Total", "HugePages_Free", "Hugepagesize")}
-        hugepages = {"total": fields["HugePages_Total"], "free": fields["HugePages_Free"],
-                     "page_kb": fields["Hugepagesize"]}
-    except (OSError, KeyError, ValueError):
-        pass
     return {"rank": topo.rank, "host": topo.hostname, "pid": _os.getpid(),
-            "local_rank": topo.local_rank, "node": topo.node, "gpus": gpus, "hugepages": hugepages}
+            "local_rank": topo.local_rank, "node": topo.node, "gpus": visible_gpus(), "hugepages": hugepages()}
 
 
 def _signal_name(number: int) -> str:
@@ -216,18 +201,20 @@ class TacoCluster:
             raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc}\n{tail}") from exc
         self.started_at = time.time()
         self.needs_reinit = False
-        self._started_processes = _process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
-        self._shared_memory = _shared_memory_files(self.ranks)
+        self._started_processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
+        self._shared_memory = shared_memory_files(self.ranks)
         registry.publish(self, "running")
         return self
 
     def _wait_for_engines(self) -> None:
         future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout)
-        while not future.done():
+        while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
             death = self.death()
             if death is not None:
                 raise ClusterStartError(f"cluster {self.name!r} failed to start: {death}\n"
                                         + "\n".join(self.engine_output().strip().splitlines()[-15:]))
+            if future.done():
+                break
             time.sleep(0.1)
         future.result()
 
@@ -274,11 +261,11 @@ class TacoCluster:
         self.ranks = []
         if cluster is None:
             return
-        tree = _process_tree(cluster) + self._started_processes
+        tree = process_tree(cluster) + self._started_processes
         self._started_processes = []
         try:
             if fast:
-                _stop_at_exit(cluster, client, tree)
+                stop_at_exit(cluster, client, tree)
                 return
             if client is not None:
                 self._shutdown_engines(client, cluster)
@@ -287,7 +274,7 @@ class TacoCluster:
             cluster.stop_engines_sync()  # graceful: mpiexec forwards SIGTERM to every rank
             cluster.stop_controller_sync()
         finally:
-            _kill(tree)  # whatever ignored it (a rank stuck in C code, an orphaned nanny)
+            kill(tree)  # whatever ignored it (a rank stuck in C code, an orphaned nanny)
             for path in self._shared_memory:
                 if os.path.exists(path):
                     os.unlink(path)
@@ -302,7 +289,7 @@ class TacoCluster:
             return
         deadline = time.monotonic() + grace
         launchers = list(cluster.engines.values())
-        while time.monotonic() < deadline and any(_alive(getattr(es, "process", None)) for es in launchers):
+        while time.monotonic() < deadline and any(alive(getattr(es, "process", None)) for es in launchers):
             time.sleep(0.05)
 
     # ---------------------------------------------------------------- engines
@@ -319,10 +306,10 @@ class TacoCluster:
     def kill_engines(self, reason: str) -> None:
         """Kill the engines now (after a hung interrupt); the next run starts a fresh cluster."""
         if self.ipp_cluster is not None:
-            engine_sets = [p for es in self._engine_sets() for p in _descendants(getattr(es, "process", None))]
+            engine_sets = [p for es in self._engine_sets() for p in descendants(getattr(es, "process", None))]
             controller = getattr(self.ipp_cluster.controller, "process", None)
             # No waiting: SIGKILL is certain, and Ctrl-C must return now; stop() reaps them later.
-            _kill(engine_sets + [p for p in self._started_processes if p not in _descendants(controller)],
+            kill(engine_sets + [p for p in self._started_processes if p not in descendants(controller)],
                   wait=False)
         self.broken_reason = reason
         if self.cluster_id:
@@ -332,7 +319,7 @@ class TacoCluster:
 
     def engines_alive(self) -> bool:
         engine_sets = self._engine_sets()
-        return bool(engine_sets) and all(_alive(getattr(es, "process", None)) for es in engine_sets)
+        return bool(engine_sets) and all(alive(getattr(es, "process", None)) for es in engine_sets)
 
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
@@ -353,9 +340,10 @@ class TacoCluster:
         return report[0]
 
     def _death_report(self) -> tuple[str, int | None, str | None, str | None]:
-        time.sleep(0.2)  # let mpiexec flush the wrapper's marker line into the log
-        output = self.engine_output()
-        match = re.search(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)", output)
+        pattern = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)")
+        deadline = time.monotonic() + 3.0  # mpiexec flushes the wrapper's line into the log late on a busy machine
+        while (match := pattern.search(self.engine_output())) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         if match is None:
             return ("the engines' mpiexec exited unexpectedly", None, None, None)
         rank_text, host, pid, kind, value = match.groups()
@@ -381,80 +369,6 @@ class TacoCluster:
             name=self.name, cluster_id=self.ipp_cluster.cluster_id if self.ipp_cluster else "",
             state=state, size=self.size, engines_up=up,
             mpi=self.mpi.description if self.mpi else "", ranks=list(self.ranks), started_at=self.started_at)
-
-
-def _shared_memory_files(ranks: list[RankInfo]) -> set[str]:
-    """The /dev/shm files this machine's ranks have mapped (MPI's intra-node segments)."""
-    import psutil
-
-    found: set[str] = set()
-    for rank in ranks:
-        try:
-            maps = psutil.Process(rank.pid).memory_maps(grouped=True)
-        except Exception:  # another host's rank, or already gone
-            continue
-        found.update(m.path for m in maps if m.path.startswith("/dev/shm/"))
-    return found
-
-
-def _alive(process: Any) -> bool:
-    try:
-        return process is not None and process.is_running() and process.status() != "zombie"
-    except Exception:  # psutil.NoSuchProcess and friends
-        return False
-
-
-def _descendants(process: Any) -> list[Any]:
-    """``process`` and everything it started (mpiexec puts each rank in a process group of its own)."""
-    if process is None:
-        return []
-    try:
-        return [process, *process.children(recursive=True)]
-    except Exception:  # psutil.NoSuchProcess: already gone
-        return []
-
-
-def _process_tree(cluster: Any) -> list[Any]:
-    launchers = [cluster.controller, *cluster.engines.values()]
-    return [p for launcher in launchers if launcher is not None
-            for p in _descendants(getattr(launcher, "process", None))]
-
-
-def _stop_at_exit(cluster: Any, client: Any, tree: list[Any], grace: float = 1.5) -> None:
-    """Interpreter exit: SIGTERM the whole recorded tree at once (mpiexec forwards it to the ranks), SIGKILL what
-    is left after ``grace``. A kernel shut down from JupyterLab is killed ~5 s after it was asked to exit, and
-    the graceful stop can take longer on a loaded machine: killed midway, it would orphan the controller."""
-    import psutil
-
-    cluster.shutdown_atexit = False  # ipyparallel's own exit hook would stop it again, slowly
-    if client is not None:
-        client.close()
-    alive = []
-    for process in tree:
-        try:
-            process.terminate()
-            alive.append(process)
-        except psutil.Error:
-            pass
-    _, left = psutil.wait_procs(alive, timeout=grace)
-    _kill(left)
-    try:
-        cluster.remove_cluster_file()
-    except OSError:
-        pass
-
-
-def _kill(processes: list[Any], wait: bool = True) -> None:
-    for process in processes:
-        try:
-            process.kill()
-        except Exception:  # psutil.NoSuchProcess: already gone
-            pass
-    for process in processes if wait else []:
-        try:
-            process.wait(timeout=5)
-        except Exception:
-            pass
 
 
 def _ranks_text(ranks: list[int]) -> str:

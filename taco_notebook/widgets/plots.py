@@ -161,7 +161,7 @@ def _link_heatmap(
         if len(names) <= MAX_LABELLED_CELLS:
             fig.text("dst", "src", text="label", source=sources[role], text_align="center", text_baseline="middle",
                      text_font_size="9pt", color="black", background_fill_color="white",
-                     background_fill_alpha=0.7,  # readable on dark and light cells alike
+                     background_fill_alpha=0.7,  # type: ignore[call-arg]  # readable on any cell colour
                      name=f"{role}_label")  # fmt: skip
     scale = "bytes/s, inter-node"
     if capacity_bps is not None:

@@ -1,0 +1,37 @@
+"""What a node offers a training job, read without importing torch: GPUs the rank can see, huge pages.
+
+Runs on every rank at cluster start; the registry (and the sidebar) show it per node.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["visible_gpus", "hugepages"]
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use: the driver's devices, cut by ``CUDA_VISIBLE_DEVICES``.
+
+    Reads ``/proc/driver/nvidia/gpus`` (one directory per GPU) instead of asking CUDA, which would initialise it.
+    """
+    try:
+        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # CUDA stops at the first invalid entry ("-1" hides every device)
+        entries = [d.strip() for d in visible.split(",")]
+        gpus = min(gpus, next((i for i, d in enumerate(entries) if not d or d.startswith("-")), len(entries)))
+    return gpus
+
+
+def hugepages() -> dict[str, int] | None:
+    """``{"total", "free", "page_kb"}`` from ``/proc/meminfo``; None where the kernel reports none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in meminfo)
+                      if k in ("HugePages_Total", "HugePages_Free", "Hugepagesize")}
+        return {"total": fields["HugePages_Total"], "free": fields["HugePages_Free"], "page_kb": fields["Hugepagesize"]}
+    except (OSError, KeyError, ValueError):
+        return None
