@@ -89,7 +89,9 @@ def test_no_dashboard_prints_nothing_and_ranks_publish_nothing(ip, shared_cluste
 def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, capsys):
     monkeypatch.setenv("TACO_DASHBOARD", "widget")
     monkeypatch.setenv("TACO_LINK_GBITS", "25")
-    ip.run_cell_magic("taco_run", "--compression fp16 --intra-size 2", train(steps=80, sleep=0.03))
+    # a cluster of its own: two emulated nodes would restart the shared one under the other tests
+    ip.run_cell_magic("taco_run", "-np 4 --cluster twonode --compression fp16 --intra-size 2",
+                      train(steps=80, sleep=0.03))
     board = taco_notebook.dashboard()
     assert "taco dashboard" not in capsys.readouterr().out  # the widget, not the text
     throughput = board.stream.plots.throughput.sources["throughput"].data
