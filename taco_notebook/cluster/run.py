@@ -19,6 +19,7 @@ While the cell runs, what the engines publish (metric snapshots and ``taco.progr
 from __future__ import annotations
 
 import ast
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +32,8 @@ from .publish import KEY as PUBLISH_KEY
 from .session import TacoCluster, _ranks_text
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "capture_last_expression", "RESULT_NAME"]
+
+log = logging.getLogger("taco_notebook")
 
 RESULT_NAME = "__taco_result__"
 POLL_S = 0.05
@@ -282,7 +285,10 @@ class _CellRun:
         try:
             value = self._execute(source, captured)
         except BaseException as exc:
-            self.finish_monitors(exc)
+            try:
+                self.finish_monitors(exc)
+            except Exception:  # the cell's own error is what the user must see
+                log.exception("the dashboard or the registry failed to record the end of the cell")
             raise
         else:
             self.finish_monitors(None)
