@@ -17,11 +17,12 @@ is the same on every rank.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,26 +42,50 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class _CommThread:
-    """One worker thread per process that runs every collective of this module, in submission order."""
+    """One daemon worker thread per process that runs every collective of this module, in submission order.
+
+    :meth:`abandon` (the process group is going away) hands later work to a fresh thread: a collective of the
+    old group can stay blocked forever after a peer failed or was interrupted, and nothing queued behind it
+    would ever run. The abandoned thread is a daemon, so it cannot hold the process at exit either.
+    """
 
     def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] | None = None
         self._ident: int | None = None
         self._lock = threading.Lock()
 
-    def _mark(self) -> None:
+    def _work(self, work: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
         self._ident = threading.get_ident()
+        while (item := work.get()) is not None:
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+            del item, fn, future  # the finished work must not keep its tensors or groups alive
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="taco-comm", initializer=self._mark)
-            return self._executor.submit(fn)
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._work, args=(self._queue,), name="taco-comm", daemon=True).start()
+            self._queue.put((fn, future))
+        return future
 
     def run(self, fn: Callable[[], T]) -> T:
         if threading.get_ident() == self._ident:
             return fn()
         return self.submit(fn).result()
+
+    def abandon(self) -> None:
+        """Later collectives run on a new thread; the current one ends once its queue is done (if ever)."""
+        with self._lock:
+            if self._queue is not None:
+                self._queue.put(None)
+            self._queue = None
 
 
 comm_thread = _CommThread()
@@ -106,6 +131,7 @@ def hierarchy() -> _Hierarchy | None:
 
 def forget_groups() -> None:
     """Drop the 2D groups and unmap the node's segment (the process group is going away)."""
+    comm_thread.abandon()
     for tiers in _hierarchy.values():
         if tiers is not None and tiers.segment is not None:
             tiers.segment.close()
