@@ -143,6 +143,7 @@ class TacoCluster:
         self.needs_reinit = False
         self._started_processes: list[Any] = []
         self._shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
+        self._engine_logs: list[str] = []  # ipyparallel forgets a stopped engine set, and with it its log's path
         self.busy = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -188,6 +189,7 @@ class TacoCluster:
                                        config=self._ipp_config(self.mpi))
         try:
             self.ipp_cluster.start_cluster_sync()
+            self._engine_logs = [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
             self.client = self.ipp_cluster.connect_client_sync()
             self._wait_for_engines()
             self._check_ranks()
@@ -258,6 +260,8 @@ class TacoCluster:
     def _stop_processes(self, fast: bool = False) -> None:
         cluster, client = self.ipp_cluster, self.client
         self.ipp_cluster = self.client = None
+        if cluster is not None:  # segments MPI made after start too: the ranks still map them now
+            self._shared_memory |= shared_memory_files(self.ranks)
         self.ranks = []
         if cluster is None:
             return
@@ -324,11 +328,12 @@ class TacoCluster:
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
         chunks = []
-        for engine_set in self._engine_sets():
+        paths = self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
+        for path in paths:
             try:
-                with open(engine_set.output_file, errors="replace") as f:
+                with open(path, errors="replace") as f:
                     chunks.append(f.read())
-            except (OSError, AttributeError):
+            except OSError:
                 pass
         return "".join(chunks)
 
