@@ -16,6 +16,7 @@ from ..comm import metrics
 __all__ = ["install", "begin_cell", "KEY"]
 
 KEY = "taco"
+PUBLISH_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
 
 
 class _Sender:
@@ -44,7 +45,7 @@ class _Sender:
 _sender = _Sender()
 
 
-def install(interval: float = 0.25) -> None:
+def install(interval: float = PUBLISH_S) -> None:
     """Publish snapshots from this engine every ``interval`` seconds while cells run."""
     from IPython import get_ipython
 
@@ -54,7 +55,7 @@ def install(interval: float = 0.25) -> None:
         shell.events.register("post_execute", _sender.flush)
 
 
-def begin_cell(dashboard: bool = True, interval: float = 0.25) -> None:
+def begin_cell(dashboard: bool = True, interval: float = PUBLISH_S) -> None:
     """Before a ``%%taco_run`` cell: count from zero, and publish only if the cell has a dashboard."""
     metrics.reset()
     _sender.sent = None

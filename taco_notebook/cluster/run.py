@@ -37,7 +37,7 @@ log = logging.getLogger("taco_notebook")
 
 RESULT_NAME = "__taco_result__"
 POLL_S = 0.05
-REPORT_S = 0.25  # how often monitors hear from the ranks: the dashboard redraws at about 4 Hz
+REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every PUBLISH_S)
 
 
 class CellMonitor(Protocol):
