@@ -269,6 +269,7 @@ class TacoCluster:
         self._started_processes = []
         try:
             if fast:
+                self._unlink_shared_memory()  # first: the ranks keep their mappings, the names go now
                 stop_at_exit(cluster, client, tree)
                 return
             if client is not None:
@@ -279,10 +280,15 @@ class TacoCluster:
             cluster.stop_controller_sync()
         finally:
             kill(tree)  # whatever ignored it (a rank stuck in C code, an orphaned nanny)
-            for path in self._shared_memory:
-                if os.path.exists(path):
-                    os.unlink(path)
-            self._shared_memory = set()
+            self._unlink_shared_memory()
+
+    def _unlink_shared_memory(self) -> None:
+        for path in self._shared_memory:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # MPI removed it on the way out
+                pass
+        self._shared_memory = set()
 
     @staticmethod
     def _shutdown_engines(client: Any, cluster: Any, grace: float = 3.0) -> None:
