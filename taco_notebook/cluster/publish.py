@@ -45,11 +45,10 @@ class _Sender:
 _sender = _Sender()
 
 
-def install(interval: float = PUBLISH_S) -> None:
-    """Publish snapshots from this engine every ``interval`` seconds while cells run."""
+def install() -> None:
+    """Flush the end state after every execution; :func:`begin_cell` decides per cell whether to publish at all."""
     from IPython import get_ipython
 
-    metrics.set_publisher(_sender, interval)
     shell = get_ipython()
     if shell is not None and _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
