@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from taco_notebook.cluster import registry
+from taco_notebook.cluster.processes import CLUSTER_ID_ENV
 from taco_notebook.cluster.session import TacoCluster
 
 
@@ -53,12 +54,16 @@ def make_entry(directory: Path, cluster_id: str, owner_pid: int, owner_created: 
 
 
 @pytest.fixture
-def sleeper() -> Iterator[Callable[[], psutil.Process]]:
-    """Start throwaway processes (stand-ins for a dead kernel's leftovers); all are killed and reaped."""
+def sleeper() -> Iterator[Callable[..., psutil.Process]]:
+    """Start throwaway processes (stand-ins for a dead kernel's leftovers); all are killed and reaped.
+
+    ``sleeper(cluster_id)`` marks it as that cluster's, as TacoCluster marks the processes it launches.
+    """
     started: list[subprocess.Popen[bytes]] = []
 
-    def start() -> psutil.Process:
-        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+    def start(cluster_id: str | None = None) -> psutil.Process:
+        env = {**os.environ, CLUSTER_ID_ENV: cluster_id} if cluster_id else None
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env))
         return psutil.Process(started[-1].pid)
 
     yield start
@@ -111,7 +116,8 @@ def test_dead_and_reused_owners_are_stale(registry_dir: Path) -> None:
     states = {m["id"]: m["state"] for m in registry.read_models(registry_dir)}
     assert states == {"alive": "running", "dead": "stale", "reused": "stale"}
     stale = registry.read_model(registry_dir, "dead")
-    assert stale is not None and "is gone" in (stale["error"] or "") and stale["engines_up"] == 0
+    assert stale is not None and stale["engines_up"] == 0
+    assert stale["error"] == f"its kernel (pid {pid}) died; nothing it started is still running"
 
 
 def test_dead_local_rank_marks_cluster_broken(registry_dir: Path, sleeper: Callable[[], psutil.Process]) -> None:
@@ -128,15 +134,22 @@ def test_dead_local_rank_marks_cluster_broken(registry_dir: Path, sleeper: Calla
 
 
 def test_discard_stale_kills_only_recorded_processes(registry_dir: Path,
-                                                     sleeper: Callable[[], psutil.Process]) -> None:
-    left_behind, reused = sleeper(), sleeper()
+                                                     sleeper: Callable[..., psutil.Process]) -> None:
+    """Killed: recorded, same create time, and marked as this cluster's. Not: a reused pid, a process of the same
+    user without the marker, one marked for another cluster (changed with issue 11: the marker is required)."""
+    left_behind, reused, unmarked, other = sleeper("old"), sleeper("old"), sleeper(), sleeper("other")
     owner, owner_created = dead_pid()
     make_entry(registry_dir, "old", owner, owner_created,
-               processes=[(left_behind.pid, left_behind.create_time()), (reused.pid, reused.create_time() - 50)])
+               processes=[(left_behind.pid, left_behind.create_time()), (reused.pid, reused.create_time() - 50),
+                          (unmarked.pid, unmarked.create_time()), (other.pid, other.create_time())])
     registry.write_request(registry_dir, "old", "stop", None)
+    model = registry.read_model(registry_dir, "old")
+    assert model is not None and model["state"] == "stale"
+    assert model["error"] == (f"its kernel (pid {owner}) died; 1 process it started is still running: "
+                              "Stop kills it")
     assert registry.discard_stale(registry_dir, "old") == [left_behind.pid]
     left_behind.wait(10)
-    assert reused.is_running()
+    assert reused.is_running() and unmarked.is_running() and other.is_running()
     assert list(registry_dir.iterdir()) == []
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import tornado.web
 from jupyter_server.base.handlers import APIHandler
@@ -22,11 +23,12 @@ from traitlets.config import Config
 
 import taco_notebook
 from taco_notebook.cluster import registry
+from taco_notebook.cluster.limits import max_ranks
 from taco_notebook.cluster.session import TacoCluster
 from taco_notebook.server import MANAGER_SETTING, handlers
 from taco_notebook.server.manager import ClusterManager
 
-from .test_registry import dead_pid, make_entry, wait_for
+from .test_registry import dead_pid, make_entry, sleeper, wait_for  # noqa: F401  (sleeper: a fixture)
 
 API = "taco-notebook/api"
 Fetch = Callable[..., tuple[int, Any]]
@@ -71,7 +73,8 @@ def api(jp_fetch: Any, jp_asyncio_loop: Any, manager: ClusterManager) -> Fetch:
 
 
 def test_version_and_empty_list(api: Fetch) -> None:
-    assert api("GET", "version") == (200, {"version": taco_notebook.__version__})
+    # changed with issue 11: the version also says how many ranks a cluster may have, for the sidebar's dialog
+    assert api("GET", "version") == (200, {"version": taco_notebook.__version__, "max_ranks": max_ranks()})
     assert api("GET", "clusters") == (200, {"clusters": []})
 
 
@@ -166,11 +169,15 @@ def test_server_cluster_start_scale_stop(api: Fetch) -> None:
     assert api("GET", "clusters") == (200, {"clusters": []})
 
 
-def test_stale_entry_is_shown_and_deletable(api: Fetch, registry_dir: Path) -> None:
-    make_entry(registry_dir, "old-1", *dead_pid())
+def test_stale_entry_is_shown_and_deletable(api: Fetch, registry_dir: Path,
+                                            sleeper: Callable[..., psutil.Process]) -> None:
+    left = sleeper("old-1")  # a process of the dead kernel's cluster, still running
+    make_entry(registry_dir, "old-1", *dead_pid(), processes=[(left.pid, left.create_time())])
     code, listing = api("GET", "clusters")
     assert code == 200 and [m["state"] for m in listing["clusters"]] == ["stale"]
+    assert "1 process it started is still running: Stop kills it" in listing["clusters"][0]["error"]
     code, reply = api("PATCH", "clusters", "old-1", body={"size": 2})
     assert code == 409 and "stale" in reply["message"]
     assert api("DELETE", "clusters", "old-1")[0] == 202
+    left.wait(10)
     assert api("GET", "clusters") == (200, {"clusters": []})

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -16,7 +16,7 @@ from taco_notebook.cluster import registry
 from taco_notebook.server.manager import BadRequest, ClusterManager, Conflict, NotFound
 from taco_notebook.server.models import parse_scale_request, parse_start_request
 
-from .test_registry import dead_pid, make_entry
+from .test_registry import dead_pid, make_entry, sleeper  # noqa: F401  (sleeper: a fixture)
 
 
 @pytest.fixture
@@ -96,15 +96,29 @@ def test_kernel_cluster_requests_and_conflicts(manager: ClusterManager) -> None:
         manager.stop("s1")
 
 
-def test_stale_entry_is_deleted_not_scaled(manager: ClusterManager) -> None:
-    make_entry(manager.directory, "gone", *dead_pid())
-    assert manager.get("gone")["state"] == "stale"
+def test_stale_entry_is_deleted_not_scaled(manager: ClusterManager, sleeper: Callable[..., psutil.Process]) -> None:
+    """A dead owner's entry with a process of its cluster left: stale, not scalable, deleted with that process."""
+    left = sleeper("gone")
+    make_entry(manager.directory, "gone", *dead_pid(), processes=[(left.pid, left.create_time())])
+    model = manager.get("gone")
+    assert model["state"] == "stale" and "1 process it started is still running" in (model["error"] or "")
     with pytest.raises(Conflict, match="stale"):
         manager.scale("gone", {"size": 2})
     assert manager.stop("gone")["state"] == "stopped"
+    left.wait(10)
     assert not (manager.directory / "gone.json").exists()
     with pytest.raises(NotFound):
         manager.get("gone")
+
+
+def test_stale_entry_with_nothing_left_is_removed(manager: ClusterManager,
+                                                  sleeper: Callable[..., psutil.Process]) -> None:
+    """Issue 10/11: no STALE card when nothing is left running; a process merely named in it is not 'left'."""
+    unrelated = sleeper()
+    owner, created = dead_pid()
+    make_entry(manager.directory, "gone", owner, created, processes=[(unrelated.pid, unrelated.create_time())])
+    assert manager.list() == {"clusters": []}
+    assert not (manager.directory / "gone.json").exists() and unrelated.is_running()
 
 
 def test_no_start_after_shutdown(manager: ClusterManager) -> None:

@@ -2,16 +2,25 @@
 
 ipyparallel manages the processes; these helpers make sure that whatever it leaves (a rank stuck in C code, an
 orphaned nanny, MPI's shared-memory files) is found and ended, and that an exiting kernel ends them quickly.
+
+A process named in a file (a registry entry) is never killed on the file's word: :func:`proven_processes`
+keeps only those that carry this cluster's marker (:data:`CLUSTER_ID_ENV` in their environment, set by
+``TacoCluster`` in every process it launches), run as this user, and started at the recorded time.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .session import RankInfo
 
-__all__ = ["shared_memory_files", "alive", "descendants", "process_tree", "stop_at_exit", "kill"]
+__all__ = ["shared_memory_files", "alive", "descendants", "process_tree", "stop_at_exit", "kill",
+           "CLUSTER_ID_ENV", "proven_process", "proven_processes"]
+
+CLUSTER_ID_ENV = "TACO_CLUSTER_ID"  # in the environment of the controller, mpiexec and every rank of a cluster
 
 
 def shared_memory_files(ranks: list[RankInfo]) -> set[str]:
@@ -86,3 +95,39 @@ def kill(processes: list[Any], wait: bool = True) -> None:
             process.wait(timeout=5)
         except Exception:
             pass
+
+
+def proven_process(pid: int, create_time: float, cluster_id: str) -> Any:
+    """The live ``psutil.Process`` ``pid`` if it provably belongs to cluster ``cluster_id``, else None.
+
+    Proof: it runs as this user (real and effective uid), it started at ``create_time`` (not a reused pid), and
+    its environment carries ``TACO_CLUSTER_ID=<cluster_id>``, which only a TacoCluster's launch sets.
+    """
+    import psutil
+
+    if not cluster_id or isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        process = psutil.Process(pid)
+        uids = process.uids()
+        if {uids.real, uids.effective} != {os.getuid()} or process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if not isinstance(create_time, int | float) or abs(process.create_time() - create_time) >= 0.01:
+            return None
+        if process.environ().get(CLUSTER_ID_ENV) != cluster_id:
+            return None
+    except (psutil.Error, OSError):
+        return None
+    return process
+
+
+def proven_processes(recorded: Iterable[Any], cluster_id: str) -> list[Any]:
+    """Those of the ``(pid, create time)`` pairs ``recorded`` (read from a file) that :func:`proven_process`
+    proves to be cluster ``cluster_id``'s; malformed pairs are skipped."""
+    found = []
+    for item in recorded:
+        if isinstance(item, list | tuple) and len(item) == 2:
+            process = proven_process(item[0], item[1], cluster_id)
+            if process is not None:
+                found.append(process)
+    return found

@@ -6,76 +6,54 @@ state change (``TacoCluster.start``/``stop``/``kill_engines`` call it), :func:`s
 (one per process) that carries out stop/scale requests the server left as ``{id}.request.json``; it acts only
 while it can take the cluster's ``busy`` lock, i.e. between cells, and ends when no cluster is left.
 
-Server side: :func:`read_models` / :func:`read_model` return :class:`ClusterModel` s, with ``stale`` for entries
-whose owner process is gone (pid and create time recorded, so a reused pid is not mistaken for the owner),
-``pending`` from a request file, and ``engines_up`` counted from the rank processes still alive on this host.
-
-The directory is ``$TACO_REGISTRY_DIR`` or ``<jupyter runtime dir>/taco-notebook/clusters``. Files are written
-to a dot-named temporary and renamed (``os.replace``), so a reader never sees half an entry.
+Server side (the files' format, reading and judging them, requests, stale entries) is
+:mod:`~taco_notebook.cluster.registry_files`, re-exported here. Files are 0600 in a 0700 directory that must be
+this user's (:mod:`~taco_notebook.cluster.private`); a request is honoured only when the directory's owner wrote it
+and its size passes :func:`~taco_notebook.cluster.limits.check_size`.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING
 
-from ..server.models import Action, ClusterModel, NodeModel, OwnerKind, PendingModel, RunModel, State
+from ..server.models import ClusterModel, NodeModel, Owner, OwnerKind, PendingModel, RunModel, State
+from .limits import SizeLimitError, check_size
+from .registry_files import (
+    ENV_VAR,
+    RegistryEntry,
+    checked_dir,
+    discard_stale,
+    entry_path,
+    owner_alive,
+    read_entry,
+    read_model,
+    read_models,
+    read_request,
+    registry_dir,
+    request_path,
+    write_atomic,
+    write_request,
+)
 
 if TYPE_CHECKING:
     from .session import TacoCluster
 
 __all__ = [
     "ENV_VAR", "POLL_INTERVAL", "RegistryEntry", "registry_dir", "publish", "set_run", "remove", "model_of",
-    "read_entry", "read_model", "read_models", "write_request", "discard_stale", "owner_alive",
+    "owner_of", "read_entry", "read_model", "read_models", "write_request", "discard_stale", "owner_alive",
 ]
 
 log = logging.getLogger("taco_notebook")
 
-ENV_VAR = "TACO_REGISTRY_DIR"
+_write_atomic = write_atomic
 POLL_INTERVAL = 0.5  # seconds between the watcher's looks for requests: a click feels immediate, a poll is cheap
-
-
-class RegistryEntry(TypedDict):
-    """What a registry file holds: the model, plus what a reader needs to judge and clean up after its owner."""
-
-    model: ClusterModel
-    owner_create_time: float | None
-    processes: list[tuple[int, float]]  # (pid, create time) of the local controller/mpiexec/rank processes
-    rank_pids: list[tuple[int, int]]  # (rank, pid)
-
-
-def registry_dir(directory: str | os.PathLike[str] | None = None) -> Path:
-    """``directory`` if given, else ``$TACO_REGISTRY_DIR``, else ``<jupyter runtime dir>/taco-notebook/clusters``."""
-    if directory is not None:
-        return Path(directory)
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR])
-    from jupyter_core.paths import jupyter_runtime_dir
-
-    return Path(jupyter_runtime_dir()) / "taco-notebook" / "clusters"
-
-
-def _entry_path(directory: Path, cluster_id: str) -> Path:
-    return directory / f"{cluster_id}.json"
-
-
-def _request_path(directory: Path, cluster_id: str) -> Path:
-    return directory / f"{cluster_id}.request.json"
-
-
-def _write_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 def _unlink(path: Path) -> None:
@@ -92,19 +70,6 @@ def _create_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except psutil.Error:
         return None
-
-
-def owner_alive(pid: int, create_time: float | None) -> bool:
-    """Whether process ``pid`` runs and is the one that started at ``create_time`` (not a reused pid)."""
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        if process.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return create_time is None or abs(process.create_time() - create_time) < 0.01
-    except psutil.Error:
-        return False
 
 
 # ------------------------------------------------------------------------------------------ kernel side
@@ -139,6 +104,16 @@ def _derived_state(cluster: TacoCluster) -> State:
     return "running" if cluster.ipp_cluster is not None else "stopped"
 
 
+def owner_of(kind: OwnerKind) -> Owner:
+    """This process as a cluster's owner: a kernel names its notebook (``JPY_SESSION_NAME``) and its Jupyter
+    server (``JPY_PARENT_PID``), both set by Jupyter in the kernel's environment; a server names itself."""
+    if kind == "server":
+        return {"kind": kind, "pid": os.getpid(), "notebook": None, "server_pid": os.getpid()}
+    parent = os.environ.get("JPY_PARENT_PID", "")
+    return {"kind": kind, "pid": os.getpid(), "notebook": os.environ.get("JPY_SESSION_NAME") or None,
+            "server_pid": int(parent) if parent.isdigit() and int(parent) > 0 else None}
+
+
 def model_of(cluster: TacoCluster, state: State | None = None, kind: OwnerKind | None = None,
              run: RunModel | None = None, pending: PendingModel | None = None,
              error: str | None = None) -> ClusterModel:
@@ -151,7 +126,7 @@ def model_of(cluster: TacoCluster, state: State | None = None, kind: OwnerKind |
     hugepages = ranks[0].hugepages if ranks and state != "starting" else None
     return {
         "id": cluster.cluster_id or "", "name": cluster.name, "profile": PROFILE,
-        "owner": {"kind": kind or cluster.owner_kind, "pid": os.getpid()},
+        "owner": owner_of(kind or cluster.owner_kind), "this_server": False,
         "state": state, "size": cluster.size,
         "engines_up": len(cluster.ranks) if state in ("running", "broken") else 0,
         "mpi": cluster.mpi.description if cluster.mpi else "",
@@ -171,7 +146,7 @@ def _write(record: _Published) -> ClusterModel:
         "processes": [(p.pid, p.create_time()) for p in cluster._started_processes if _create_time(p.pid)],
         "rank_pids": [(r.rank, r.pid) for r in cluster.ranks],
     }
-    _write_atomic(_entry_path(record.directory, model["id"]), entry)
+    write_atomic(entry_path(record.directory, model["id"]), entry)
     return model
 
 
@@ -223,8 +198,8 @@ def remove(cluster: TacoCluster) -> None:
         if record is None or record.cluster is not cluster:
             return
         del _published[cluster.cluster_id or ""]
-        _unlink(_entry_path(record.directory, cluster.cluster_id or ""))
-        _unlink(_request_path(record.directory, cluster.cluster_id or ""))
+        _unlink(entry_path(record.directory, cluster.cluster_id or ""))
+        _unlink(request_path(record.directory, cluster.cluster_id or ""))
 
 
 class _Watcher(threading.Thread):
@@ -286,19 +261,22 @@ atexit.register(_at_exit)
 
 def _serve(record: _Published) -> None:
     cluster = record.cluster
-    path = _request_path(record.directory, cluster.cluster_id or "")
-    if record.state in ("starting", "stopping") or not path.exists():
+    path = request_path(record.directory, cluster.cluster_id or "")
+    if record.state in ("starting", "stopping") or not os.path.lexists(path):
         return
     if not cluster.busy.acquire(blocking=False):
         return  # a cell is running: the request stays pending
     try:
         try:
-            request = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring unreadable request %s: %s", path, exc)
+            checked_dir(record.directory)  # a directory others can write: its requests are not the server's
+            request = read_request(record.directory, cluster.cluster_id or "")  # its owner's, small, or None
+        except OSError as exc:
+            log.warning("ignoring request %s: %s", path, exc)
             return
         finally:
             _unlink(path)  # taken: from here on the entry's state tells the progress
+        if request is None:
+            return
         if request.get("action") == "stop":
             from .session import clusters
 
@@ -307,97 +285,14 @@ def _serve(record: _Published) -> None:
             cluster.stop()
         elif request.get("action") == "scale":
             try:
-                cluster.scale(int(request["size"]))
+                size = check_size(request.get("size"), f"the size in {path.name}")
+            except SizeLimitError as exc:
+                log.warning("ignoring request %s: %s", path, exc)
+                return
+            try:
+                cluster.scale(size)
             except Exception:  # the kernel has no caller to raise to; start() already cleaned up
                 log.exception("scaling cluster %r to %s ranks (asked from the sidebar) failed",
                               cluster.name, request.get("size"))
     finally:
         cluster.busy.release()
-
-
-# ------------------------------------------------------------------------------------------ server side
-def read_entry(directory: Path, cluster_id: str) -> RegistryEntry | None:
-    """The raw entry of ``cluster_id``, or None if there is none (or it vanished while being read)."""
-    try:
-        with open(_entry_path(directory, cluster_id)) as f:
-            entry: RegistryEntry = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-    return entry
-
-
-def _pending(directory: Path, cluster_id: str) -> PendingModel | None:
-    try:
-        with open(_request_path(directory, cluster_id)) as f:
-            request = json.load(f)
-        return {"action": request["action"], "size": request.get("size"), "requested_at": request["requested_at"]}
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _judge(directory: Path, entry: RegistryEntry) -> ClusterModel:
-    """The model as a reader should show it: stale if the owner died, rank deaths counted, pending requests."""
-    model = entry["model"]
-    model["pending"] = _pending(directory, model["id"])
-    if not owner_alive(model["owner"]["pid"], entry["owner_create_time"]):
-        model["state"] = "stale"
-        model["engines_up"] = 0
-        model["error"] = model["error"] or (f"its owner ({model['owner']['kind']} pid {model['owner']['pid']}) "
-                                            "is gone; delete the entry to kill what it left running")
-        return model
-    local = {int(pid): created for pid, created in entry["processes"]}
-    dead = [(rank, pid) for rank, pid in entry["rank_pids"] if pid in local and not owner_alive(pid, local[pid])]
-    if dead and model["state"] in ("running", "broken"):
-        model["engines_up"] = max(0, model["engines_up"] - len(dead))
-        model["state"] = "broken"
-        model["error"] = model["error"] or ", ".join(f"rank {r} (pid {p})" for r, p in dead) + " exited"
-    return model
-
-
-def read_model(directory: Path, cluster_id: str) -> ClusterModel | None:
-    entry = read_entry(directory, cluster_id)
-    return _judge(directory, entry) if entry is not None else None
-
-
-def read_models(directory: Path, exclude: set[str] | frozenset[str] = frozenset()) -> list[ClusterModel]:
-    """Every cluster in ``directory`` but those in ``exclude``, oldest first."""
-    if not directory.is_dir():
-        return []
-    models = []
-    for path in directory.glob("*.json"):
-        cluster_id = path.name[: -len(".json")]
-        if path.name.startswith(".") or cluster_id.endswith(".request") or cluster_id in exclude:
-            continue
-        model = read_model(directory, cluster_id)
-        if model is not None:
-            models.append(model)
-    return sorted(models, key=lambda m: (m["started_at"] or m["updated_at"], m["id"]))
-
-
-def write_request(directory: Path, cluster_id: str, action: Action, size: int | None) -> PendingModel:
-    """Ask the owning kernel to stop or scale ``cluster_id``; it acts when no cell runs there."""
-    pending: PendingModel = {"action": action, "size": size, "requested_at": time.time()}
-    _write_atomic(_request_path(directory, cluster_id), pending)
-    return pending
-
-
-def discard_stale(directory: Path, cluster_id: str) -> list[int]:
-    """Remove a stale entry and kill what its dead owner left running; returns the pids killed.
-
-    Only processes recorded in the entry *and* still carrying the recorded create time are killed: those are
-    the controller, mpiexec and ranks that kernel started, never a process that later got a reused pid.
-    """
-    import psutil
-
-    entry = read_entry(directory, cluster_id)
-    killed = []
-    for pid, created in entry["processes"] if entry else []:
-        if owner_alive(pid, created):
-            try:
-                psutil.Process(pid).kill()
-                killed.append(pid)
-            except psutil.Error:
-                pass
-    _unlink(_entry_path(directory, cluster_id))
-    _unlink(_request_path(directory, cluster_id))
-    return killed

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
 from .mpi import MPIInfo, find_mpi
-from .processes import alive, descendants, kill, process_tree, shared_memory_files, stop_at_exit
+from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files, stop_at_exit
 from .rankwrap import MARKER
 
 __all__ = ["RankInfo", "ClusterStatus", "TacoCluster", "clusters", "stop_all"]
@@ -102,6 +102,22 @@ def _engine_info() -> dict[str, Any]:
             "local_rank": topo.local_rank, "node": topo.node, "gpus": visible_gpus(), "hugepages": hugepages()}
 
 
+def _private_profile_dir() -> str:
+    """ipyparallel's ``profile_taco`` and its ``log/``, made 0700 before ipyparallel would make them under the umask.
+
+    The engines' log files (their output and tracebacks) are opened by ipyparallel itself, under the umask (often
+    0644): the 0700 profile and log directories are what keeps other users from reaching them.
+    """
+    from IPython.paths import get_ipython_dir
+
+    from .private import tighten_own_dir
+
+    profile = os.path.join(get_ipython_dir(), f"profile_{PROFILE}")
+    for directory in (profile, os.path.join(profile, "log")):
+        tighten_own_dir(directory)
+    return profile
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -157,6 +173,8 @@ class TacoCluster:
             # N ranks on one machine share its cores; torch would otherwise start cores-many threads per rank.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
         env.update(self.env)
+        if self.cluster_id:  # the proof that a process is this cluster's (processes.proven_process)
+            env[CLUSTER_ID_ENV] = self.cluster_id
         return env
 
     def _ipp_config(self, mpi: MPIInfo) -> Any:
@@ -169,6 +187,8 @@ class TacoCluster:
         launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.rankwrap",
                                sys.executable, "-m", "ipyparallel.engine"]
         launcher.environment = self._engine_environment()
+        if self.cluster_id:
+            config.LocalControllerLauncher.environment = {CLUSTER_ID_ENV: self.cluster_id}
         return config
 
     def start(self) -> TacoCluster:
@@ -184,6 +204,7 @@ class TacoCluster:
         cluster_id = self.cluster_id = self.cluster_id or f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.broken_reason = None
         registry.publish(self, "starting")
+        _private_profile_dir()
         self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
                                        controller_ip="127.0.0.1", log_level=logging.ERROR,
                                        config=self._ipp_config(self.mpi))

@@ -2,9 +2,12 @@
 
 ``GET  clusters``             → ClusterList             ``GET    clusters/{id}`` → ClusterModel
 ``POST clusters`` {size,name?} → 202 ClusterModel        ``PATCH  clusters/{id}`` {size} → 202 ClusterModel
-``GET  version``              → {"version": ...}        ``DELETE clusters/{id}`` → 202 ClusterModel
+``GET  version``   → {"version", "max_ranks"}           ``DELETE clusters/{id}`` → 202 ClusterModel
 
-Errors are ``{"message", "reason"}`` (APIHandler.write_error) with 400, 404 or 409 from the manager's errors.
+Errors are ``{"message", "reason"}`` (APIHandler.write_error) with 400, 404 or 409 from the manager's errors,
+and 413 for a body over :data:`~taco_notebook.server.models.MAX_BODY_BYTES`: the handlers stream the body
+(``stream_request_body``), so a declared ``Content-Length`` over the cap is refused before the body is read, and
+a chunked body is cut off by tornado as soon as it passes the cap.
 """
 
 from __future__ import annotations
@@ -18,17 +21,40 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from .. import __version__
 from . import API_PATH, MANAGER_SETTING
 from .manager import ClusterManager
-from .models import ManagerError
+from .models import MAX_BODY_BYTES, ManagerError, TooLarge
 
 __all__ = ["VersionHandler", "ClustersHandler", "ClusterHandler", "setup_handlers"]
 
 T = TypeVar("T")
 
 
+@tornado.web.stream_request_body
 class _ManagerHandler(APIHandler):
+    """Base of the handlers: the manager, its errors as HTTP errors, and a body capped at MAX_BODY_BYTES."""
+
+    _body: bytearray
+
+    async def prepare(self) -> None:  # type: ignore[override]
+        await super().prepare()  # jupyter_server's: authentication state, XSRF
+        self._body = bytearray()
+        declared = self.request.headers.get("Content-Length", "0")
+        if self.current_user and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            self.call(self._refuse, int(declared))
+        self.request.connection.set_max_body_size(MAX_BODY_BYTES)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _refuse(size: int) -> None:
+        raise TooLarge(f"request body of {size} bytes is over the limit of {MAX_BODY_BYTES} bytes")
+
+    def data_received(self, chunk: bytes) -> None:
+        self._body += chunk
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self._body)
+
     @property
     def manager(self) -> ClusterManager:
         manager: ClusterManager = self.settings[MANAGER_SETTING]
@@ -47,10 +73,10 @@ class _ManagerHandler(APIHandler):
         self.finish(json.dumps(model))
 
 
-class VersionHandler(APIHandler):
+class VersionHandler(_ManagerHandler):
     @tornado.web.authenticated
     def get(self) -> None:
-        self.finish(json.dumps({"version": __version__}))
+        self.reply(self.call(self.manager.version))
 
 
 class ClustersHandler(_ManagerHandler):
@@ -60,7 +86,7 @@ class ClustersHandler(_ManagerHandler):
 
     @tornado.web.authenticated
     def post(self) -> None:
-        self.reply(self.call(self.manager.start, self.request.body), 202)
+        self.reply(self.call(self.manager.start, self.body), 202)
 
 
 class ClusterHandler(_ManagerHandler):
@@ -74,7 +100,7 @@ class ClusterHandler(_ManagerHandler):
 
     @tornado.web.authenticated
     def patch(self, cluster_id: str) -> None:
-        self.reply(self.call(self.manager.scale, cluster_id, self.request.body), 202)
+        self.reply(self.call(self.manager.scale, cluster_id, self.body), 202)
 
 
 def setup_handlers(web_app: Any, manager: ClusterManager | None = None) -> ClusterManager:

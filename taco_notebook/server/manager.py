@@ -5,12 +5,15 @@ Two kinds of cluster, one list:
 - kernel-owned (started by ``%%taco_run`` / ``%taco_cluster`` in a notebook kernel): read from the registry.
   The server cannot call into a kernel, so stop and scale leave a request file that the kernel's watcher
   carries out between cells; until then the model shows it as ``pending``. An entry whose kernel died is
-  ``stale``: deleting it removes the entry and kills the processes recorded in it (see
-  :func:`~taco_notebook.cluster.registry.discard_stale`).
+  removed as soon as it is read if nothing of its cluster runs any more; otherwise it is ``stale``, its
+  ``error`` says how many processes are left, and deleting it kills those that prove to be the cluster's
+  (see :func:`~taco_notebook.cluster.registry_files.discard_stale`), never a pid merely named in the file.
 - server-owned (``POST /clusters``): plain :class:`TacoCluster` objects in this process, started, stopped and
   scaled in worker threads (never on the server's event loop) and all stopped by :meth:`ClusterManager.shutdown`.
 
-Every method returns models and raises :class:`BadRequest`, :class:`NotFound` or :class:`Conflict`.
+Every method returns models and raises :class:`BadRequest`, :class:`NotFound` or :class:`Conflict` (or
+:class:`UnsafeRegistry` when the registry directory could be controlled by another user). Each model served says
+whether it belongs to this server (``this_server``): its own clusters and those of its kernels.
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from ..cluster import registry
+from ..cluster.limits import SizeLimitError, max_ranks
+from ..cluster.private import UnsafeDirectoryError
 from ..cluster.session import TacoCluster
 from .models import (
     BadRequest,
     ClusterList,
     ClusterModel,
     Conflict,
+    ManagerError,
     NotFound,
     PendingModel,
     State,
@@ -42,7 +49,14 @@ from .models import (
     parse_start_request,
 )
 
-__all__ = ["ClusterManager", "BadRequest", "NotFound", "Conflict"]
+__all__ = ["ClusterManager", "BadRequest", "NotFound", "Conflict", "UnsafeRegistry"]
+
+
+class UnsafeRegistry(ManagerError):
+    """The registry directory is not this user's alone: nothing in it is read or acted on (the message says why
+    and how to fix it). A server-side condition, hence a 500 that names it."""
+
+    status = 500
 
 log = logging.getLogger("taco_notebook")
 
@@ -70,17 +84,39 @@ class ClusterManager:
         self._closed = False
 
     # ---------------------------------------------------------------- reading
+    def version(self) -> dict[str, Any]:
+        """``{"version", "max_ranks"}``: the sidebar caps its size dialog at ``max_ranks``."""
+        try:
+            return {"version": __version__, "max_ranks": max_ranks()}
+        except SizeLimitError as exc:
+            raise ManagerError(f"the Jupyter server's environment is wrong: {exc}") from None
+
     def _owned_model(self, owned: _Owned) -> ClusterModel:
         state, error = owned.state, owned.error
         if state == "running" and not owned.cluster.engines_alive():
             state, error = "broken", error or "the engines' mpiexec exited; scale or delete the cluster"
-        return registry.model_of(owned.cluster, state, "server", pending=owned.pending, error=error)
+        model = registry.model_of(owned.cluster, state, "server", pending=owned.pending, error=error)
+        return {**model, "this_server": True}
+
+    @staticmethod
+    def _served(model: ClusterModel) -> ClusterModel:
+        """``model`` with ``this_server`` set: owned by this server or by one of its kernels."""
+        owner, me = model["owner"], os.getpid()
+        ours = owner["pid"] == me if owner["kind"] == "server" else owner.get("server_pid") == me
+        return {**model, "this_server": ours}
+
+    def _read(self, reader: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return reader(self.directory, *args, **kwargs)
+        except UnsafeDirectoryError as exc:
+            raise UnsafeRegistry(str(exc)) from None
 
     def list(self) -> ClusterList:
+        """Every cluster: this server's, and the registry's (stale entries that left nothing running removed)."""
         with self._lock:
             owned = [self._owned_model(o) for o in self._owned.values()]
-        theirs = registry.read_models(self.directory, exclude={m["id"] for m in owned})
-        return {"clusters": theirs + owned}
+        theirs = self._read(registry.read_models, exclude={m["id"] for m in owned}, prune=True)
+        return {"clusters": [self._served(m) for m in theirs] + owned}
 
     def get(self, cluster_id: str) -> ClusterModel:
         check_cluster_id(cluster_id)
@@ -88,10 +124,10 @@ class ClusterManager:
             owned = self._owned.get(cluster_id)
             if owned is not None:
                 return self._owned_model(owned)
-        model = registry.read_model(self.directory, cluster_id)
+        model = self._read(registry.read_model, cluster_id, prune=True)
         if model is None:
             raise NotFound(f"No such cluster: {cluster_id}")
-        return model
+        return self._served(model)
 
     # ---------------------------------------------------------------- actions
     def start(self, body: Body) -> ClusterModel:
@@ -117,11 +153,11 @@ class ClusterManager:
                 return self._act(owned, "stop", None)
         model = self.get(cluster_id)
         if model["state"] == "stale":
-            killed = registry.discard_stale(self.directory, cluster_id)
+            killed = self._read(registry.discard_stale, cluster_id)
             log.info("removed stale cluster %s; killed the processes it left: %s", cluster_id, killed or "none")
             return {**model, "state": "stopped", "engines_up": 0}
         self._check_requestable(model, "stop")
-        return {**model, "pending": registry.write_request(self.directory, cluster_id, "stop", None)}
+        return {**model, "pending": self._read(registry.write_request, cluster_id, "stop", None)}
 
     def scale(self, cluster_id: str, body: Body) -> ClusterModel:
         """Restart a cluster with another number of ranks (a new MPI job: MPI fixes the world size at launch)."""
@@ -136,7 +172,7 @@ class ClusterManager:
             raise Conflict(f"cluster {cluster_id} is stale (its owner is gone) and cannot be scaled; delete it")
         self._check_requestable(model, "scale")
         self._check_size(model, size)
-        return {**model, "pending": registry.write_request(self.directory, cluster_id, "scale", size)}
+        return {**model, "pending": self._read(registry.write_request, cluster_id, "scale", size)}
 
     @staticmethod
     def _check_size(model: ClusterModel, size: int) -> None:

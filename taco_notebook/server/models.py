@@ -12,12 +12,17 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal, TypedDict
 
+from ..cluster.limits import SizeLimitError, check_size
+
 __all__ = [
     "State", "OwnerKind", "Action", "Owner", "NodeModel", "HugePagesModel", "RunModel", "PendingModel",
     "ClusterModel", "ClusterList", "ErrorModel", "StartRequest", "ScaleRequest",
     "ManagerError", "BadRequest", "NotFound", "Conflict",
-    "parse_start_request", "parse_scale_request", "check_cluster_id", "NAME_PATTERN",
+    "parse_start_request", "parse_scale_request", "check_cluster_id", "NAME_PATTERN", "MAX_BODY_BYTES",
+    "TooLarge", "shorten",
 ]
+
+MAX_BODY_BYTES = 64 * 1024  # a request body is a few dozen bytes; larger ones are refused (413) before parsing
 
 State = Literal["starting", "running", "stopping", "broken", "stopped", "stale"]
 OwnerKind = Literal["kernel", "server"]
@@ -25,10 +30,16 @@ Action = Literal["stop", "scale"]
 
 
 class Owner(TypedDict):
-    """The process that owns a cluster: a notebook kernel, or the Jupyter server (clusters started via REST)."""
+    """The process that owns a cluster: a notebook kernel, or the Jupyter server (clusters started via REST).
+
+    ``notebook``: the kernel's session path (``JPY_SESSION_NAME``), None when unknown or server-owned;
+    ``server_pid``: the Jupyter server the kernel belongs to (``JPY_PARENT_PID``), or the owning server itself.
+    """
 
     kind: OwnerKind
     pid: int
+    notebook: str | None
+    server_pid: int | None
 
 
 class NodeModel(TypedDict):
@@ -67,12 +78,16 @@ class PendingModel(TypedDict):
 
 
 class ClusterModel(TypedDict):
-    """One cluster as the sidebar shows it. ``id`` is the ipyparallel cluster_id; ``stale``: its owner is dead."""
+    """One cluster as the sidebar shows it. ``id`` is the ipyparallel cluster_id; ``stale``: its owner is dead.
+
+    ``this_server``: owned by the Jupyter server answering, or by one of its kernels (computed when served).
+    """
 
     id: str
     name: str
     profile: str
     owner: Owner
+    this_server: bool
     state: State
     size: int
     engines_up: int
@@ -129,16 +144,33 @@ class Conflict(ManagerError):
     status = 409
 
 
+class TooLarge(ManagerError):
+    status = 413
+
+
+def shorten(value: Any, limit: int = 40) -> str:
+    """``value`` as JSON for an error message, cut to ``limit`` characters: never echo a whole request back."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def _json_object(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(body, Mapping):
         return dict(body)
+    if len(body) > MAX_BODY_BYTES:
+        raise TooLarge(f"request body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES} bytes")
     try:
         parsed = json.loads(body or b"")
+    except RecursionError:
+        raise BadRequest("request body must be a JSON object, e.g. {\"size\": 2}: it is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body must be a JSON object, e.g. {{\"size\": 2}}: {exc}") from None
+        raise BadRequest(f"request body must be a JSON object, e.g. {{\"size\": 2}}: {str(exc)[:100]}") from None
     if not isinstance(parsed, dict):
         raise BadRequest(f"request body must be a JSON object, e.g. {{\"size\": 2}}, got {type(parsed).__name__}")
     return parsed
@@ -147,7 +179,9 @@ def _json_object(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
 def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
     unknown = sorted(set(body) - set(allowed))
     if unknown:
-        raise BadRequest(f"unknown field(s) {', '.join(repr(f) for f in unknown)}; allowed: {', '.join(allowed)}")
+        shown = ", ".join(repr(f) if len(f) <= 40 else repr(f[:37] + "...") for f in unknown[:5])
+        raise BadRequest(f"unknown field(s) {shown}{', ...' if len(unknown) > 5 else ''}; "
+                         f"allowed: {', '.join(allowed)}")
 
 
 def _size(body: dict[str, Any]) -> int:
@@ -155,8 +189,11 @@ def _size(body: dict[str, Any]) -> int:
         raise BadRequest("field 'size' is required: the number of MPI ranks, a positive integer")
     size = body["size"]
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise BadRequest(f"field 'size' must be a positive integer, got {json.dumps(size)}")
-    return size
+        raise BadRequest(f"field 'size' must be a positive integer, got {shorten(size)}")
+    try:
+        return check_size(size, "field 'size'")  # the one limit, shared with the magics and request files
+    except SizeLimitError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def parse_start_request(body: bytes | str | Mapping[str, Any]) -> StartRequest:
@@ -168,7 +205,7 @@ def parse_start_request(body: bytes | str | Mapping[str, Any]) -> StartRequest:
         name = parsed["name"]
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise BadRequest(f"field 'name' must be 1-64 letters, digits, '_', '.' or '-' (starting with a letter "
-                             f"or digit), got {json.dumps(name)}")
+                             f"or digit), got {shorten(name)}")
         request["name"] = name
     return request
 
@@ -180,11 +217,13 @@ def parse_scale_request(body: bytes | str | Mapping[str, Any]) -> ScaleRequest:
     return {"size": _size(parsed)}
 
 
-_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a name (<= 64) plus "-<pid>-<hex>"
 
 
 def check_cluster_id(cluster_id: str) -> str:
-    """A cluster id safe to use as a file name; anything else cannot exist, so it is a :class:`NotFound`."""
-    if not _ID_PATTERN.fullmatch(cluster_id) or cluster_id.startswith("."):
-        raise NotFound(f"No such cluster: {cluster_id}")
+    """A cluster id safe to use as a file name and not a request file's (``{id}.request``); anything else cannot
+    exist, so it is a :class:`NotFound`."""
+    if not _ID_PATTERN.fullmatch(cluster_id) or cluster_id.startswith(".") or cluster_id.endswith(".request"):
+        shown = cluster_id if len(cluster_id) <= 80 else cluster_id[:77] + "..."
+        raise NotFound(f"No such cluster: {shown}")
     return cluster_id
