@@ -34,11 +34,24 @@ export interface IPendingAction {
   requested_at: number;
 }
 
+/**
+ * Who owns a cluster: `notebook` is the owning kernel's session path (null when unknown or server-owned),
+ * `server_pid` the Jupyter server of that kernel (or the owning server itself).
+ */
+export interface IClusterOwner {
+  kind: 'kernel' | 'server';
+  pid: number;
+  notebook: string | null;
+  server_pid: number | null;
+}
+
 export interface IClusterModel {
   id: string;
   name: string;
   profile: string;
-  owner: { kind: 'kernel' | 'server'; pid: number };
+  owner: IClusterOwner;
+  /** Owned by the Jupyter server answering, or by one of its kernels. */
+  this_server: boolean;
   state: ClusterState;
   size: number;
   engines_up: number;
@@ -58,9 +71,10 @@ export interface IClusterList {
   clusters: IClusterModel[];
 }
 
-/** `GET version`. */
+/** `GET version`: `max_ranks` is the most ranks a cluster may have (the server's `TACO_MAX_RANKS`). */
 export interface IVersion {
   version: string;
+  max_ranks: number;
 }
 
 /** The error body every 4xx/5xx of the server extension carries. */
@@ -169,9 +183,21 @@ function parsePending(value: unknown, path: string): IPendingAction {
   };
 }
 
-function parseOwner(value: unknown, path: string): IClusterModel['owner'] {
+function boolValue(value: unknown, path: string): boolean {
+  if (typeof value !== 'boolean') {
+    fail(path, 'a boolean', value);
+  }
+  return value;
+}
+
+function parseOwner(value: unknown, path: string): IClusterOwner {
   const obj = object(value, path);
-  return { kind: oneOf(obj, 'kind', path, ['kernel', 'server'] as const), pid: num(obj, 'pid', path) };
+  return {
+    kind: oneOf(obj, 'kind', path, ['kernel', 'server'] as const),
+    pid: num(obj, 'pid', path),
+    notebook: optional(obj, 'notebook', path, strValue),
+    server_pid: optional(obj, 'server_pid', path, numValue)
+  };
 }
 
 function arrayOf<T>(obj: Json, key: string, path: string, parse: (v: unknown, p: string) => T): T[] {
@@ -190,6 +216,7 @@ export function parseCluster(value: unknown, path = 'cluster'): IClusterModel {
     name: str(obj, 'name', path),
     profile: str(obj, 'profile', path),
     owner: parseOwner(obj.owner, `${path}.owner`),
+    this_server: boolValue(obj.this_server, `${path}.this_server`),
     state: oneOf(obj, 'state', path, CLUSTER_STATES),
     size: num(obj, 'size', path),
     engines_up: num(obj, 'engines_up', path),
@@ -216,7 +243,8 @@ export function parseClusterList(value: unknown): IClusterList {
 
 /** Check a `GET version` body. */
 export function parseVersion(value: unknown): IVersion {
-  return { version: str(object(value, 'response'), 'version', 'response') };
+  const obj = object(value, 'response');
+  return { version: str(obj, 'version', 'response'), max_ranks: num(obj, 'max_ranks', 'response') };
 }
 
 /**

@@ -70,7 +70,7 @@ class NodeSegment:
         dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
         path = holder[0]
         self.close()
-        fd = os.open(path, os.O_RDWR)
+        fd = _open_own(path)
         try:
             self.mapping = mmap.mmap(fd, total)
         finally:
@@ -87,7 +87,7 @@ class NodeSegment:
         for place in ([directory] if directory else []) + ["/dev/shm"]:
             path = os.path.join(place, name)
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 try:
                     os.ftruncate(fd, total)
                     if place != "/dev/shm":  # hugetlbfs: check the pages really exist before using them
@@ -137,6 +137,17 @@ class NodeSegment:
                 pass
             self.mapping = None
         self.capacity = 0
+
+
+def _open_own(path: str) -> int:
+    """Open the segment rank 0 named, refusing a symlink (``O_NOFOLLOW``) or a file another user owns: in a shared
+    hugetlbfs mount or /dev/shm someone else could otherwise slip in a file of theirs under the expected name."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    owner = os.fstat(fd).st_uid
+    if owner != os.geteuid():
+        os.close(fd)
+        raise PermissionError(f"shared segment {path} belongs to uid {owner}, not to this user: refusing to map it")
+    return fd
 
 
 def new_tag(group: Any) -> str:

@@ -100,10 +100,10 @@ describe('state badge', () => {
 
   it('explains stale and broken clusters', () => {
     assert.match(
-      stateDescription({ state: 'stale', owner: { kind: 'kernel', pid: 99 }, error: null }),
+      stateDescription({ state: 'stale', owner: { kind: 'kernel', pid: 99, notebook: null, server_pid: null }, error: null }),
       /^Stale: its owner \(kernel process 99\) is gone/
     );
-    assert.equal(stateDescription({ state: 'broken', owner: { kind: 'server', pid: 1 }, error: 'rank 3 died' }), 'Broken: rank 3 died');
+    assert.equal(stateDescription({ state: 'broken', owner: { kind: 'server', pid: 1, notebook: null, server_pid: 1 }, error: 'rank 3 died' }), 'Broken: rank 3 died');
   });
 });
 

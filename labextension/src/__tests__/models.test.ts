@@ -41,6 +41,13 @@ describe('parseCluster', () => {
     });
     assert.throws(() => parseCluster(clusterJson({ state: 'exploded' })), /cluster\.state: expected one of starting\|/);
     assert.throws(() => parseCluster(clusterJson({ owner: { kind: 'robot', pid: 1 } })), /cluster\.owner\.kind/);
+    assert.throws(() => parseCluster(clusterJson({ this_server: 'yes' })), /cluster\.this_server: expected a boolean/);
+    assert.throws(
+      () => parseCluster(clusterJson({ owner: { kind: 'kernel', pid: 1, notebook: 3, server_pid: null } })),
+      /cluster\.owner\.notebook/
+    );
+    const unknown = parseCluster(clusterJson({ owner: { kind: 'kernel', pid: 1, notebook: null, server_pid: null } }));
+    assert.deepEqual(unknown.owner, { kind: 'kernel', pid: 1, notebook: null, server_pid: null });
     assert.throws(
       () => parseCluster(clusterJson({ nodes: [{ node: 0, host: 'n0', ranks: ['0'], gpus: 0 }] })),
       /cluster\.nodes\[0\]\.ranks: expected an array of numbers/
@@ -66,8 +73,9 @@ describe('parseClusterList', () => {
 
 describe('parseVersion', () => {
   it('wants a string version', () => {
-    assert.deepEqual(parseVersion({ version: '0.1.0' }), { version: '0.1.0' });
-    assert.throws(() => parseVersion({ version: 1 }), /response\.version/);
+    assert.deepEqual(parseVersion({ version: '0.1.0', max_ranks: 8 }), { version: '0.1.0', max_ranks: 8 });
+    assert.throws(() => parseVersion({ version: 1, max_ranks: 8 }), /response\.version/);
+    assert.throws(() => parseVersion({ version: '0.1.0' }), /response\.max_ranks/);
   });
 });
 
