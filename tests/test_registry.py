@@ -162,8 +162,8 @@ def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
         cluster_id = cluster.cluster_id or ""
         model = registry.read_model(registry_dir, cluster_id)
         assert model is not None
-        assert (model["state"], model["engines_up"], model["owner"]) == ("running", 2, {"kind": "kernel",
-                                                                                          "pid": os.getpid()})
+        assert (model["state"], model["engines_up"], model["owner"]) == ("running", 2, {
+            "kind": "kernel", "pid": os.getpid(), "notebook": None, "server_pid": None})  # pytest: no JPY_* env
         assert [n["ranks"] for n in model["nodes"]] == [[0, 1]]
         assert model["hugepages"] is None or set(model["hugepages"]) == {"total", "free", "page_kb"}
         registry.set_run(cluster, {"cell": "x = 1", "started_at": 1.0, "step": 3, "total": None,
