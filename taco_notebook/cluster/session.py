@@ -103,7 +103,8 @@ def _engine_info() -> dict[str, Any]:
 
 
 def _private_profile_dir() -> str:
-    """ipyparallel's ``profile_taco`` and its ``log/``, made 0700 before ipyparallel would make them under the umask.
+    """IPython's dir, ipyparallel's ``profile_taco`` and its subdirs, made 0700 before IPython or ipyparallel would
+    make them under the umask (``get_ipython_dir()`` itself creates a missing ``~/.ipython`` so: not called first).
 
     The engines' log files (their output and tracebacks) are opened by ipyparallel itself, under the umask (often
     0644): the 0700 profile and log directories are what keeps other users from reaching them.
@@ -112,8 +113,10 @@ def _private_profile_dir() -> str:
 
     from .private import tighten_own_dir
 
+    ipython_dir = os.environ.get("IPYTHONDIR") or os.path.join(os.path.expanduser("~"), ".ipython")
+    tighten_own_dir(ipython_dir)
     profile = os.path.join(get_ipython_dir(), f"profile_{PROFILE}")
-    for directory in (profile, os.path.join(profile, "log")):
+    for directory in (profile, *(os.path.join(profile, sub) for sub in ("log", "security", "pid", "startup"))):
         tighten_own_dir(directory)
     return profile
 
