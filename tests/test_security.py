@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,13 @@ from taco_notebook.cluster.session import TacoCluster
 from taco_notebook.server.manager import ClusterManager, UnsafeRegistry
 from taco_notebook.server.models import MAX_BODY_BYTES
 
+from . import test_server
 from .test_registry import dead_pid, make_entry, wait_for
-from .test_server import API, Fetch, api, jp_server_config, manager, registry_dir  # noqa: F401  (fixtures)
+from .test_server import API, Fetch
+
+# the REST fixtures of test_server.py (a server with the extension, its manager, a registry of the test's own)
+api, manager, registry_dir, jp_server_config = (test_server.api, test_server.manager, test_server.registry_dir,
+                                                test_server.jp_server_config)
 
 NOBODY = 65534
 AS_ROOT = os.geteuid() == 0 and shutil.which("setpriv") is not None
@@ -207,15 +212,15 @@ def test_a_registry_dir_others_control_is_refused(tmp_path: Path, sleep_process:
         make_entry_as_planted(real, sleep_process, owner, created)
         with pytest.raises(UnsafeDirectoryError, match=words):
             check_private_dir(directory)
-        manager = ClusterManager(directory)
+        refusing = ClusterManager(directory)
         try:
-            for call in (manager.list, lambda: manager.stop("planted"), lambda: manager.get("planted")):
+            for call, args in ((refusing.list, ()), (refusing.stop, ("planted",)), (refusing.get, ("planted",))):
                 with pytest.raises(UnsafeRegistry) as info:
-                    call()
+                    call(*args)  # type: ignore[operator]
                 assert words in str(info.value) and str(directory) in str(info.value)
                 assert "TACO_REGISTRY_DIR" in str(info.value)
         finally:
-            manager.shutdown()
+            refusing.shutdown()
         cluster = TacoCluster("unpublished", 1)
         cluster.owner_kind, cluster.cluster_id = "server", "unpublished-1"
         assert registry.publish(cluster, "starting", directory=directory) is None

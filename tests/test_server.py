@@ -28,7 +28,10 @@ from taco_notebook.cluster.session import TacoCluster
 from taco_notebook.server import MANAGER_SETTING, handlers
 from taco_notebook.server.manager import ClusterManager
 
-from .test_registry import dead_pid, make_entry, sleeper, wait_for  # noqa: F401  (sleeper: a fixture)
+from . import test_registry
+from .test_registry import dead_pid, make_entry, wait_for
+
+sleeper = test_registry.sleeper  # a fixture: processes that stand in for a dead kernel's leftovers
 
 API = "taco-notebook/api"
 Fetch = Callable[..., tuple[int, Any]]

@@ -16,7 +16,10 @@ from taco_notebook.cluster import registry
 from taco_notebook.server.manager import BadRequest, ClusterManager, Conflict, NotFound
 from taco_notebook.server.models import parse_scale_request, parse_start_request
 
-from .test_registry import dead_pid, make_entry, sleeper  # noqa: F401  (sleeper: a fixture)
+from . import test_registry
+from .test_registry import dead_pid, make_entry
+
+sleeper = test_registry.sleeper  # a fixture: processes that stand in for a dead kernel's leftovers
 
 
 @pytest.fixture
