@@ -135,6 +135,9 @@ def test_forged_stale_entry_cannot_get_a_process_killed(api: Fetch, registry_dir
         make_entry(registry_dir, cluster_id, owner, created,
                    processes=[(sleep_process.pid, sleep_process.create_time())],
                    rank_pids=[(0, sleep_process.pid)])
+    if AS_ROOT:  # the other user cannot even plant it: the registry is 0700
+        attempt = as_nobody(sys.executable, "-c", f"open({str(registry_dir / 'x.json')!r}, 'w')")
+        assert attempt.returncode != 0 and "Permission denied" in attempt.stderr
     code, reply = api("DELETE", "clusters", "forged-1")
     assert code == 404 and reply["message"] == "No such cluster: forged-1"
     assert api("GET", "clusters") == (200, {"clusters": []})
@@ -324,3 +327,32 @@ def test_a_120_mb_body_is_refused_before_it_is_read(jp_asyncio_loop: Any, jp_htt
     code, _ = api("POST", "clusters", body=b"x" * size)
     assert code == 413
     _nothing_started(api, manager)
+
+
+# ------------------------------------------------------------------------------ which notebook, which server
+@pytest.mark.cluster
+def test_a_kernels_cluster_names_its_notebook_and_server(api: Fetch, jp_serverapp: Any) -> None:
+    """A real kernel started from this process (where the test's Jupyter server runs), with the environment
+    jupyter_server's SessionManager.get_kernel_env gives a notebook's kernel (JPY_SESSION_NAME; jupyter_client's
+    launcher adds JPY_PARENT_PID itself), starts a cluster: the model names the notebook and this server, and says
+    it is this server's. (A kernel started through POST /api/sessions of pytest-jupyter's server died before
+    answering here, so the session's environment is given as that server would give it.)"""
+    from jupyter_client.manager import start_new_kernel
+
+    notebook = str(Path(jp_serverapp.root_dir) / "train.ipynb")
+    manager, client = start_new_kernel(kernel_name="python3", env={**os.environ, "JPY_SESSION_NAME": notebook})
+    try:
+        reply = client.execute_interactive("%load_ext taco_notebook\n%taco_cluster start -n 1 --cluster owned",
+                                           timeout=240, output_hook=lambda msg: None)
+        assert reply["content"]["status"] == "ok"
+        [model] = api("GET", "clusters")[1]["clusters"]
+        assert psutil.Process(manager.provisioner.process.pid).environ()["JPY_PARENT_PID"] == str(os.getpid())
+        assert (model["owner"]["kind"], model["owner"]["notebook"]) == ("kernel", notebook)
+        assert (model["owner"]["server_pid"], model["this_server"]) == (os.getpid(), True)
+        reply = client.execute_interactive("%taco_cluster stop --cluster owned", timeout=120,
+                                           output_hook=lambda msg: None)
+        assert reply["content"]["status"] == "ok"
+        wait_for(lambda: api("GET", "clusters")[1] == {"clusters": []}, 30, "the entry to go")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)

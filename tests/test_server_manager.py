@@ -161,3 +161,16 @@ def test_openapi_spec_matches_the_models() -> None:
     assert props["state"]["enum"] == list(typing.get_args(models.State))
     assert schemas["Error"]["required"] == list(models.ErrorModel.__annotations__)
     assert set(schemas["StartRequest"]["properties"]) == set(models.StartRequest.__annotations__)
+
+
+def test_this_server_tells_its_own_kernels_from_other_servers(manager: ClusterManager) -> None:
+    """``this_server``: True for an entry whose kernel's server is this process, False for another server's."""
+    for cluster_id, server_pid in (("mine", os.getpid()), ("theirs", 1), ("unknown", None)):
+        make_entry(manager.directory, cluster_id, *me())
+        path = manager.directory / f"{cluster_id}.json"
+        entry = json.loads(path.read_text())
+        entry["model"]["owner"].update(notebook=f"{cluster_id}.ipynb", server_pid=server_pid)
+        registry._write_atomic(path, entry)
+    served = {m["id"]: (m["this_server"], m["owner"]["notebook"]) for m in manager.list()["clusters"]}
+    assert served == {"mine": (True, "mine.ipynb"), "theirs": (False, "theirs.ipynb"),
+                      "unknown": (False, "unknown.ipynb")}
