@@ -356,3 +356,24 @@ def test_a_kernels_cluster_names_its_notebook_and_server(api: Fetch, jp_serverap
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=False)
+
+
+# ------------------------------------------------------------------------------ shared-memory segments
+def test_a_rank_maps_no_segment_it_does_not_own_or_that_is_a_symlink(tmp_path: Path) -> None:
+    """What rank 0 names (a hugetlbfs or /dev/shm path) is opened with O_NOFOLLOW and refused if another user owns
+    it: a file planted under the expected name in a shared mount is never mapped."""
+    from taco_notebook.comm.shm import _open_own
+
+    own = tmp_path / "own"
+    own.write_bytes(b"\0" * 16)
+    os.close(_open_own(str(own)))
+    link = tmp_path / "link"
+    link.symlink_to(own)
+    with pytest.raises(OSError):
+        _open_own(str(link))
+    if AS_ROOT:
+        planted = tmp_path / "planted"
+        planted.write_bytes(b"\0" * 16)
+        os.chown(planted, NOBODY, NOBODY)
+        with pytest.raises(PermissionError, match="belongs to uid 65534"):
+            _open_own(str(planted))
