@@ -343,7 +343,7 @@ def test_a_kernels_cluster_names_its_notebook_and_server(api: Fetch, jp_serverap
     manager, client = start_new_kernel(kernel_name="python3", env={**os.environ, "JPY_SESSION_NAME": notebook})
     try:
         reply = client.execute_interactive("%load_ext taco_notebook\n%taco_cluster start -n 1 --cluster owned",
-                                           timeout=240, output_hook=lambda msg: None)
+                                           timeout=480, output_hook=lambda msg: None)
         assert reply["content"]["status"] == "ok"
         [model] = api("GET", "clusters")[1]["clusters"]
         assert psutil.Process(manager.provisioner.process.pid).environ()["JPY_PARENT_PID"] == str(os.getpid())

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["UnsafeDirectoryError", "make_private_dirs", "check_private_dir", "write_private_json",
-           "read_private_json", "tighten_own_dir", "DIR_MODE", "FILE_MODE"]
+           "read_private_json", "tighten_own_dir", "private_ipython_profile", "DIR_MODE", "FILE_MODE"]
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -59,6 +59,22 @@ def tighten_own_dir(path: str | os.PathLike[str]) -> None:
     info = os.lstat(path)
     if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and info.st_mode & 0o077:
         os.chmod(path, stat.S_IMODE(info.st_mode) & ~0o077, follow_symlinks=False)
+
+
+def private_ipython_profile(name: str) -> str:
+    """IPython's dir and the profile ``name`` with its subdirs, made 0700 before IPython or ipyparallel would make
+    them under the umask (``get_ipython_dir()`` itself creates a missing ``~/.ipython`` so: it is not called first).
+
+    The engines' log files (their output and tracebacks) are opened by ipyparallel itself, under the umask (often
+    0644): the 0700 profile and log directories are what keeps other users from reaching them.
+    """
+    from IPython.paths import get_ipython_dir
+
+    tighten_own_dir(os.environ.get("IPYTHONDIR") or os.path.join(os.path.expanduser("~"), ".ipython"))
+    profile = os.path.join(get_ipython_dir(), f"profile_{name}")
+    for directory in (profile, *(os.path.join(profile, sub) for sub in ("log", "security", "pid", "startup"))):
+        tighten_own_dir(directory)
+    return profile
 
 
 def _describe(info: os.stat_result) -> str:

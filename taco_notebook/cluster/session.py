@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
 from .mpi import MPIInfo, find_mpi
+from .private import private_ipython_profile
 from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files, stop_at_exit
 from .rankwrap import MARKER
 
@@ -100,25 +101,6 @@ def _engine_info() -> dict[str, Any]:
     topo = _taco.topology()
     return {"rank": topo.rank, "host": topo.hostname, "pid": _os.getpid(),
             "local_rank": topo.local_rank, "node": topo.node, "gpus": visible_gpus(), "hugepages": hugepages()}
-
-
-def _private_profile_dir() -> str:
-    """IPython's dir, ipyparallel's ``profile_taco`` and its subdirs, made 0700 before IPython or ipyparallel would
-    make them under the umask (``get_ipython_dir()`` itself creates a missing ``~/.ipython`` so: not called first).
-
-    The engines' log files (their output and tracebacks) are opened by ipyparallel itself, under the umask (often
-    0644): the 0700 profile and log directories are what keeps other users from reaching them.
-    """
-    from IPython.paths import get_ipython_dir
-
-    from .private import tighten_own_dir
-
-    ipython_dir = os.environ.get("IPYTHONDIR") or os.path.join(os.path.expanduser("~"), ".ipython")
-    tighten_own_dir(ipython_dir)
-    profile = os.path.join(get_ipython_dir(), f"profile_{PROFILE}")
-    for directory in (profile, *(os.path.join(profile, sub) for sub in ("log", "security", "pid", "startup"))):
-        tighten_own_dir(directory)
-    return profile
 
 
 def _signal_name(number: int) -> str:
@@ -207,7 +189,7 @@ class TacoCluster:
         cluster_id = self.cluster_id = self.cluster_id or f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.broken_reason = None
         registry.publish(self, "starting")
-        _private_profile_dir()
+        private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
         self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
                                        controller_ip="127.0.0.1", log_level=logging.ERROR,
                                        config=self._ipp_config(self.mpi))
