@@ -9,6 +9,7 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 
 from __future__ import annotations
 
+from . import excepthook as _excepthook
 from . import metrics
 from .algorithms import allreduce_async
 from .bootstrap import abort as _abort  # noqa: F401  (the cell runner calls taco._abort() on engines)
@@ -46,6 +47,8 @@ __all__ = [
     "barrier",
     "broadcast_parameters",
 ]
+
+_excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
 
 
 def topology() -> Topology:
