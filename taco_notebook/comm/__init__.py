@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import excepthook as _excepthook
 from . import metrics
+from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
 from .bootstrap import abort as _abort  # noqa: F401  (the cell runner calls taco._abort() on engines)
 from .bootstrap import init, is_initialized, reinit, shutdown
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
+_rendezvous.keep_mpi_local()  # a one-host plain mpiexec job's MPI opens no listener on the LAN (rendezvous.py)
 
 
 def topology() -> Topology:

@@ -15,11 +15,13 @@ rendezvous keys, so the store decides who can join. Hence:
 
 What listens, after this (measured with mpich 5.0.2 and torch 2.13, see tests/test_rendezvous.py):
 
-- one host: each rank's gloo pairs on 127.0.0.1 (one ephemeral port per rank, while the group lives); MPI ranks
-  nothing on the network when launched with ``UCX_TLS=self,sm`` (``TacoCluster`` sets it; a plain ``mpiexec`` user
-  must); hydra's ``mpiexec`` one control port on 0.0.0.0 for the job's lifetime, which no hydra option or
-  variable moves (``-iface lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE``); ``MPIEXEC_PORT_RANGE``
-  only chooses its port, for a firewall rule. The ipyparallel controller and engines: 127.0.0.1 only.
+- one host: each rank's gloo pairs on 127.0.0.1 (one ephemeral port per rank, while the group lives). MPI
+  ranks: nothing, with ``UCX_TLS=self,sm`` (``TacoCluster`` sets it; so does :func:`keep_mpi_local` on
+  ``import taco_notebook.comm`` before MPI starts, when hydra says every rank is local). Hydra's ``mpiexec``: one
+  control port on 0.0.0.0 for the job's lifetime (its ranks inherit the descriptor), which no hydra option or
+  variable moves (``-iface lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` tried);
+  ``MPIEXEC_PORT_RANGE`` only chooses its port, for a firewall rule. ipyparallel controller and engines:
+  127.0.0.1 only.
 - several hosts: rank 0's store on its job interface address; gloo pairs on ``GLOO_SOCKET_IFNAME``'s address
   (else the hostname's); hydra's control port on 0.0.0.0 of the launching host and UCX's per-rank listeners on
   the job's network. None of them authenticates: firewall the job's network to the job's hosts.
@@ -31,12 +33,13 @@ import os
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["Rendezvous", "create", "placement", "single_host", "private_base_dir"]
+__all__ = ["Rendezvous", "create", "placement", "single_host", "private_base_dir", "job_address", "keep_mpi_local"]
 
 _IFNAME = "GLOO_SOCKET_IFNAME"
 
@@ -207,3 +210,20 @@ def create(mpi: Any, timeout_s: float) -> Rendezvous:
     if one_host and not os.environ.get("TACO_MASTER_ADDR"):
         return _file_store(mpi, timeout)
     return _tcp_store(mpi, timeout)
+
+
+def keep_mpi_local() -> bool:
+    """Before MPI starts, when hydra says every rank runs on this host, keep MPICH's UCX off the network.
+
+    UCX would otherwise open a listener per rank on the LAN address; shared memory is what it uses between local
+    ranks anyway. Hydra sets ``MPI_LOCALNRANKS`` (ranks on this host) and ``PMI_SIZE`` (all ranks) for each rank.
+    Does nothing when the user set ``UCX_TLS``, when MPI is already initialised (mpi4py imported first) or under
+    another launcher. Returns True when it set ``UCX_TLS``.
+    """
+    if "UCX_TLS" in os.environ or "mpi4py.MPI" in sys.modules:
+        return False
+    local, world = os.environ.get("MPI_LOCALNRANKS"), os.environ.get("PMI_SIZE")
+    if local is None or local != world:
+        return False
+    os.environ["UCX_TLS"] = "self,sm"
+    return True
