@@ -1,0 +1,206 @@
+"""A one-host job opens nothing on the network: listening sockets of real 4-rank allreduces, started as users do.
+
+The one listener these tests allow off loopback is hydra's control port: ``mpiexec`` binds it to 0.0.0.0 and no
+hydra option or variable changes that (``-iface lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` were
+tried; see taco_notebook/comm/rendezvous.py). It is identified exactly, by the port hydra's proxies are told
+to dial back (``hydra_pmi_proxy --control-port HOST:PORT``), and must belong to the ``mpiexec`` process.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import queue
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "mpi"
+
+
+@dataclass(frozen=True)
+class Listener:
+    pid: int
+    command: str
+    ip: str
+    port: int
+    kind: str  # "tcp" or "udp"
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.ip.split("%")[0]).is_loopback
+
+
+def job_processes(roots: list[psutil.Process]) -> list[psutil.Process]:
+    found: dict[int, psutil.Process] = {}
+    for root in roots:
+        try:
+            for proc in [root, *root.children(recursive=True)]:
+                found[proc.pid] = proc
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def listeners(procs: list[psutil.Process]) -> list[Listener]:
+    """Every TCP socket in LISTEN and every unconnected UDP socket the processes hold (inherited ones included)."""
+    found = set()
+    for proc in procs:
+        try:
+            command = " ".join(proc.cmdline())[:120]
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for conn in conns:
+            tcp = conn.type == __import__("socket").SOCK_STREAM
+            if (tcp and conn.status == psutil.CONN_LISTEN) or (not tcp and not conn.raddr):
+                found.add(Listener(proc.pid, command, conn.laddr.ip, conn.laddr.port, "tcp" if tcp else "udp"))
+    return sorted(found, key=lambda item: (item.pid, item.port))
+
+
+def hydra_control_port(procs: list[psutil.Process]) -> tuple[int, int] | None:
+    """(mpiexec pid, port) of hydra's control port, read from its proxies' command lines."""
+    for proc in procs:
+        try:
+            argv = proc.cmdline()
+        except psutil.Error:
+            continue
+        if argv and os.path.basename(argv[0]) == "hydra_pmi_proxy" and "--control-port" in argv:
+            port = int(argv[argv.index("--control-port") + 1].rsplit(":", 1)[1])
+            return proc.ppid(), port
+    return None
+
+
+def off_loopback(procs: list[psutil.Process]) -> tuple[list[Listener], list[Listener]]:
+    """(listeners on loopback, listeners elsewhere other than hydra's control port held by mpiexec)."""
+    found = listeners(procs)
+    hydra = hydra_control_port(procs)
+    allowed: set[int] = set()
+    if hydra is not None:
+        mpiexec_pid, port = hydra
+        held = {(item.port, item.ip) for item in found if item.pid == mpiexec_pid}
+        if (port, "0.0.0.0") in held:  # the documented exception, exactly that socket
+            allowed.add(port)
+    outside = [item for item in found if not item.loopback and item.port not in allowed]
+    return [item for item in found if item.loopback], outside
+
+
+def _reader(stream, lines: queue.Queue[str]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put("")
+
+
+def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexec, tmp_path):
+    stop = tmp_path / "stop"
+    env = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "GLOO_SOCKET_IFNAME", "TACO_MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    job = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(SCRIPTS / "listening_allreduce.py"), str(stop)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_reader, args=(job.stdout, lines), daemon=True).start()
+    output: list[str] = []
+    try:
+        reports = []
+        deadline = time.monotonic() + 240
+        while len(reports) < 4:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line, "the job ended before every rank was ready:\n" + "".join(output)
+            output.append(line)
+            if line.startswith("READY "):
+                reports.append(json.loads(line[6:]))
+        # rank 0 made it, private from the start; everyone meets there; gloo on loopback, UCX on shared memory
+        assert {r["kind"] for r in reports} == {"file"}, reports
+        assert len({r["address"] for r in reports}) == 1, reports
+        assert {(r["ifname"], r["ucx_tls"]) for r in reports} == {("lo", "self,sm")}, reports
+        store = Path(reports[0]["address"])
+        assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(store.stat().st_mode) == 0o600
+        inside, outside = [], []
+        for _ in range(3):  # sampled while the ranks allreduce
+            procs = job_processes([psutil.Process(job.pid)])
+            found_inside, found_outside = off_loopback(procs)
+            inside += found_inside
+            outside += found_outside
+            time.sleep(0.5)
+        assert hydra_control_port(procs) is not None, "hydra's proxy not found: the listing saw no job"
+        assert not outside, f"listening off loopback: {outside}"
+        rank_pids = {p.pid for p in procs if "listening_allreduce.py" in " ".join(p.cmdline())}
+        assert len({item.pid for item in inside} & rank_pids) == 4, inside  # each rank's gloo pair, on loopback
+        stop.touch()
+        assert job.wait(timeout=120) == 0, "".join(output)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert not store.parent.exists(), "the rendezvous directory outlived the process group"
+
+
+def _allreduce_for(seconds: float) -> int:
+    import time as _time
+
+    import torch as _torch
+
+    import taco_notebook.comm as _taco
+
+    t, steps, end = _torch.ones(1 << 16), 0, _time.monotonic() + seconds
+    while True:
+        _taco.allreduce(t, op="avg")
+        flag = _torch.tensor([float(_time.monotonic() > end)])
+        _taco.allreduce(flag, op="max")
+        steps += 1
+        if flag.item():
+            return steps
+
+
+def _rendezvous_report() -> dict[str, object]:
+    import os as _os
+
+    from taco_notebook.comm.bootstrap import state as _state
+
+    meeting = _state.rendezvous
+    return {"kind": meeting.kind, "address": meeting.address, "ifname": _os.environ.get("GLOO_SOCKET_IFNAME"),
+            "ucx_tls": _os.environ.get("UCX_TLS")}
+
+
+def _reinit() -> None:
+    import taco_notebook.comm as _taco
+
+    _taco.reinit()
+
+
+def test_taco_cluster_listens_only_on_loopback_and_reinit_replaces_the_store(shared_cluster):
+    view = shared_cluster.view
+    before = view.apply_sync(_rendezvous_report)
+    assert {r["kind"] for r in before} == {"file"} and len({r["address"] for r in before}) == 1, before
+    assert {(r["ifname"], r["ucx_tls"]) for r in before} == {("lo", "self,sm")}, before
+    store = Path(before[0]["address"])
+    assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700
+
+    running = view.apply_async(_allreduce_for, 4.0)
+    time.sleep(1.0)
+    procs = job_processes(list(shared_cluster._started_processes))
+    inside, outside = off_loopback(procs)
+    steps = running.get(timeout=120)
+    assert all(s > 0 for s in steps), steps
+    assert hydra_control_port(procs) is not None, "hydra's proxy not found: the listing saw no job"
+    assert not outside, f"listening off loopback: {outside}"
+    commands = {item.command for item in inside}
+    assert any("ipyparallel.controller" in c or "ipcontroller" in c for c in commands), commands  # 127.0.0.1
+    assert sum("ipyparallel.engine" in c for c in commands) >= 4, commands  # each rank's gloo pair
+
+    view.apply_sync(_reinit)  # the group is rebuilt: a new private store, the old one removed
+    after = view.apply_sync(_rendezvous_report)
+    assert len({r["address"] for r in after}) == 1 and after[0]["address"] != before[0]["address"], after
+    assert not store.parent.exists()
+    assert stat.S_IMODE(Path(after[0]["address"]).parent.stat().st_mode) == 0o700
