@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import pytest
 
 SCRIPTS = Path(__file__).parent / "mpi"
 

@@ -29,6 +29,7 @@ __all__ = ["install", "should_install", "under_mpi_launcher", "in_engine", "is_i
 _LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 _ENGINE_MODULES = ("ipykernel", "ipyparallel")
 _MARK = "_taco_aborts_mpi_job"
+_MPI_SEGMENTS = ("mpich_shm_", "ucx_shm_")  # MPICH's and UCX's intra-node segments
 _handling = False
 
 Hook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
@@ -71,6 +72,22 @@ def _flush() -> None:
             pass
 
 
+def _unlink_mpi_segments() -> None:
+    """Unlink the MPI shared-memory segments this process maps: Abort kills every rank, so MPI never does, and
+    the names would stay in /dev/shm. Every local rank maps the same segments; the mappings outlive the names."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/dev/shm/" in line}
+    except OSError:
+        return
+    for path in paths:
+        if os.path.basename(path).startswith(_MPI_SEGMENTS):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def _abort_job(etype: type[BaseException]) -> None:
     mpi = sys.modules.get("mpi4py.MPI")  # never import it here: MPI_Init could wait for peers
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
@@ -78,6 +95,7 @@ def _abort_job(etype: type[BaseException]) -> None:
     bootstrap = sys.modules.get("taco_notebook.comm.bootstrap")
     if bootstrap is not None and bootstrap.state.rendezvous is not None:
         bootstrap.state.rendezvous.close()  # Abort skips atexit: remove the private rendezvous directory now
+    _unlink_mpi_segments()
     print(f"[taco] rank {_rank()}: uncaught {etype.__name__}: aborting the MPI job (every rank). "
           "Set TACO_ABORT_ON_EXCEPTION=0 to let the other ranks go on.", file=sys.stderr)
     _flush()
