@@ -11,12 +11,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import queue
 import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,31 +91,27 @@ def off_loopback(procs: list[psutil.Process]) -> tuple[list[Listener], list[List
     return [item for item in found if item.loopback], outside
 
 
-def _reader(stream, lines: queue.Queue[str]) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put("")
+def _wait_for_reports(job: subprocess.Popen[str], reports: Path, n: int, timeout: float) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while len(list(reports.glob("rank*.json"))) < n:
+        if job.poll() is not None:
+            raise AssertionError(f"the job ended (code {job.returncode}) before every rank was ready:\n"
+                                 + (job.stdout.read() if job.stdout else ""))
+        assert time.monotonic() < deadline, "the ranks were not ready in time"
+        time.sleep(0.2)
+    return [json.loads(path.read_text()) for path in sorted(reports.glob("rank*.json"))]
 
 
 def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexec, tmp_path):
-    stop = tmp_path / "stop"
+    stop, report_dir = tmp_path / "stop", tmp_path / "reports"
+    report_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "GLOO_SOCKET_IFNAME", "TACO_MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
-    job = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(SCRIPTS / "listening_allreduce.py"), str(stop)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    job = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(SCRIPTS / "listening_allreduce.py"), str(stop),
+                            str(report_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                            start_new_session=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_reader, args=(job.stdout, lines), daemon=True).start()
-    output: list[str] = []
     try:
-        reports = []
-        deadline = time.monotonic() + 240
-        while len(reports) < 4:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line, "the job ended before every rank was ready:\n" + "".join(output)
-            output.append(line)
-            if line.startswith("READY "):
-                reports.append(json.loads(line[6:]))
+        reports = _wait_for_reports(job, report_dir, 4, timeout=240)
         # rank 0 made it, private from the start; everyone meets there; gloo on loopback, UCX on shared memory
         assert {r["kind"] for r in reports} == {"file"}, reports
         assert len({r["address"] for r in reports}) == 1, reports
@@ -137,11 +131,12 @@ def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexe
         rank_pids = {p.pid for p in procs if "listening_allreduce.py" in " ".join(p.cmdline())}
         assert len({item.pid for item in inside} & rank_pids) == 4, inside  # each rank's gloo pair, on loopback
         stop.touch()
-        assert job.wait(timeout=120) == 0, "".join(output)
+        output, _ = job.communicate(timeout=120)
+        assert job.returncode == 0, output
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            job.communicate()
     assert not store.parent.exists(), "the rendezvous directory outlived the process group"
 
 
@@ -203,3 +198,27 @@ def test_taco_cluster_listens_only_on_loopback_and_reinit_replaces_the_store(sha
     assert len({r["address"] for r in after}) == 1 and after[0]["address"] != before[0]["address"], after
     assert not store.parent.exists()
     assert stat.S_IMODE(Path(after[0]["address"]).parent.stat().st_mode) == 0o700
+
+
+def test_sweep_removes_only_our_directories_whose_rank_0_is_gone(tmp_path):
+    from taco_notebook.comm import rendezvous
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, ns = int(gone.stdout), rendezvous._pid_namespace()
+    stale = tmp_path / f"taco-rendezvous-{ns}-{dead_pid}-abc"
+    live = tmp_path / f"taco-rendezvous-{ns}-{os.getpid()}-abc"
+    other_ns = tmp_path / f"taco-rendezvous-1-{dead_pid}-abc"
+    unrelated = tmp_path / "taco-rendezvous-x"
+    for path in (stale, live, other_ns, unrelated):
+        path.mkdir(mode=0o700)
+        (path / "store").write_text("")
+    link = tmp_path / f"taco-rendezvous-{ns}-{dead_pid}-link"
+    link.symlink_to(live)
+    kept = [live, other_ns, unrelated, link]
+    if os.geteuid() == 0:  # another user's directory is never touched, even when its creator is gone
+        foreign = tmp_path / f"taco-rendezvous-{ns}-{dead_pid}-foreign"
+        foreign.mkdir()
+        os.chown(foreign, 65534, 65534)
+        kept.append(foreign)
+    assert rendezvous.sweep_stale(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and all(p.exists() or p.is_symlink() for p in kept)

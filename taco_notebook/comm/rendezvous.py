@@ -6,7 +6,8 @@ rendezvous keys, so the store decides who can join. Hence:
 - **One host** (every rank sees the same boot id and network namespace): a ``FileStore`` in a directory rank 0
   creates private (``mkdtemp``: 0700, random name, under ``$XDG_RUNTIME_DIR`` when it is private, else the temp
   dir), named to the others over MPI and removed when the group is destroyed (:func:`Rendezvous.close`, called
-  by ``shutdown()``, so ``reinit()`` gets a fresh one). No port is opened for it. gloo's own data sockets are
+  by ``shutdown()``, so ``reinit()`` gets a fresh one; one left by a rank 0 that was killed is swept by the
+  next job's rank 0: :func:`sweep_stale`). No port is opened for it. gloo's own data sockets are
   pinned to loopback (``GLOO_SOCKET_IFNAME=lo``) unless the user set that variable.
 - **Several hosts** (or ``TACO_MASTER_ADDR`` set): rank 0's ``TCPStore``, on an OS-picked port, bound to the
   address of the interface the job uses (``TACO_MASTER_ADDR``, else ``GLOO_SOCKET_IFNAME``'s address, else the
@@ -39,7 +40,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["Rendezvous", "create", "placement", "single_host", "private_base_dir", "job_address", "keep_mpi_local"]
+__all__ = ["Rendezvous", "create", "placement", "single_host", "private_base_dir", "job_address", "keep_mpi_local",
+           "sweep_stale"]
 
 _IFNAME = "GLOO_SOCKET_IFNAME"
 
@@ -118,13 +120,61 @@ def _loopback_interface() -> str:
     return "lo"
 
 
+_PREFIX = "taco-rendezvous-"
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        return "0"
+
+
+def _creator_gone(name: str) -> bool:
+    """True when the directory ``name`` was made in this pid namespace by a process that no longer exists."""
+    parts = name[len(_PREFIX):].split("-")
+    if len(parts) < 3 or parts[0] != _pid_namespace() or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's: a reused pid keeps the directory, the safe side
+        return False
+    return False
+
+
+def sweep_stale(base: str) -> list[str]:
+    """Remove rendezvous directories of ours whose rank 0 died without ``shutdown()`` (killed, or its job
+    aborted): only directories owned by this user, not symlinks, named for a gone process of this pid
+    namespace. Returns what was removed."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and _creator_gone(name):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _file_store(mpi: Any, timeout: timedelta) -> Rendezvous:
     import torch.distributed as dist
 
     directory = None
     if mpi.Get_rank() == 0:
         try:
-            directory = tempfile.mkdtemp(prefix="taco-rendezvous-", dir=private_base_dir())  # 0700, O_EXCL
+            base = private_base_dir()
+            sweep_stale(base)
+            prefix = f"{_PREFIX}{_pid_namespace()}-{os.getpid()}-"
+            directory = tempfile.mkdtemp(prefix=prefix, dir=base)  # 0700, O_EXCL, random suffix
             path = os.path.join(directory, "store")
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
             message: tuple[str, str] = ("ok", path)
