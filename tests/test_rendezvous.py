@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import pytest
 
 SCRIPTS = Path(__file__).parent / "mpi"
 
@@ -102,23 +103,33 @@ def _wait_for_reports(job: subprocess.Popen[str], reports: Path, n: int, timeout
     return [json.loads(path.read_text()) for path in sorted(reports.glob("rank*.json"))]
 
 
-def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexec, tmp_path):
+@pytest.mark.parametrize("store", ["file", "tcp"])
+def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexec, tmp_path, store):
+    """``file``: the one-host default. ``tcp``: TACO_MASTER_ADDR forces the several-hosts path, whose TCPStore
+    must listen on that address only (torch's own would listen on every interface)."""
     stop, report_dir = tmp_path / "stop", tmp_path / "reports"
     report_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "GLOO_SOCKET_IFNAME", "TACO_MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
+    if store == "tcp":
+        env["TACO_MASTER_ADDR"] = "127.0.0.1"
     job = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(SCRIPTS / "listening_allreduce.py"), str(stop),
                             str(report_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                            start_new_session=True)
     try:
         reports = _wait_for_reports(job, report_dir, 4, timeout=240)
-        # rank 0 made it, private from the start; everyone meets there; gloo on loopback, UCX on shared memory
-        assert {r["kind"] for r in reports} == {"file"}, reports
+        # everyone meets at one place; UCX on shared memory; on one host, gloo pinned to loopback and the
+        # FileStore made private by rank 0 from the start
+        assert {r["kind"] for r in reports} == {store}, reports
         assert len({r["address"] for r in reports}) == 1, reports
-        assert {(r["ifname"], r["ucx_tls"]) for r in reports} == {("lo", "self,sm")}, reports
-        store = Path(reports[0]["address"])
-        assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700
-        assert stat.S_IMODE(store.stat().st_mode) == 0o600
+        assert {r["ucx_tls"] for r in reports} == {"self,sm"}, reports
+        if store == "file":
+            assert {r["ifname"] for r in reports} == {"lo"}, reports
+            path = Path(reports[0]["address"])
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        else:
+            assert reports[0]["address"].startswith("127.0.0.1:"), reports
         inside, outside = [], []
         for _ in range(3):  # sampled while the ranks allreduce
             procs = job_processes([psutil.Process(job.pid)])
@@ -130,6 +141,9 @@ def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexe
         assert not outside, f"listening off loopback: {outside}"
         rank_pids = {p.pid for p in procs if "listening_allreduce.py" in " ".join(p.cmdline())}
         assert len({item.pid for item in inside} & rank_pids) == 4, inside  # each rank's gloo pair, on loopback
+        if store == "tcp":
+            port = int(reports[0]["address"].rsplit(":", 1)[1])
+            assert {item.ip for item in inside if item.port == port} == {"127.0.0.1"}, inside
         stop.touch()
         output, _ = job.communicate(timeout=120)
         assert job.returncode == 0, output
@@ -137,7 +151,8 @@ def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexe
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
-    assert not store.parent.exists(), "the rendezvous directory outlived the process group"
+    if store == "file":
+        assert not Path(reports[0]["address"]).parent.exists(), "the rendezvous directory outlived the group"
 
 
 def _allreduce_for(seconds: float) -> int:
