@@ -148,7 +148,7 @@ def sweep_stale(base: str) -> list[str]:
     """Remove rendezvous directories of ours whose rank 0 died without ``shutdown()`` (killed, or its job
     aborted): only directories owned by this user, not symlinks, named for a gone process of this pid
     namespace. Returns what was removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(base) if n.startswith(_PREFIX)]
     except OSError:
