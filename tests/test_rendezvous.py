@@ -237,3 +237,22 @@ def test_sweep_removes_only_our_directories_whose_rank_0_is_gone(tmp_path):
         kept.append(foreign)
     assert rendezvous.sweep_stale(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and all(p.exists() or p.is_symlink() for p in kept)
+
+
+@pytest.mark.parametrize("local, world, preset, expect", [
+    ("4", "4", None, "self,sm"),      # hydra: every rank on this host
+    ("2", "4", None, None),           # two hosts (the emulated nodes): UCX must reach the other one
+    ("4", "4", "tcp", "tcp"),         # the user's choice stands
+    (None, None, None, None),         # not under hydra
+])
+def test_keep_mpi_local_only_when_hydra_says_every_rank_is_here(monkeypatch, local, world, preset, expect):
+    from taco_notebook.comm import rendezvous
+
+    for name, value in (("MPI_LOCALNRANKS", local), ("PMI_SIZE", world), ("UCX_TLS", preset)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)  # MPI not started yet in this process
+    assert rendezvous.keep_mpi_local() is (expect is not None and preset is None)
+    assert os.environ.get("UCX_TLS") == expect
