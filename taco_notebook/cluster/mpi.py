@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import MPINotFoundError
 
-__all__ = ["MPIInfo", "find_mpi"]
+__all__ = ["MPIInfo", "find_mpi", "single_host_env"]
 
 INSTALL_HINT = "install one with `pip install mpich mpi4py` (or your system's Open MPI), or pass --mpiexec PATH"
 
@@ -70,6 +70,19 @@ def _implementation_args(impl: str) -> list[str]:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-run-as-root")
     return args
+
+
+def single_host_env(info: MPIInfo) -> dict[str, str]:
+    """Environment that keeps a one-host job's MPI traffic, and MPI's listeners, off the network.
+
+    MPICH's default netmod (UCX) opens a listener per rank on the LAN address even when every rank is local;
+    limited to ``self,sm`` it uses shared memory only and listens on nothing. Hydra's own control port is not
+    affected (it listens on 0.0.0.0 whatever it is told; see comm/rendezvous.py). Open MPI: not measured here,
+    nothing set.
+    """
+    if info.implementation == "mpich":
+        return {"UCX_TLS": "self,sm"}
+    return {}
 
 
 def find_mpi(mpiexec: str | None = None) -> MPIInfo:

@@ -157,6 +157,10 @@ class TacoCluster:
         if "OMP_NUM_THREADS" not in os.environ:
             # N ranks on one machine share its cores; torch would otherwise start cores-many threads per rank.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
+        if self.mpi is not None:  # every rank on this host: MPI stays off the network unless the user chose
+            from .mpi import single_host_env
+
+            env.update({k: v for k, v in single_host_env(self.mpi).items() if k not in os.environ})
         env.update(self.env)
         if self.cluster_id:  # the proof that a process is this cluster's (processes.proven_process)
             env[CLUSTER_ID_ENV] = self.cluster_id

@@ -9,7 +9,9 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 
 from __future__ import annotations
 
+from . import excepthook as _excepthook
 from . import metrics
+from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
 from .bootstrap import abort as _abort  # noqa: F401  (the cell runner calls taco._abort() on engines)
 from .bootstrap import init, is_initialized, reinit, shutdown
@@ -46,6 +48,9 @@ __all__ = [
     "barrier",
     "broadcast_parameters",
 ]
+
+_excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
+_rendezvous.keep_mpi_local()  # a one-host plain mpiexec job's MPI opens no listener on the LAN (rendezvous.py)
 
 
 def topology() -> Topology:

@@ -1,8 +1,9 @@
 """Bring up torch.distributed from MPI, and tear it down again.
 
-Rank 0 opens a ``TCPStore`` on a free port the OS picks and tells the others its address and port over MPI, so
-nothing is hard-coded and two jobs on one machine never collide. The process group can be destroyed and built
-again without restarting the processes (after an interrupted cell, or when membership changes).
+The ranks meet through :mod:`.rendezvous` (a FileStore in a private directory on one host, a TCPStore bound to
+the job's interface across hosts; its name or address agreed over MPI), so nothing is hard-coded and two jobs on
+one machine never collide. The process group can be destroyed and built again without restarting the processes
+(after an interrupted cell, or when membership changes).
 
 Works under ``%%taco_run`` and under plain ``mpiexec -n 4 python train.py`` alike; imports no IPython.
 """
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from . import excepthook, rendezvous
 from .topology import Topology, intra_size_from_env, node_name
 
 __all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend"]
@@ -46,6 +47,7 @@ class CommState:
     device: Any = None
     generation: int = 0
     store: Any = field(default=None, repr=False)
+    rendezvous: rendezvous.Rendezvous | None = field(default=None, repr=False)
 
     def ensure_topology(self, intra_size: int | None = None) -> Topology:
         if self.topology is None or intra_size is not None:
@@ -64,37 +66,6 @@ def is_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _interface_address(ifname: str) -> str:
-    import psutil
-
-    for addr in psutil.net_if_addrs().get(ifname, []):
-        if addr.family == socket.AF_INET:
-            return str(addr.address)
-    raise RuntimeError(f"interface {ifname!r} (GLOO_SOCKET_IFNAME) has no IPv4 address")
-
-
-def _net_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/net")
-    except OSError:
-        return ""
-
-
-def _master_address(mpi: Any) -> str:
-    """The address rank 0's store listens on, reachable from every rank."""
-    placement = mpi.allgather((socket.gethostname(), _net_namespace()))
-    if mpi.Get_rank() != 0:
-        return ""
-    if os.environ.get("TACO_MASTER_ADDR"):
-        return os.environ["TACO_MASTER_ADDR"]
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
-    if ifname:
-        return _interface_address(ifname)
-    if len(set(placement)) == 1:
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
 
 
 def _pick_device(backend: str, topology: Topology) -> Any:
@@ -121,21 +92,15 @@ def init(
         return topology
     backend = backend or os.environ.get("TACO_BACKEND") or default_backend()
     seconds = DEFAULT_TIMEOUT_S if timeout is None else timeout
-    mpi = state.mpi
-    host = _master_address(mpi)
-    store = None
-    if mpi.Get_rank() == 0:
-        store = dist.TCPStore(host, 0, mpi.Get_size(), is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=seconds))
-        host_port = (host, store.port)
-    else:
-        host_port = None
-    host, port = mpi.bcast(host_port, root=0)
-    if store is None:
-        store = dist.TCPStore(host, port, mpi.Get_size(), is_master=False, timeout=timedelta(seconds=seconds))
-    dist.init_process_group(backend, store=store, rank=topology.rank, world_size=topology.size,
-                            timeout=timedelta(seconds=seconds))
-    state.store = store
+    meeting = rendezvous.create(state.mpi, seconds)
+    try:
+        dist.init_process_group(backend, store=meeting.store, rank=topology.rank, world_size=topology.size,
+                                timeout=timedelta(seconds=seconds))
+    except BaseException:
+        meeting.close()
+        raise
+    excepthook.install()  # outermost again: torch's init wrapped sys.excepthook in its own
+    state.store, state.rendezvous = meeting.store, meeting
     state.backend = backend
     if state.generation == 0:
         # Destroy the group before the interpreter tears torch down: a group left to C++ destructors at exit
@@ -156,6 +121,9 @@ def shutdown() -> None:
 
     forget_groups()
     state.store = None
+    if state.rendezvous is not None:
+        state.rendezvous.close()  # its private directory goes with the group; reinit() makes a new one
+        state.rendezvous = None
     state.backend = None
 
 

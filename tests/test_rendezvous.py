@@ -1,0 +1,258 @@
+"""A one-host job opens nothing on the network: listening sockets of real 4-rank allreduces, started as users do.
+
+The one listener these tests allow off loopback is hydra's control port: ``mpiexec`` binds it to 0.0.0.0 and no
+hydra option or variable changes that (``-iface lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` were
+tried; see taco_notebook/comm/rendezvous.py). It is identified exactly, by the port hydra's proxies are told
+to dial back (``hydra_pmi_proxy --control-port HOST:PORT``), and must belong to the ``mpiexec`` process.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "mpi"
+
+
+@dataclass(frozen=True)
+class Listener:
+    pid: int
+    command: str
+    ip: str
+    port: int
+    kind: str  # "tcp" or "udp"
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.ip.split("%")[0]).is_loopback
+
+
+def job_processes(roots: list[psutil.Process]) -> list[psutil.Process]:
+    found: dict[int, psutil.Process] = {}
+    for root in roots:
+        try:
+            for proc in [root, *root.children(recursive=True)]:
+                found[proc.pid] = proc
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def listeners(procs: list[psutil.Process]) -> list[Listener]:
+    """Every TCP socket in LISTEN and every unconnected UDP socket the processes hold (inherited ones included)."""
+    found = set()
+    for proc in procs:
+        try:
+            command = " ".join(proc.cmdline())[:120]
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for conn in conns:
+            tcp = conn.type == __import__("socket").SOCK_STREAM
+            if (tcp and conn.status == psutil.CONN_LISTEN) or (not tcp and not conn.raddr):
+                found.add(Listener(proc.pid, command, conn.laddr.ip, conn.laddr.port, "tcp" if tcp else "udp"))
+    return sorted(found, key=lambda item: (item.pid, item.port))
+
+
+def hydra_control_port(procs: list[psutil.Process]) -> tuple[int, int] | None:
+    """(mpiexec pid, port) of hydra's control port, read from its proxies' command lines."""
+    for proc in procs:
+        try:
+            argv = proc.cmdline()
+        except psutil.Error:
+            continue
+        if argv and os.path.basename(argv[0]) == "hydra_pmi_proxy" and "--control-port" in argv:
+            port = int(argv[argv.index("--control-port") + 1].rsplit(":", 1)[1])
+            return proc.ppid(), port
+    return None
+
+
+def off_loopback(procs: list[psutil.Process]) -> tuple[list[Listener], list[Listener]]:
+    """(listeners on loopback, listeners elsewhere other than hydra's control port held by mpiexec)."""
+    found = listeners(procs)
+    hydra = hydra_control_port(procs)
+    allowed: set[int] = set()
+    if hydra is not None:
+        mpiexec_pid, port = hydra
+        held = {(item.port, item.ip) for item in found if item.pid == mpiexec_pid}
+        if (port, "0.0.0.0") in held:  # the documented exception, exactly that socket
+            allowed.add(port)
+    outside = [item for item in found if not item.loopback and item.port not in allowed]
+    return [item for item in found if item.loopback], outside
+
+
+def _wait_for_reports(job: subprocess.Popen[str], reports: Path, n: int, timeout: float) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while len(list(reports.glob("rank*.json"))) < n:
+        if job.poll() is not None:
+            raise AssertionError(f"the job ended (code {job.returncode}) before every rank was ready:\n"
+                                 + (job.stdout.read() if job.stdout else ""))
+        assert time.monotonic() < deadline, "the ranks were not ready in time"
+        time.sleep(0.2)
+    return [json.loads(path.read_text()) for path in sorted(reports.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("store", ["file", "tcp"])
+def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexec, tmp_path, store):
+    """``file``: the one-host default. ``tcp``: TACO_MASTER_ADDR forces the several-hosts path, whose TCPStore
+    must listen on that address only (torch's own would listen on every interface)."""
+    stop, report_dir = tmp_path / "stop", tmp_path / "reports"
+    report_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "GLOO_SOCKET_IFNAME", "TACO_MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    if store == "tcp":
+        env["TACO_MASTER_ADDR"] = "127.0.0.1"
+    job = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(SCRIPTS / "listening_allreduce.py"), str(stop),
+                            str(report_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           start_new_session=True)
+    try:
+        reports = _wait_for_reports(job, report_dir, 4, timeout=240)
+        # everyone meets at one place; UCX on shared memory; on one host, gloo pinned to loopback and the
+        # FileStore made private by rank 0 from the start
+        assert {r["kind"] for r in reports} == {store}, reports
+        assert len({r["address"] for r in reports}) == 1, reports
+        assert {r["ucx_tls"] for r in reports} == {"self,sm"}, reports
+        if store == "file":
+            assert {r["ifname"] for r in reports} == {"lo"}, reports
+            path = Path(reports[0]["address"])
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        else:
+            assert reports[0]["address"].startswith("127.0.0.1:"), reports
+        inside, outside = [], []
+        for _ in range(3):  # sampled while the ranks allreduce
+            procs = job_processes([psutil.Process(job.pid)])
+            found_inside, found_outside = off_loopback(procs)
+            inside += found_inside
+            outside += found_outside
+            time.sleep(0.5)
+        assert hydra_control_port(procs) is not None, "hydra's proxy not found: the listing saw no job"
+        assert not outside, f"listening off loopback: {outside}"
+        rank_pids = {p.pid for p in procs if "listening_allreduce.py" in " ".join(p.cmdline())}
+        assert len({item.pid for item in inside} & rank_pids) == 4, inside  # each rank's gloo pair, on loopback
+        if store == "tcp":
+            port = int(reports[0]["address"].rsplit(":", 1)[1])
+            assert {item.ip for item in inside if item.port == port} == {"127.0.0.1"}, inside
+        stop.touch()
+        output, _ = job.communicate(timeout=120)
+        assert job.returncode == 0, output
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    if store == "file":
+        assert not Path(reports[0]["address"]).parent.exists(), "the rendezvous directory outlived the group"
+
+
+def _allreduce_for(seconds: float) -> int:
+    import time as _time
+
+    import torch as _torch
+
+    import taco_notebook.comm as _taco
+
+    t, steps, end = _torch.ones(1 << 16), 0, _time.monotonic() + seconds
+    while True:
+        _taco.allreduce(t, op="avg")
+        flag = _torch.tensor([float(_time.monotonic() > end)])
+        _taco.allreduce(flag, op="max")
+        steps += 1
+        if flag.item():
+            return steps
+
+
+def _rendezvous_report() -> dict[str, object]:
+    import os as _os
+
+    from taco_notebook.comm.bootstrap import state as _state
+
+    meeting = _state.rendezvous
+    return {"kind": meeting.kind, "address": meeting.address, "ifname": _os.environ.get("GLOO_SOCKET_IFNAME"),
+            "ucx_tls": _os.environ.get("UCX_TLS")}
+
+
+def _reinit() -> None:
+    import taco_notebook.comm as _taco
+
+    _taco.reinit()
+
+
+def test_taco_cluster_listens_only_on_loopback_and_reinit_replaces_the_store(shared_cluster):
+    view = shared_cluster.view
+    before = view.apply_sync(_rendezvous_report)
+    assert {r["kind"] for r in before} == {"file"} and len({r["address"] for r in before}) == 1, before
+    assert {(r["ifname"], r["ucx_tls"]) for r in before} == {("lo", "self,sm")}, before
+    store = Path(before[0]["address"])
+    assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700
+
+    running = view.apply_async(_allreduce_for, 4.0)
+    time.sleep(1.0)
+    procs = job_processes(list(shared_cluster._started_processes))
+    inside, outside = off_loopback(procs)
+    steps = running.get(timeout=120)
+    assert all(s > 0 for s in steps), steps
+    assert hydra_control_port(procs) is not None, "hydra's proxy not found: the listing saw no job"
+    assert not outside, f"listening off loopback: {outside}"
+    assert any("ipyparallel.controller" in item.command for item in inside), inside  # on 127.0.0.1
+    engines = {item.pid for item in inside if item.command.endswith("ipyparallel.engine --mpi")}
+    assert len(engines) == 4, inside  # each rank's gloo pair, on loopback
+
+    view.apply_sync(_reinit)  # the group is rebuilt: a new private store, the old one removed
+    after = view.apply_sync(_rendezvous_report)
+    assert len({r["address"] for r in after}) == 1 and after[0]["address"] != before[0]["address"], after
+    assert not store.parent.exists()
+    assert stat.S_IMODE(Path(after[0]["address"]).parent.stat().st_mode) == 0o700
+
+
+def test_sweep_removes_only_our_directories_whose_rank_0_is_gone(tmp_path):
+    from taco_notebook.comm import rendezvous
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, ns = int(gone.stdout), rendezvous._pid_namespace()
+    stale = tmp_path / f"taco-rendezvous-{ns}-{dead_pid}-abc"
+    live = tmp_path / f"taco-rendezvous-{ns}-{os.getpid()}-abc"
+    other_ns = tmp_path / f"taco-rendezvous-1-{dead_pid}-abc"
+    unrelated = tmp_path / "taco-rendezvous-x"
+    for path in (stale, live, other_ns, unrelated):
+        path.mkdir(mode=0o700)
+        (path / "store").write_text("")
+    link = tmp_path / f"taco-rendezvous-{ns}-{dead_pid}-link"
+    link.symlink_to(live)
+    kept = [live, other_ns, unrelated, link]
+    if os.geteuid() == 0:  # another user's directory is never touched, even when its creator is gone
+        foreign = tmp_path / f"taco-rendezvous-{ns}-{dead_pid}-foreign"
+        foreign.mkdir()
+        os.chown(foreign, 65534, 65534)
+        kept.append(foreign)
+    assert rendezvous.sweep_stale(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and all(p.exists() or p.is_symlink() for p in kept)
+
+
+@pytest.mark.parametrize("local, world, preset, expect", [
+    ("4", "4", None, "self,sm"),      # hydra: every rank on this host
+    ("2", "4", None, None),           # two hosts (the emulated nodes): UCX must reach the other one
+    ("4", "4", "tcp", "tcp"),         # the user's choice stands
+    (None, None, None, None),         # not under hydra
+])
+def test_keep_mpi_local_only_when_hydra_says_every_rank_is_here(monkeypatch, local, world, preset, expect):
+    from taco_notebook.comm import rendezvous
+
+    for name, value in (("MPI_LOCALNRANKS", local), ("PMI_SIZE", world), ("UCX_TLS", preset)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)  # MPI not started yet in this process
+    assert rendezvous.keep_mpi_local() is (expect is not None and preset is None)
+    assert os.environ.get("UCX_TLS") == expect
