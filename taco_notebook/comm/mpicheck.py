@@ -48,7 +48,8 @@ def _fix_for(who: str) -> str:
 
 
 def mismatch_message(world: int, expected: int, key: str, who: str, library: str) -> str:
-    first = library.strip().splitlines()[0] if library.strip() else "an unknown MPI library"
+    library = library.replace("\x00", "").strip()
+    first = library.splitlines()[0] if library else "an unknown MPI library"
     return (f"MPI mismatch: {who} started {expected} ranks ({key}={expected}) but MPI.COMM_WORLD has {world} "
             f"rank{'s' if world != 1 else ''}: mpi4py loaded {first!r}, which is not the MPI that launched this "
             f"process, so every rank would run alone. Fix: {_fix_for(who)}.")
