@@ -32,6 +32,11 @@ if device.type == "cuda":  # the same group carries CUDA tensors (nccl, or gloo 
     assert gpu.device == device and gpu.cpu().tolist() == [(n - 1) / 2] * 5, gpu
     taco.broadcast(gpu, root=n - 1)
     assert gpu.cpu().tolist() == [(n - 1) / 2] * 5
+gpu = taco.metrics.snapshot()["gpu"]
+if device.type == "cuda":  # the dashboard's per-rank GPU data
+    assert gpu["name"] and gpu["peak_bytes"] >= gpu["memory_bytes"] > 0, gpu
+else:
+    assert gpu is None, gpu
 taco.barrier()
 print(f"OK {r} {mode} {device.type} {backend}", flush=True)
 taco.shutdown()
