@@ -168,3 +168,22 @@ def test_cpu_ranks_under_the_new_backend_selection(mpiexec):
         # the ranks' lines can interleave in mpiexec's output: match them anywhere
         found = sorted(re.findall(r"OK (\d+) (\w+) (\w+) (gloo|cpu:gloo,cuda:\w+)", result.stdout))
         assert found == [("0", mode, "cpu", "gloo"), ("1", mode, "cpu", "gloo")], result.stdout
+
+
+def test_taco_run_gpus_none_reaches_every_rank_with_mpi4py_on_mpiexecs_mpi(ip):
+    """A real cluster: --gpus none hides the GPUs on every rank, and the engines got MPIInfo.environment."""
+    from taco_notebook.cluster.session import clusters
+
+    cell = ("import os\n"
+            "assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and os.environ['TACO_GPUS'] == 'none'\n"
+            "(str(taco.device()), os.environ['MPI4PY_MPIABI'], taco.metrics.snapshot()['gpu'])")
+    try:
+        values = ip.run_cell_magic("taco_run", "-np 2 --gpus none --cluster gpu-none --quiet --no-dashboard --gather",
+                                   cell)
+        assert list(values) == [("cpu", "mpich", None)] * 2, values
+        cluster = clusters["gpu-none"]
+        assert cluster.env["TACO_GPUS"] == "none"
+        assert [r.gpu_names for r in cluster.ranks] == [[], []] and cluster.status().gpus == 0
+    finally:
+        if "gpu-none" in clusters:
+            clusters.pop("gpu-none").stop()
