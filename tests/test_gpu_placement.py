@@ -134,8 +134,8 @@ def test_import_time_placement_defers_a_too_few_gpus_error_to_init(node_with, mo
 def test_launcher_size_and_the_mismatch_message():
     assert launcher_size({"PMI_SIZE": "4"}) == (4, "PMI_SIZE", "mpich/hydra mpiexec (PMI)")
     assert launcher_size({"OMPI_COMM_WORLD_SIZE": "2"})[1] == "OMPI_COMM_WORLD_SIZE"
-    assert launcher_size({"SLURM_NTASKS": "8"}) is None  # a bare allocation, not srun
-    assert launcher_size({"SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"})[0] == 8
+    assert launcher_size({"SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}) is None  # a batch script, not srun
+    assert launcher_size({"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4"})[:2] == (4, "SLURM_STEP_NUM_TASKS")
     assert launcher_size({}) is None
     text = mismatch_message(1, 2, "OMPI_COMM_WORLD_SIZE", "Open MPI mpiexec", "MPICH Version: 5.0.2\x00\nMore")
     for part in ("started 2 ranks", "has 1 rank", "'MPICH Version: 5.0.2'", "MPI4PY_MPIABI=openmpi",

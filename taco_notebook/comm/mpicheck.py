@@ -15,10 +15,11 @@ from typing import Any
 
 __all__ = ["MPIMismatchError", "launcher_size", "check_world", "mismatch_message"]
 
-# (variable, what sets it); Slurm's only count under srun (SLURM_STEP_ID), not inside a bare allocation.
+# (variable, what sets it); Slurm's only count under srun (SLURM_STEP_NUM_TASKS is set by srun alone): inside a
+# batch script, SLURM_NTASKS describes the allocation, not this process.
 _LAUNCHERS = (("PMI_SIZE", "mpich/hydra mpiexec (PMI)"), ("OMPI_COMM_WORLD_SIZE", "Open MPI mpiexec"),
               ("PMIX_SIZE", "a PMIx launcher"))
-_SLURM = (("SLURM_NTASKS", "Slurm srun"), ("SLURM_NPROCS", "Slurm srun"))
+_SLURM = (("SLURM_STEP_NUM_TASKS", "Slurm srun"), ("SLURM_NTASKS", "Slurm srun"), ("SLURM_NPROCS", "Slurm srun"))
 
 
 class MPIMismatchError(RuntimeError):
@@ -28,7 +29,7 @@ class MPIMismatchError(RuntimeError):
 def launcher_size(env: Mapping[str, str] | None = None) -> tuple[int, str, str] | None:
     """(ranks the launcher started, the variable, who set it), or None when no launcher says."""
     env = os.environ if env is None else env
-    candidates = list(_LAUNCHERS) + (list(_SLURM) if "SLURM_STEP_ID" in env else [])
+    candidates = list(_LAUNCHERS) + (list(_SLURM) if "SLURM_STEP_NUM_TASKS" in env else [])
     for key, who in candidates:
         raw = env.get(key, "").strip()
         if raw.isdigit() and int(raw) > 0:

@@ -110,7 +110,7 @@ def launcher_local(env: dict[str, str] | os._Environ[str] | None = None) -> tupl
             rank = int(env[rank_key])
             if size_key is not None:
                 return rank, int(env[size_key])
-            per_node = env.get("SLURM_TASKS_PER_NODE", "")  # e.g. "4(x2)" or "4,3"
+            per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")  # "4(x2),3"
             node = int(env.get("SLURM_NODEID", "0"))
             counts = [int(part.split("(")[0]) for part in per_node.split(",")
                       for _ in range(int(part.split("(x")[1].rstrip(")")) if "(x" in part else 1)]
