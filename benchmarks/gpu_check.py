@@ -278,7 +278,7 @@ def main(argv: list[str]) -> int:
         "collectives": lambda: check_rows("Exact collectives", [
             ("1 rank, auto (NCCL)", 1, auto, "collectives"), ("2 ranks, shared (gloo)", 2, shared, "collectives"),
             ("4 ranks = 2 nodes x 2, shared", 4, two_nodes, "collectives")], args.device),
-        "training": lambda: check_rows("Training (DistributedOptimizer, DDP hook) with every compression: replicas identical", [
+        "training": lambda: check_rows("DistributedOptimizer and DDP hook, every compression: replicas identical", [
             ("2 ranks, shared", 2, shared, "training")], args.device),
         "placement": section_placement, "notebooks": section_notebooks,
         "overhead": lambda: section_overhead(args.steps),

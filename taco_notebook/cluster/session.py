@@ -105,7 +105,9 @@ def _engine_info() -> dict[str, Any]:
 
 
 def _mismatch_text(exc: BaseException) -> str:
-    """The first MPIMismatchError message inside an ipyparallel CompositeError."""
+    """The MPIMismatchError message of an ipyparallel RemoteError, or the first inside a CompositeError."""
+    if getattr(exc, "ename", None) == "MPIMismatchError":
+        return str(getattr(exc, "evalue", exc))
     for cause in getattr(exc, "elist", []):
         if cause[0] == "MPIMismatchError":
             return str(cause[1])
@@ -234,9 +236,7 @@ class TacoCluster:
         try:
             infos = self.client[:].apply_sync(_engine_info)
         except Exception as exc:  # the ranks' MPI check: say what it said, not "engine ids differ"
-            if getattr(exc, "ename", None) == "MPIMismatchError":
-                raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc.evalue}") from None
-            if "MPIMismatchError" in str(exc):
+            if "MPIMismatchError" in (getattr(exc, "ename", None) or str(exc)):
                 raise ClusterStartError(f"cluster {self.name!r} failed to start: {_mismatch_text(exc)}") from None
             raise
         self.ranks = sorted((RankInfo(**info) for info in infos), key=lambda r: r.rank)

@@ -181,8 +181,8 @@ def _utilization(index: int) -> float | None:
         if handle is None:
             pynvml.nvmlInit()
             props = torch.cuda.get_device_properties(index)
-            bus = (f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-                   if hasattr(props, "pci_bus_id") else None)
+            ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+            bus = f"{ids[0]:08x}:{ids[1]:02x}:{ids[2]:02x}.0" if None not in ids else None
             handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus) if bus else pynvml.nvmlDeviceGetHandleByIndex(index)
             _nvml_handles[index] = handle
         return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)

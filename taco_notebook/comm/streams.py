@@ -74,12 +74,12 @@ def wait_done(done: torch.cuda.Event | None, device: torch.device) -> None:
 class StreamFuture(Future):  # type: ignore[type-arg]
     """A future for a CUDA collective: ``result()`` also orders the caller's current stream after it."""
 
-    done: torch.cuda.Event | None = None
+    finished: torch.cuda.Event | None = None  # recorded on the comm stream after the collective
     device: Any = None
 
     def result(self, timeout: float | None = None) -> Any:
         value = super().result(timeout)
-        wait_done(self.done, self.device)
+        wait_done(self.finished, self.device)
         return value
 
 
@@ -100,6 +100,6 @@ def on_comm_stream(tensor: Any, fn: Callable[[], T]) -> tuple[Callable[[], T], S
         try:
             return fn()
         finally:
-            future.done = done_event(stream)
+            future.finished = done_event(stream)
 
     return work, future
