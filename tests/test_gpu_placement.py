@@ -81,7 +81,7 @@ def test_mode_checked_with_the_choices(monkeypatch):
     monkeypatch.setenv("TACO_GPUS", "none")
     assert check_gpus(None) == "none"
     monkeypatch.setenv("TACO_GPUS", "all")
-    with pytest.raises(ValueError, match=r"auto, shared, none, got None \(from TACO_GPUS\)"):
+    with pytest.raises(ValueError, match=r"auto, shared, none, got 'all' \(from TACO_GPUS\)"):
         check_gpus(None)
     with pytest.raises(ValueError, match="--gpus must be one of auto, shared, none, got 'many'"):
         check_gpus("many")

@@ -52,9 +52,10 @@ class Placement:
 
 def check_gpus(mode: str | None) -> str:
     """The mode, lower-cased; None means ``TACO_GPUS`` or ``auto``. Raises ValueError naming the choices."""
-    chosen = (mode if mode is not None else os.environ.get("TACO_GPUS") or "auto").strip().lower()
+    given = mode if mode is not None else os.environ.get("TACO_GPUS") or "auto"
+    chosen = given.strip().lower()
     if chosen not in GPU_MODES:
-        raise ValueError(f"--gpus must be one of {', '.join(GPU_MODES)}, got {mode!r}"
+        raise ValueError(f"--gpus must be one of {', '.join(GPU_MODES)}, got {given!r}"
                          + ("" if mode is not None else " (from TACO_GPUS)"))
     return chosen
 
