@@ -76,6 +76,7 @@ def worker_collectives(device_kind: str) -> None:
                  "exact": bool(b.eq(n - 1).all().item() and m.item() == n - 1)})
     _emit({"rank": r, "size": n, "device": str(device), "rows": rows,
            "backend": __import__("taco_notebook.comm.bootstrap", fromlist=["state"]).state.backend})
+    _close()
 
 
 def _replicas_identical(params: list[Any]) -> bool:
@@ -124,7 +125,21 @@ def worker_training(device_kind: str) -> None:
                          "exact": _replicas_identical(list(model.parameters()))})
             if kind == "optimizer":
                 opt.remove_hooks()
+            del net, opt, model
     _emit({"rank": r, "rows": rows})
+    _close()
+
+
+def _close() -> None:
+    """Free DDP's reducers, then the process group, before the interpreter's teardown: left to C++
+    destructors at exit, gloo's threads can abort the process ("terminate called without an active exception")."""
+    import gc
+
+    import taco_notebook.comm as taco
+
+    gc.collect()
+    taco.barrier()
+    taco.shutdown()
 
 
 def worker_overhead(steps: int) -> None:
@@ -169,6 +184,8 @@ def worker_overhead(steps: int) -> None:
             opt.remove_hooks()
     params = sum(p.numel() for p in model.parameters())
     _emit({"rank": taco.rank(), "params": params, "ms": results, "gpu": torch.cuda.get_device_name(device)})
+    del net, opt, model
+    _close()
 
 
 # ---- driver side --------------------------------------------------------------------------------------------
