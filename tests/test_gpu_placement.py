@@ -187,3 +187,13 @@ def test_taco_run_gpus_none_reaches_every_rank_with_mpi4py_on_mpiexecs_mpi(ip):
     finally:
         if "gpu-none" in clusters:
             clusters.pop("gpu-none").stop()
+
+
+def test_importing_the_api_outside_a_launched_rank_leaves_the_gpus_alone():
+    """The notebook's kernel imports taco_notebook.comm too: only ranks (or init()) may hide or pin GPUs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                                            "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")}
+    env["TACO_GPUS"] = "none"
+    code = "import os, taco_notebook.comm as taco; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "None", result.stdout + result.stderr

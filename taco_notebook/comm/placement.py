@@ -171,9 +171,7 @@ def apply_from_env() -> Placement | None:
         mode = gpu_mode()
     except ValueError:
         return None  # reported by resolve(), where an error can be seen
-    if local is None:
-        if mode == "none":
-            return _apply(decide(mode, 0, 1, 0))
+    if local is None:  # not a launched rank (the notebook's kernel imports this too): decide at init()
         return None
     gpus = node_gpu_count()
     if gpus == 0 and mode != "none":
