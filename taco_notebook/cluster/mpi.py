@@ -101,9 +101,12 @@ def mpi4py_environment(mpiexec: str, impl: str, base: dict[str, str] | None = No
     libdir = library_dir(mpiexec, impl)
     if libdir is None:
         return {}
+    # The mpich wheel keeps libmpi's own dependencies (libfabric, ucx) in lib/mpich, found through a RUNPATH
+    # that LD_LIBRARY_PATH overrides: another MPI's libfabric on the path would replace them. So: first.
+    private = os.path.join(libdir, impl)
+    dirs = [libdir, private] if os.path.isdir(private) else [libdir]
     current = (os.environ if base is None else base).get("LD_LIBRARY_PATH", "")
-    return {"MPI4PY_MPIABI": impl,
-            "LD_LIBRARY_PATH": os.pathsep.join(p for p in (libdir, current) if p)}
+    return {"MPI4PY_MPIABI": impl, "LD_LIBRARY_PATH": os.pathsep.join(p for p in (*dirs, current) if p)}
 
 
 def find_mpi(mpiexec: str | None = None) -> MPIInfo:
