@@ -19,7 +19,8 @@ from taco_notebook.cluster.mpi import find_mpi, mpi4py_environment
 from .openmpi import OpenMPI, prepare_openmpi
 
 SCRIPTS = Path(__file__).parent / "mpi"
-MISMATCH_SCRIPT = "import taco_notebook.comm as taco; print('size', taco.size(), flush=True)"
+# one write() per rank, so the ranks' lines cannot interleave in mpiexec's output
+MISMATCH_SCRIPT = "import os, taco_notebook.comm as taco; os.write(1, f'size {taco.size()}\\n'.encode())"
 
 
 @pytest.fixture(scope="session")
