@@ -104,16 +104,6 @@ def _engine_info() -> dict[str, Any]:
             "gpu_names": gpu_names()}
 
 
-def _mismatch_text(exc: BaseException) -> str:
-    """The MPIMismatchError message of an ipyparallel RemoteError, or the first inside a CompositeError."""
-    if getattr(exc, "ename", None) == "MPIMismatchError":
-        return str(getattr(exc, "evalue", exc))
-    for cause in getattr(exc, "elist", []):
-        if cause[0] == "MPIMismatchError":
-            return str(cause[1])
-    return str(exc)
-
-
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -236,8 +226,10 @@ class TacoCluster:
         try:
             infos = self.client[:].apply_sync(_engine_info)
         except Exception as exc:  # the ranks' MPI check: say what it said, not "engine ids differ"
-            if "MPIMismatchError" in (getattr(exc, "ename", None) or str(exc)):
-                raise ClusterStartError(f"cluster {self.name!r} failed to start: {_mismatch_text(exc)}") from None
+            from ..comm.mpicheck import mismatch_in
+
+            if (mismatch := mismatch_in(exc)) is not None:
+                raise ClusterStartError(f"cluster {self.name!r} failed to start: {mismatch}") from None
             raise
         self.ranks = sorted((RankInfo(**info) for info in infos), key=lambda r: r.rank)
         mismatched = [(eid, info["rank"]) for eid, info in zip(self.client.ids, infos, strict=True)

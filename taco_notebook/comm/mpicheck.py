@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MPIMismatchError", "launcher_size", "check_world", "mismatch_message"]
+__all__ = ["MPIMismatchError", "launcher_size", "check_world", "mismatch_message", "mismatch_in"]
 
 # (variable, what sets it); Slurm's only count under srun (SLURM_STEP_NUM_TASKS is set by srun alone): inside a
 # batch script, SLURM_NTASKS describes the allocation, not this process.
@@ -68,3 +68,14 @@ def check_world(comm: Any, env: Mapping[str, str] | None = None) -> None:
     from mpi4py import MPI
 
     raise MPIMismatchError(mismatch_message(world, expected, key, who, MPI.Get_library_version()))
+
+
+def mismatch_in(error: BaseException) -> str | None:
+    """The :class:`MPIMismatchError` message a remote error carries (ipyparallel's RemoteError has ``ename``
+    and ``evalue``, its CompositeError an ``elist`` of ``(ename, evalue, ...)``), or None."""
+    if getattr(error, "ename", None) == "MPIMismatchError":
+        return str(getattr(error, "evalue", error))
+    for cause in getattr(error, "elist", None) or []:
+        if cause and cause[0] == "MPIMismatchError":
+            return str(cause[1])
+    return None
