@@ -96,6 +96,8 @@ def worker_training(device_kind: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import taco_notebook.comm as taco
+    from taco_notebook.comm import hooks
+    from taco_notebook.comm.optimizer import DistributedOptimizer
 
     taco.init()
     r = taco.rank()
@@ -108,13 +110,14 @@ def worker_training(device_kind: str) -> None:
         for compression in COMPRESSIONS:
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).to(device)
+            net: Any = model
+            opt: Any
             if kind == "optimizer":
-                net = model
-                opt = taco.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                                named_parameters=model.named_parameters(), compression=compression)
+                opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), compression=compression)
             else:
                 net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-                net.register_comm_hook(taco.hooks.TacoHookState(compression=compression), taco.hooks.allreduce_hook)
+                net.register_comm_hook(hooks.TacoHookState(compression=compression), hooks.allreduce_hook)
                 opt = torch.optim.SGD(net.parameters(), lr=0.1)
             for x, y in data:
                 opt.zero_grad()
@@ -149,6 +152,8 @@ def worker_overhead(steps: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import taco_notebook.comm as taco
+    from taco_notebook.comm import hooks
+    from taco_notebook.comm.optimizer import DistributedOptimizer
 
     taco.init()
     device = taco.device()
@@ -166,11 +171,11 @@ def worker_overhead(steps: int) -> None:
             if "torch fp16" in variant:
                 net.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif "taco fp16" in variant:
-                net.register_comm_hook(taco.hooks.TacoHookState(compression="fp16"), taco.hooks.allreduce_hook)
+                net.register_comm_hook(hooks.TacoHookState(compression="fp16"), hooks.allreduce_hook)
         opt: Any = torch.optim.SGD(net.parameters(), lr=0.01)
         if variant.startswith("taco"):
-            opt = taco.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                            compression=variant.split(" ")[1] if " " in variant else None)
+            opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=variant.split(" ")[1] if " " in variant else None)
         for i in range(10 + steps):
             if i == 10:
                 torch.cuda.synchronize()  # outside the timed loop only
@@ -291,12 +296,15 @@ def main(argv: list[str]) -> int:
         return 0
     shared, auto = {"TACO_GPUS": "shared"}, {"TACO_GPUS": "auto"}
     two_nodes = {"TACO_GPUS": "shared", "LIGHT_INTRA_SIZE": "2"}
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    nccl = [(f"{gpus} ranks, auto (NCCL)", gpus, auto)] if gpus >= 2 else []  # multi-rank NCCL needs 2+ GPUs
     plans = {
         "collectives": lambda: check_rows("Exact collectives", [
             ("1 rank, auto (NCCL)", 1, auto, "collectives"), ("2 ranks, shared (gloo)", 2, shared, "collectives"),
-            ("4 ranks = 2 nodes x 2, shared", 4, two_nodes, "collectives")], args.device),
+            ("4 ranks = 2 nodes x 2, shared", 4, two_nodes, "collectives"),
+            *[(*run, "collectives") for run in nccl]], args.device),
         "training": lambda: check_rows("DistributedOptimizer and DDP hook, every compression: replicas identical", [
-            ("2 ranks, shared", 2, shared, "training")], args.device),
+            ("2 ranks, shared", 2, shared, "training"), *[(*run, "training") for run in nccl]], args.device),
         "placement": section_placement, "notebooks": section_notebooks,
         "overhead": lambda: section_overhead(args.steps),
     }
