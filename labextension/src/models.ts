@@ -12,6 +12,9 @@ export interface IClusterNode {
   host: string;
   ranks: number[];
   gpus: number;
+  /** Models of the node's GPUs ("NVIDIA H100 80GB HBM3"), one per GPU; [] on CPU nodes (parsed as [] when a
+   * server that predates it leaves it out, hence optional in literals). */
+  gpu_names?: string[];
 }
 
 export interface IHugepages {
@@ -155,7 +158,17 @@ function parseNode(value: unknown, path: string): IClusterNode {
   if (!Array.isArray(ranks) || !ranks.every(r => typeof r === 'number')) {
     fail(`${path}.ranks`, 'an array of numbers', ranks);
   }
-  return { node: num(obj, 'node', path), host: str(obj, 'host', path), ranks, gpus: num(obj, 'gpus', path) };
+  const names = obj.gpu_names ?? [];
+  if (!Array.isArray(names) || !names.every(n => typeof n === 'string')) {
+    fail(`${path}.gpu_names`, 'an array of strings', names);
+  }
+  return {
+    node: num(obj, 'node', path),
+    host: str(obj, 'host', path),
+    ranks,
+    gpus: num(obj, 'gpus', path),
+    gpu_names: names
+  };
 }
 
 function parseHugepages(value: unknown, path: string): IHugepages {

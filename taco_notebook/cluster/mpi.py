@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import MPINotFoundError
 
-__all__ = ["MPIInfo", "find_mpi", "single_host_env"]
+__all__ = ["MPIInfo", "find_mpi", "single_host_env", "library_dir", "mpi4py_environment"]
 
 INSTALL_HINT = "install one with `pip install mpich mpi4py` (or your system's Open MPI), or pass --mpiexec PATH"
 
@@ -23,6 +23,9 @@ class MPIInfo:
     implementation: str  # "mpich", "openmpi" or "unknown"
     version: str
     extra_args: list[str] = field(default_factory=list)
+    # What the ranks need so that mpi4py loads this mpiexec's library (MPI4PY_MPIABI, its lib dir on
+    # LD_LIBRARY_PATH): a system Open MPI beside the mpich wheel otherwise gives every rank a world of one.
+    environment: dict[str, str] = field(default_factory=dict)
 
     @property
     def description(self) -> str:
@@ -85,6 +88,40 @@ def single_host_env(info: MPIInfo) -> dict[str, str]:
     return {}
 
 
+_LIBMPI = {"mpich": "libmpi.so.12", "openmpi": "libmpi.so.40"}
+
+
+def library_dir(mpiexec: str, impl: str) -> str | None:
+    """The directory holding ``mpiexec``'s own libmpi (PREFIX/lib, lib64 or lib/<triplet>), if found."""
+    name = _LIBMPI.get(impl)
+    if name is None:
+        return None
+    real = os.path.realpath(mpiexec)
+    roots = []
+    for path in (mpiexec, real):
+        prefix = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        roots += [os.path.join(prefix, "lib"), os.path.join(prefix, "lib64")]
+        roots += [os.path.join(prefix, "lib", d) for d in ("x86_64-linux-gnu", "aarch64-linux-gnu")]
+    return next((d for d in roots if os.path.exists(os.path.join(d, name))), None)
+
+
+def mpi4py_environment(mpiexec: str, impl: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``MPI4PY_MPIABI`` and ``LD_LIBRARY_PATH`` that make the ranks' mpi4py load ``mpiexec``'s MPI.
+
+    Empty for an unknown implementation or when its library is not found (the ranks then check their world
+    size against the launcher's and fail clearly, see ``comm/mpicheck.py``).
+    """
+    libdir = library_dir(mpiexec, impl)
+    if libdir is None:
+        return {}
+    # The mpich wheel keeps libmpi's own dependencies (libfabric, ucx) in lib/mpich, found through a RUNPATH
+    # that LD_LIBRARY_PATH overrides: another MPI's libfabric on the path would replace them. So: first.
+    private = os.path.join(libdir, impl)
+    dirs = [libdir, private] if os.path.isdir(private) else [libdir]
+    current = (os.environ if base is None else base).get("LD_LIBRARY_PATH", "")
+    return {"MPI4PY_MPIABI": impl, "LD_LIBRARY_PATH": os.pathsep.join(p for p in (*dirs, current) if p)}
+
+
 def find_mpi(mpiexec: str | None = None) -> MPIInfo:
     """Locate a working ``mpiexec`` and mpi4py, or raise :class:`MPINotFoundError` naming the fix."""
     candidates = _candidates(mpiexec)
@@ -100,4 +137,4 @@ def find_mpi(mpiexec: str | None = None) -> MPIInfo:
     except ImportError:
         raise MPINotFoundError(f"mpi4py is not installed in {sys.executable}: {INSTALL_HINT}") from None
     impl, version = _identify(out.stdout + out.stderr)
-    return MPIInfo(path, impl, version, _implementation_args(impl))
+    return MPIInfo(path, impl, version, _implementation_args(impl), mpi4py_environment(path, impl))

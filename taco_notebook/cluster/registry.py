@@ -92,9 +92,12 @@ _watcher: _Watcher | None = None
 def _nodes(cluster: TacoCluster) -> list[NodeModel]:
     nodes: dict[int, NodeModel] = {}
     for rank in cluster.ranks:
-        node = nodes.setdefault(rank.node, {"node": rank.node, "host": rank.host, "ranks": [], "gpus": 0})
+        node = nodes.setdefault(rank.node, {"node": rank.node, "host": rank.host, "ranks": [], "gpus": 0,
+                                            "gpu_names": []})
         node["ranks"].append(rank.rank)
         node["gpus"] = max(node["gpus"], rank.gpus)  # ranks of one node see the same devices
+        if len(rank.gpu_names) > len(node["gpu_names"]):
+            node["gpu_names"] = list(rank.gpu_names)
     return [nodes[n] for n in sorted(nodes)]
 
 

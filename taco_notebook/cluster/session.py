@@ -60,6 +60,7 @@ class RankInfo:
     node: int
     gpus: int = 0
     hugepages: dict[str, int] | None = field(default=None, compare=False)
+    gpu_names: list[str] = field(default_factory=list, compare=False)  # models of those GPUs, from /proc
 
 
 @dataclass
@@ -96,11 +97,12 @@ def _engine_info() -> dict[str, Any]:
     import os as _os
 
     import taco_notebook.comm as _taco
-    from taco_notebook.cluster.preflight import hugepages, visible_gpus
+    from taco_notebook.cluster.preflight import gpu_names, hugepages, visible_gpus
 
     topo = _taco.topology()
     return {"rank": topo.rank, "host": topo.hostname, "pid": _os.getpid(),
-            "local_rank": topo.local_rank, "node": topo.node, "gpus": visible_gpus(), "hugepages": hugepages()}
+            "local_rank": topo.local_rank, "node": topo.node, "gpus": visible_gpus(), "hugepages": hugepages(),
+            "gpu_names": gpu_names()}
 
 
 def _signal_name(number: int) -> str:
@@ -175,7 +177,7 @@ class TacoCluster:
         launcher.mpi_args = list(mpi.extra_args)
         launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.rankwrap",
                                sys.executable, "-m", "ipyparallel.engine"]
-        launcher.environment = self._engine_environment()
+        launcher.environment = {**mpi.environment, **self._engine_environment()}  # mpi4py loads mpiexec's MPI
         if self.cluster_id:
             config.LocalControllerLauncher.environment = {CLUSTER_ID_ENV: self.cluster_id}
         return config
@@ -231,7 +233,14 @@ class TacoCluster:
         future.result()
 
     def _check_ranks(self) -> None:
-        infos = self.client[:].apply_sync(_engine_info)
+        try:
+            infos = self.client[:].apply_sync(_engine_info)
+        except Exception as exc:  # the ranks' MPI check: say what it said, not "engine ids differ"
+            from ..comm.mpicheck import mismatch_in
+
+            if (mismatch := mismatch_in(exc)) is not None:
+                raise ClusterStartError(f"cluster {self.name!r} failed to start: {mismatch}") from None
+            raise
         self.ranks = sorted((RankInfo(**info) for info in infos), key=lambda r: r.rank)
         mismatched = [(eid, info["rank"]) for eid, info in zip(self.client.ids, infos, strict=True)
                       if eid != info["rank"]]

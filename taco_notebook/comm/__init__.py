@@ -10,16 +10,18 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 from __future__ import annotations
 
 from . import excepthook as _excepthook
-from . import metrics
+from . import metrics, placement
 from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
 from .bootstrap import abort as _abort  # noqa: F401  (the cell runner calls taco._abort() on engines)
-from .bootstrap import init, is_initialized, reinit, shutdown
+from .bootstrap import device, init, is_initialized, reinit, shutdown
 from .collectives import REDUCE_OPS, allreduce, barrier, broadcast, broadcast_parameters
 from .compression import parse_compression
 from .config import configure, settings
 from .progress import progress
 from .topology import Topology
+
+placement.apply_from_env()  # pin this rank's GPU (or hide them) before the user's code can touch CUDA
 
 __all__ = [
     "Topology",
@@ -32,6 +34,7 @@ __all__ = [
     "rank",
     "size",
     "local_rank",
+    "device",
     "local_size",
     "node",
     "num_nodes",
@@ -71,7 +74,7 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """Rank within this node; picks the GPU on GPU nodes."""
+    """Rank within this node; with ``--gpus auto`` it is also the index of the rank's GPU (:func:`device`)."""
     return topology().local_rank
 
 

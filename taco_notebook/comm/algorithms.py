@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import bootstrap, metrics
+from . import bootstrap, metrics, streams
 from .compression import Compressor, NoneCompressor, TopKCompressor
 from .config import check_algorithm, compressor_for, settings
 from .shm import NodeSegment, new_tag
@@ -66,8 +66,8 @@ class _CommThread:
                 future.set_exception(exc)
             del item, fn, future  # the finished work must not keep its tensors or groups alive
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
+    def submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
+        future = Future() if future is None else future
         with self._lock:
             if self._queue is None:
                 self._queue = queue.SimpleQueue()
@@ -75,10 +75,10 @@ class _CommThread:
             self._queue.put((fn, future))
         return future
 
-    def run(self, fn: Callable[[], T]) -> T:
+    def run(self, fn: Callable[[], T], future: Future[T] | None = None) -> T:
         if threading.get_ident() == self._ident:
             return fn()
-        return self.submit(fn).result()
+        return self.submit(fn, future).result()
 
     def abandon(self) -> None:
         """Later collectives run on a new thread; the current one ends once its queue is done (if ever)."""
@@ -110,8 +110,10 @@ def _build_hierarchy() -> _Hierarchy | None:
     sizes = {len(ranks) for ranks in topo.node_ranks}
     if len(sizes) != 1 or topo.num_nodes == 1 or topo.local_size == 1:
         return None
-    locals_ = [dist.new_group(list(ranks)) for ranks in topo.node_ranks]
-    crosses = [dist.new_group([ranks[i] for ranks in topo.node_ranks]) for i in range(topo.local_size)]
+    backend = bootstrap.state.backend  # the same per-device backends as the world ("cpu:gloo,cuda:nccl")
+    locals_ = [dist.new_group(list(ranks), backend=backend) for ranks in topo.node_ranks]
+    crosses = [dist.new_group([ranks[i] for ranks in topo.node_ranks], backend=backend)
+               for i in range(topo.local_size)]
     local = locals_[topo.node]
     segment = None
     if os.environ.get("TACO_SHM", "1") != "0":  # TACO_SHM=0 keeps the intra-node steps on the process group
@@ -251,8 +253,12 @@ def _check(tensor: Any, op: str) -> None:
 
 
 def _job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str | None,
-         name: Hashable | None) -> Callable[[], torch.Tensor]:
-    """Validate now (errors surface in the caller), reduce later on the communication thread."""
+         name: Hashable | None) -> tuple[Callable[[], torch.Tensor], streams.StreamFuture]:
+    """Validate now (errors surface in the caller), reduce later on the communication thread.
+
+    A CUDA tensor is reduced on the comm stream once the caller's stream reached this point; the future's
+    ``result()`` orders the caller after the reduction, without a host sync (see :mod:`.streams`).
+    """
     _check(tensor, op)
     compressor = compressor_for(compression) if tensor.is_floating_point() else NoneCompressor()
     if algorithm is not None:
@@ -263,17 +269,23 @@ def _job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str 
         if not bootstrap.is_initialized():
             bootstrap.init()
         resolved = resolve_algorithm(algorithm)  # may build groups: collective, so on this thread
-        if tensor.numel() == 0:
-            return tensor
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        reduce_flat(flat, compressor, resolved, key)
-        if op == "avg":
-            flat.div_(dist.get_world_size())
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-        return tensor
+        return _reduce_in_place(tensor, op, compressor, resolved, key)
 
-    return work
+    return streams.on_comm_stream(tensor, work)
+
+
+def _reduce_in_place(tensor: torch.Tensor, op: str, compressor: Compressor, resolved: str,
+                     key: Hashable) -> torch.Tensor:
+    """Sum (or average) ``tensor`` over every rank in place, on the current (comm) stream."""
+    if tensor.numel() == 0:
+        return tensor
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    reduce_flat(flat, compressor, resolved, key)
+    if op == "avg":
+        flat.div_(dist.get_world_size())
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
 
 
 def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
@@ -283,7 +295,7 @@ def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | No
     ``name`` keys TopK's residual (error feedback) across steps; by default the tensor's storage address,
     which is stable for gradients and fusion buffers that are reused every step.
     """
-    return comm_thread.submit(_job(tensor, op, compression, algorithm, name))
+    return comm_thread.submit(*_job(tensor, op, compression, algorithm, name))
 
 
 def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
@@ -292,4 +304,4 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = N
 
     >>> taco.allreduce(grad, op="avg", compression="topk:0.01", algorithm="2d", name="fc.weight")
     """
-    return comm_thread.run(_job(tensor, op, compression, algorithm, name))
+    return comm_thread.run(*_job(tensor, op, compression, algorithm, name))

@@ -19,22 +19,31 @@ from typing import Any
 from . import excepthook, rendezvous
 from .topology import Topology, intra_size_from_env, node_name
 
-__all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend"]
+__all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend",
+           "device"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TACO_COLLECTIVE_TIMEOUT", 1800))
 
 
 def _mpi_world() -> Any:
+    """MPI's world, checked against the launcher's rank count (a wrong MPI library fails here, at once)."""
     from mpi4py import MPI
 
+    from .mpicheck import check_world
+
+    check_world(MPI.COMM_WORLD)
     return MPI.COMM_WORLD
 
 
 def default_backend() -> str:
-    """NCCL when this process sees a GPU, gloo otherwise."""
+    """gloo without CUDA; with CUDA one backend per device type: ``cpu:gloo,cuda:nccl`` (``--gpus auto``)
+    or ``cpu:gloo,cuda:gloo`` (``--gpus shared``), so CPU and CUDA tensors share one process group."""
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    from .placement import backend_for, gpu_mode
+
+    mode = gpu_mode()
+    return backend_for(mode, mode != "none" and torch.cuda.is_available())
 
 
 @dataclass
@@ -68,14 +77,36 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _placed_backend(topology: Topology) -> str:
+    """Place this rank (``--gpus``/``TACO_GPUS``; may raise PlacementError) and return its backend string."""
+    from .placement import resolve
+
+    return resolve(topology.local_rank, topology.local_size).backend
+
+
 def _pick_device(backend: str, topology: Topology) -> Any:
+    """The rank's device: its placed GPU, else (an explicit NCCL backend) the local rank's, else the CPU."""
     import torch
 
-    if backend == "nccl":
+    from .placement import current
+
+    placed = current()
+    if placed is not None and placed.gpu is not None:
+        return torch.device("cuda", placed.gpu)
+    if backend.split(":")[-1].startswith("nccl") and torch.cuda.is_available():
         device = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def device() -> Any:
+    """This rank's ``torch.device`` (``cuda:i`` of its placed GPU, or ``cpu``), without needing the group."""
+    if state.device is None:
+        topology = state.ensure_topology()
+        placed = _placed_backend(topology)
+        return _pick_device(os.environ.get("TACO_BACKEND") or placed, topology)
+    return state.device
 
 
 def init(
@@ -90,7 +121,8 @@ def init(
     topology = state.ensure_topology(intra_size)
     if is_initialized():
         return topology
-    backend = backend or os.environ.get("TACO_BACKEND") or default_backend()
+    placed = _placed_backend(topology)  # before the group: pins the GPU, or fails naming the node
+    backend = backend or os.environ.get("TACO_BACKEND") or placed
     seconds = DEFAULT_TIMEOUT_S if timeout is None else timeout
     meeting = rendezvous.create(state.mpi, seconds)
     try:

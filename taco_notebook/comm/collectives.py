@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import bootstrap
+from . import bootstrap, streams
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +70,7 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = N
         _ready()
         return _in_place(tensor, lambda buf: dist.all_reduce(buf, op=reduce_op))
 
-    return comm_thread.run(work)
+    return comm_thread.run(*streams.on_comm_stream(tensor, work))
 
 
 def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -88,7 +88,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         _ready()
         return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
 
-    return comm_thread.run(work)
+    return comm_thread.run(*streams.on_comm_stream(tensor, work))
 
 
 def barrier() -> None:

@@ -28,30 +28,47 @@ class Bucket:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def views(self) -> list[torch.Tensor]:
+        """Each parameter's slice of the buffer, shaped like it (made once: no per-step slicing)."""
+        cached: list[torch.Tensor] | None = self.__dict__.get("_views")
+        if cached is None:
+            cached, offset = [], 0
+            for param in self.params:
+                cached.append(self.buffer[offset: offset + param.numel()].view_as(param))
+                offset += param.numel()
+            self.__dict__["_views"] = cached
+        return cached
+
     def pack(self) -> torch.Tensor:
-        """Copy every gradient into the buffer (zeros for a parameter that got none this step)."""
-        offset = 0
-        for param in self.params:
-            n = param.numel()
-            target = self.buffer[offset: offset + n]
-            if param.grad is None:
-                target.zero_()
+        """Copy every gradient into the buffer (zeros for a parameter that got none this step).
+
+        One fused multi-tensor copy when every gradient is there (the usual step): on a GPU that is one
+        launch for the bucket instead of one per parameter.
+        """
+        views = self.views()
+        grads = [param.grad for param in self.params]
+        if all(grad is not None and grad.shape == view.shape for grad, view in zip(grads, views, strict=True)):
+            torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+            return self.buffer
+        for view, grad in zip(views, grads, strict=True):
+            if grad is None:
+                view.zero_()
             else:
-                target.copy_(param.grad.reshape(-1))
-            offset += n
+                view.copy_(grad.reshape(view.shape))
         return self.buffer
 
     def unpack(self) -> None:
         """Write the reduced buffer back into the gradients."""
-        offset = 0
-        for param in self.params:
-            n = param.numel()
-            reduced = self.buffer[offset: offset + n].view_as(param)
+        views = self.views()
+        grads = [param.grad for param in self.params]
+        if all(grad is not None for grad in grads):
+            torch._foreach_copy_(grads, views)  # type: ignore[arg-type]
+            return
+        for param, view in zip(self.params, views, strict=True):
             if param.grad is None:
-                param.grad = reduced.clone()
+                param.grad = view.clone()
             else:
-                param.grad.copy_(reduced)
-            offset += n
+                param.grad.copy_(view)
 
 
 def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], threshold_bytes: int) -> list[Bucket]:

@@ -40,13 +40,17 @@ class TacoHookState:
 def allreduce_hook(state: TacoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over every rank with taco's allreduce (``hook(state, bucket) -> Future``)."""
     buffer = bucket.buffer()
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # With devices, set_result records an event on the completing thread's current stream (the comm stream,
+    # once the collective ran) and DDP's consumers wait for it on theirs: ordered without a host sync.
+    result: torch.futures.Future[torch.Tensor] = (
+        torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future())
 
     def done(job: Any) -> None:
         error = job.exception()
         if error is not None:
             result.set_exception(error)
         else:
+            job.result()  # orders this thread's current stream after the reduction
             result.set_result(buffer)
 
     allreduce_async(buffer, op="avg", compression=state.compression, algorithm=state.algorithm,

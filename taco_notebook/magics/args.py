@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-__all__ = ["cluster_args", "run_args", "comm_settings", "positive_int", "positive_float", "parse_targets", "DEFAULT_NP"]
+__all__ = ["cluster_args", "run_args", "comm_settings", "positive_int", "positive_float", "parse_targets", "DEFAULT_NP",
+           "gpu_option"]
 
 DEFAULT_NP = 4
 
@@ -27,6 +30,9 @@ cluster_args = _stack(
              help="name of the cluster to use or start (default: 'default')"),
     argument("--mpiexec", default=None, metavar="PATH",
              help="mpiexec to launch ranks with (default: the one next to this Python, then PATH)"),
+    argument("--gpus", default=None, metavar="MODE",
+             help="auto: one GPU per rank, CPU where a node has none (default, or TACO_GPUS); shared: ranks share "
+                  "GPUs (CUDA tensors over gloo); none: the ranks see no GPU"),
 )
 
 run_args = _stack(
@@ -126,3 +132,26 @@ def parse_targets(spec: str | None, size: int) -> list[int] | None:
     if outside:
         raise UsageError(f"--targets {spec!r} names rank {outside[0]}, outside 0..{size - 1} for -np {size}")
     return sorted(ranks)
+
+
+def gpu_option(value: str | None, size: int) -> str | None:
+    """``--gpus`` checked before anything starts: the mode (None when not given), or a ``UsageError``.
+
+    Local clusters run every rank on this machine, so ``auto`` with fewer GPUs than ranks is refused here,
+    with the ways out; the GPUs are counted from /proc, without initialising CUDA in the kernel.
+    """
+    from ..cluster.preflight import visible_gpus
+    from ..comm.placement import PlacementError, check_gpus, decide, too_few_message
+
+    if value is None and not os.environ.get("TACO_GPUS"):
+        mode = "auto"
+    else:
+        try:
+            mode = check_gpus(value)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    try:
+        decide(mode, 0, size, visible_gpus(), socket.gethostname())
+    except PlacementError:
+        raise UsageError(too_few_message(socket.gethostname(), visible_gpus(), size)) from None
+    return mode if value is not None else None

@@ -14,14 +14,26 @@ from ..cluster.mpi import find_mpi
 from ..cluster.run import CellOptions, run_cell
 from ..cluster.session import ClusterStatus, TacoCluster, clusters
 from ..errors import MPINotFoundError
-from .args import DEFAULT_NP, cluster_args, comm_settings, parse_targets, positive_float, positive_int, run_args
+from .args import (
+    DEFAULT_NP,
+    cluster_args,
+    comm_settings,
+    gpu_option,
+    parse_targets,
+    positive_float,
+    positive_int,
+    run_args,
+)
 from .output import RankOutput
 
 __all__ = ["TacoMagics", "ensure_cluster", "format_status"]
 
 
-def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_size: int | None = None) -> TacoCluster:
-    env = {"LIGHT_INTRA_SIZE": str(intra_size)} if intra_size else None
+def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_size: int | None = None,
+           gpus: str | None = None) -> TacoCluster:
+    env = {"LIGHT_INTRA_SIZE": str(intra_size)} if intra_size else {}
+    if gpus is not None:
+        env["TACO_GPUS"] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
     cluster = TacoCluster(name, size, mpiexec=mpiexec, env=env)
     try:
         mpi = cluster.mpi = find_mpi(mpiexec)
@@ -37,7 +49,7 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_siz
 
 
 def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput,
-                   intra_size: int | None = None) -> TacoCluster:
+                   intra_size: int | None = None, gpus: str | None = None) -> TacoCluster:
     """The running cluster ``name`` with ``size`` ranks, reusing, repairing or resizing as needed."""
     cluster = clusters.get(name)
     if cluster is not None and cluster.broken_reason:
@@ -56,8 +68,12 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
         say.notice(f"cluster {name!r} has another node layout; restarting it with --intra-size {intra_size}")
         clusters.pop(name).stop()
         cluster = None
+    if cluster is not None and gpus is not None and cluster.env.get("TACO_GPUS", "auto") != gpus:
+        say.notice(f"cluster {name!r} places GPUs otherwise; restarting it with --gpus {gpus}")
+        clusters.pop(name).stop()
+        cluster = None
     if cluster is None:
-        return _attach(name, size, say) or _start(name, size or DEFAULT_NP, mpiexec, say, intra_size)
+        return _attach(name, size, say) or _start(name, size or DEFAULT_NP, mpiexec, say, intra_size, gpus)
     return cluster
 
 
@@ -154,8 +170,9 @@ class TacoMagics(Magics):
         if intra_size is not None and planned % intra_size:
             raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
         mode = _dashboard_mode(args.dashboard)
+        gpus = gpu_option(args.gpus, planned)
         capacity = _link_capacity()  # checked before anything starts
-        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, intra_size)
+        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, intra_size, gpus)
         monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
@@ -198,13 +215,18 @@ class TacoMagics(Magics):
 
     def _cluster_start(self, name: str, size: int | None, args: Any) -> None:
         running = clusters.get(name)
-        if running is not None and running.running and size in (None, running.size):
+        gpus = gpu_option(args.gpus, size or (running.size if running else DEFAULT_NP))
+        if (running is not None and running.running and size in (None, running.size)
+                and gpus in (None, running.env.get("TACO_GPUS", "auto"))):
             RankOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
         else:
-            ensure_cluster(name, size, args.mpiexec, RankOutput())
+            ensure_cluster(name, size, args.mpiexec, RankOutput(), gpus=gpus)
 
     def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
+        previous = clusters.get(name)
+        ranks = size or (previous.size if previous else DEFAULT_NP)
+        gpus = gpu_option(args.gpus, ranks)  # checked before the running cluster is stopped
         previous = clusters.pop(name, None)
         if previous is not None:
             previous.stop()
-        _start(name, size or (previous.size if previous else DEFAULT_NP), args.mpiexec, RankOutput())
+        _start(name, ranks, args.mpiexec, RankOutput(), gpus=gpus)

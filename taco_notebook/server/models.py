@@ -49,6 +49,7 @@ class NodeModel(TypedDict):
     host: str
     ranks: list[int]
     gpus: int
+    gpu_names: list[str]  # models of those GPUs (from the driver's /proc files), one per GPU
 
 
 class HugePagesModel(TypedDict):

@@ -11,8 +11,8 @@ export function clusterJson(overrides: Record<string, unknown> = {}): Record<str
     engines_up: 3,
     mpi: 'mpich 5.0.2',
     nodes: [
-      { node: 1, host: 'n1', ranks: [2, 3], gpus: 0 },
-      { node: 0, host: 'n0', ranks: [0, 1], gpus: 0 }
+      { node: 1, host: 'n1', ranks: [2, 3], gpus: 0, gpu_names: [] },
+      { node: 0, host: 'n0', ranks: [0, 1], gpus: 0, gpu_names: [] }
     ],
     gpus: 0,
     hugepages: { total: 512, free: 500, page_kb: 2048 },

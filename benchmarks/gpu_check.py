@@ -1,0 +1,323 @@
+"""GPU checks of issue 9, as markdown tables: run unchanged on a GPU machine; elsewhere it says it skipped.
+
+    python benchmarks/gpu_check.py                      # every section; exits 1 if a check failed
+    python benchmarks/gpu_check.py --sections overhead  # one section
+    python benchmarks/gpu_check.py --device cpu --sections collectives training   # self-test on CPU
+
+Sections:
+
+* ``collectives``: exact allreduce (integer-valued floats, so any error shows) of CUDA tensors on 1 rank over
+  NCCL (``--gpus auto``) and on 2 ranks sharing the GPU over gloo (``--gpus shared``), flat and 2d (4 ranks as
+  2 emulated nodes); CPU and CUDA tensors in the same process group; broadcast, max, barrier.
+* ``training``: ``DistributedOptimizer`` and the DDP hook with every compression on CUDA parameters, 2 ranks
+  with different data; the replicas must end identical.
+* ``placement``: ``--gpus auto`` with more ranks than GPUs must fail at the first cell with the clear message.
+* ``notebooks``: every example notebook executed (nbclient) with CUDA visible and ``TACO_GPUS=shared``.
+* ``overhead``: ms per step, 1 rank, 25.2M-parameter MLP (2048-4096-4096-10), batch 256: plain SGD, DDP,
+  DDP + torch's fp16 hook, DDP + taco's fp16 hook, taco, taco fp16, taco topk 1%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("collectives", "training", "placement", "notebooks", "overhead")
+COMPRESSIONS = (None, "fp16", "bf16", "topk:0.01")
+RESULT = "GPUCHECK "
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: run the same checks on CPU tensors (a self-test of this script)")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per overhead variant")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---- rank side ----------------------------------------------------------------------------------------------
+def _emit(payload: dict[str, Any]) -> None:
+    print(RESULT + json.dumps(payload), flush=True)
+
+
+def worker_collectives(device_kind: str) -> None:
+    import torch
+
+    import taco_notebook.comm as taco
+
+    taco.init()
+    r, n = taco.rank(), taco.size()
+    device = taco.device() if device_kind == "cuda" else torch.device("cpu")
+    rows = []
+    for algorithm in ("flat", "2d"):
+        if algorithm == "2d" and taco.num_nodes() < 2:
+            continue
+        for name, dev in (("cuda" if device.type == "cuda" else "cpu(self-test)", device), ("cpu", "cpu")):
+            t = (torch.arange(1 << 20, dtype=torch.float32, device=dev) % 97) * (r + 1)
+            taco.allreduce(t, algorithm=algorithm)
+            expected = (torch.arange(1 << 20, dtype=torch.float32, device=dev) % 97) * (n * (n + 1) // 2)
+            rows.append({"check": f"allreduce {algorithm} {name}", "exact": bool(torch.equal(t, expected))})
+    b = torch.full((7,), float(r), device=device)
+    taco.broadcast(b, root=n - 1)
+    m = torch.tensor([float(r)], device=device)
+    taco.allreduce(m, op="max")
+    taco.barrier()
+    rows.append({"check": f"broadcast+max on {device.type}",
+                 "exact": bool(b.eq(n - 1).all().item() and m.item() == n - 1)})
+    _emit({"rank": r, "size": n, "device": str(device), "rows": rows,
+           "backend": __import__("taco_notebook.comm.bootstrap", fromlist=["state"]).state.backend})
+    _close()
+
+
+def _replicas_identical(params: list[Any]) -> bool:
+    import torch
+
+    import taco_notebook.comm as taco
+
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    reference = flat.clone()
+    taco.broadcast(reference, root=0)
+    return bool(torch.equal(flat, reference))
+
+
+def worker_training(device_kind: str) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import taco_notebook.comm as taco
+    from taco_notebook.comm import hooks
+    from taco_notebook.comm.optimizer import DistributedOptimizer
+
+    taco.init()
+    r = taco.rank()
+    device = taco.device() if device_kind == "cuda" else torch.device("cpu")
+    gen = torch.Generator().manual_seed(100 + r)
+    data = [(torch.randn(64, 256, generator=gen).to(device), torch.randint(0, 10, (64,), generator=gen).to(device))
+            for _ in range(6)]
+    rows = []
+    for kind in ("optimizer", "ddp-hook"):
+        for compression in COMPRESSIONS:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).to(device)
+            net: Any = model
+            opt: Any
+            if kind == "optimizer":
+                opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), compression=compression)
+            else:
+                net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+                net.register_comm_hook(hooks.TacoHookState(compression=compression), hooks.allreduce_hook)
+                opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            for x, y in data:
+                opt.zero_grad()
+                F.cross_entropy(net(x), y).backward()
+                opt.step()
+            on = {p.device.type for p in model.parameters()}
+            rows.append({"check": f"{kind} {compression or 'none'} on {'/'.join(sorted(on))}",
+                         "exact": _replicas_identical(list(model.parameters()))})
+            if kind == "optimizer":
+                opt.remove_hooks()
+            del net, opt, model
+    _emit({"rank": r, "rows": rows})
+    _close()
+
+
+def _close() -> None:
+    """Free DDP's reducers, then the process group, before the interpreter's teardown: left to C++
+    destructors at exit, gloo's threads can abort the process ("terminate called without an active exception")."""
+    import gc
+
+    import taco_notebook.comm as taco
+
+    gc.collect()
+    taco.barrier()
+    taco.shutdown()
+
+
+def worker_overhead(steps: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import taco_notebook.comm as taco
+    from taco_notebook.comm import hooks
+    from taco_notebook.comm.optimizer import DistributedOptimizer
+
+    taco.init()
+    device = taco.device()
+    x = torch.randn(256, 2048, device=device)
+    y = torch.randint(0, 10, (256,), device=device)
+    results = {}
+    for variant in ("plain SGD", "DDP", "DDP + torch fp16 hook", "DDP + taco fp16 hook", "taco", "taco fp16",
+                    "taco topk:0.01"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
+                                    torch.nn.ReLU(), torch.nn.Linear(4096, 10)).to(device)
+        net: Any = model
+        if variant.startswith("DDP"):
+            net = DDP(model, device_ids=[device.index])
+            if "torch fp16" in variant:
+                net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif "taco fp16" in variant:
+                net.register_comm_hook(hooks.TacoHookState(compression="fp16"), hooks.allreduce_hook)
+        opt: Any = torch.optim.SGD(net.parameters(), lr=0.01)
+        if variant.startswith("taco"):
+            opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=variant.split(" ")[1] if " " in variant else None)
+        for i in range(10 + steps):
+            if i == 10:
+                torch.cuda.synchronize()  # outside the timed loop only
+                began = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        results[variant] = (time.perf_counter() - began) / steps * 1000
+        if hasattr(opt, "remove_hooks"):
+            opt.remove_hooks()
+    params = sum(p.numel() for p in model.parameters())
+    _emit({"rank": taco.rank(), "params": params, "ms": results, "gpu": torch.cuda.get_device_name(device)})
+    del net, opt, model
+    _close()
+
+
+# ---- driver side --------------------------------------------------------------------------------------------
+def launch(n: int, args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n N python gpu_check.py ARGS`` with the checkout importable and mpi4py on mpiexec's MPI."""
+    sys.path.insert(0, str(ROOT))
+    from taco_notebook.cluster.mpi import find_mpi
+
+    mpi = find_mpi()
+    full = {**os.environ, **mpi.environment, **env}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run([mpi.mpiexec, *mpi.extra_args, "-n", str(n), sys.executable, __file__, *args],
+                          env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def results_of(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    return [json.loads(line[len(RESULT):]) for line in done.stdout.splitlines() if line.startswith(RESULT)]
+
+
+def table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def check_rows(title: str, runs: list[tuple[str, int, dict[str, str], str]], device: str) -> tuple[str, bool]:
+    rows: list[tuple[Any, ...]] = []
+    ok = True
+    for label, n, env, worker in runs:
+        done = launch(n, ["--worker", worker, "--device", device], env)
+        got = results_of(done)
+        if done.returncode != 0 or len(got) != n:
+            ok = False
+            rows.append((label, "-", "FAILED", done.stderr.strip().splitlines()[-1:] or ["no output"]))
+            continue
+        for row in got[0]["rows"]:
+            same = all(any(r == row for r in other["rows"]) for other in got)
+            passed = row["exact"] and same
+            ok &= passed
+            rows.append((label, row["check"], "ok" if passed else "FAILED", got[0].get("backend", "")))
+    return f"### {title}\n\n" + table(("run", "check", "result", "backend"), rows), ok
+
+
+def section_placement() -> tuple[str, bool]:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    done = launch(gpus + 1, ["--worker", "collectives"], {"TACO_GPUS": "auto"}, timeout=300)
+    text = done.stdout + done.stderr
+    found = re.search(r"node \S+ has \d+ GPUs? but \d+ ranks[^\n]*", text)
+    ok = done.returncode != 0 and found is not None and "--gpus shared" in text and "--gpus none" in text
+    message = found.group(0)[:160] if found else text.strip().splitlines()[-1:]
+    return "### --gpus auto with too many ranks\n\n" + table(("ranks", "GPUs", "result", "message"), [
+        (gpus + 1, gpus, "ok" if ok else "FAILED", message)]), ok
+
+
+def section_notebooks() -> tuple[str, bool]:
+    import nbformat
+    from nbclient import NotebookClient
+
+    os.environ["TACO_GPUS"] = "shared"  # the examples ask for 4 ranks; a 1-GPU machine shares it
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    rows, ok = [], True
+    for path in sorted((ROOT / "examples").glob("*.ipynb")):
+        notebook = nbformat.read(path, as_version=4)
+        began = time.perf_counter()
+        try:
+            NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+                           ).execute()
+            rows.append((path.name, "ok", f"{time.perf_counter() - began:.0f} s"))
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the next notebook still runs
+            ok = False
+            rows.append((path.name, "FAILED", str(exc).strip().splitlines()[-1][:160]))
+    return "### Example notebooks with CUDA visible (TACO_GPUS=shared)\n\n" + table(
+        ("notebook", "result", "time"), rows), ok
+
+
+def section_overhead(steps: int) -> tuple[str, bool]:
+    done = launch(1, ["--worker", "overhead", "--steps", str(steps)], {"TACO_GPUS": "auto"}, timeout=900)
+    got = results_of(done)
+    if done.returncode != 0 or not got:
+        return "### Overhead\n\nFAILED: " + "\n".join(done.stderr.strip().splitlines()[-5:]), False
+    ms = got[0]["ms"]
+    plain, ddp, ddp_fp16 = ms["plain SGD"], ms["DDP"], ms["DDP + torch fp16 hook"]
+    rows = [(v, f"{t:.2f}", f"{t - plain:+.2f}") for v, t in ms.items()]
+    ok = ms["taco"] <= ddp * 1.05 and ms["DDP + taco fp16 hook"] <= ddp_fp16 * 1.05
+    goal = f"goal: taco <= DDP ({ddp:.2f} ms), taco's fp16 hook <= DDP + torch fp16 ({ddp_fp16:.2f} ms), 5% noise"
+    return (f"### Per-step overhead, 1 rank, {got[0]['params'] / 1e6:.1f}M parameters, batch 256, {got[0]['gpu']}"
+            f"\n\n" + table(("variant", "ms/step", "vs plain"), rows) + f"\n\n{goal}: {'met' if ok else 'NOT met'}"), ok
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        workers = {"collectives": lambda: worker_collectives(args.device),
+                   "training": lambda: worker_training(args.device), "overhead": lambda: worker_overhead(args.steps)}
+        workers[args.worker]()
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"skipped: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False); "
+              "run it on a GPU machine")
+        return 0
+    shared, auto = {"TACO_GPUS": "shared"}, {"TACO_GPUS": "auto"}
+    two_nodes = {"TACO_GPUS": "shared", "LIGHT_INTRA_SIZE": "2"}
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    nccl = [(f"{gpus} ranks, auto (NCCL)", gpus, auto)] if gpus >= 2 else []  # multi-rank NCCL needs 2+ GPUs
+    plans = {
+        "collectives": lambda: check_rows("Exact collectives", [
+            ("1 rank, auto (NCCL)", 1, auto, "collectives"), ("2 ranks, shared (gloo)", 2, shared, "collectives"),
+            ("4 ranks = 2 nodes x 2, shared", 4, two_nodes, "collectives"),
+            *[(*run, "collectives") for run in nccl]], args.device),
+        "training": lambda: check_rows("DistributedOptimizer and DDP hook, every compression: replicas identical", [
+            ("2 ranks, shared", 2, shared, "training"), *[(*run, "training") for run in nccl]], args.device),
+        "placement": section_placement, "notebooks": section_notebooks,
+        "overhead": lambda: section_overhead(args.steps),
+    }
+    if args.device == "cpu":
+        print("self-test on CPU tensors (no GPU used)\n")
+    all_ok = True
+    for name in args.sections:
+        text, ok = plans[name]()
+        print(text + "\n", flush=True)
+        all_ok &= ok
+    print("all checks passed" if all_ok else "SOME CHECKS FAILED")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,31 @@
+"""benchmarks/gpu_check.py: skips with the reason without a GPU, and its rank-side checks run (on CPU tensors)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+def test_gpu_check_skips_with_the_reason_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: gpu_check.py runs for real here")
+    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("skipped: no CUDA device (torch "), result.stdout
+
+
+@pytest.mark.timeout(400)
+def test_gpu_check_self_test_on_cpu_runs_every_rank_side_check():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "collectives", "training"],
+                            capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all checks passed" in result.stdout and "FAILED" not in result.stdout, result.stdout
+    for check in ("allreduce 2d cpu", "broadcast+max on cpu", "optimizer topk:0.01 on cpu", "ddp-hook fp16 on cpu"):
+        assert check in result.stdout, (check, result.stdout)
