@@ -209,7 +209,9 @@ class TacoCluster:
         return self
 
     def _wait_for_engines(self) -> None:
-        future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout)
+        # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
+        # stayed stuck in the notebook; the magic says "ready in … s" itself.
+        future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout, interactive=False)
         while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
             death = self.death()
             if death is not None:
