@@ -12,6 +12,8 @@ export interface IClusterNode {
   host: string;
   ranks: number[];
   gpus: number;
+  /** The model name of each GPU on the node (optional: from servers that report it). */
+  gpu_names?: string[];
 }
 
 export interface IHugepages {
@@ -34,11 +36,22 @@ export interface IPendingAction {
   requested_at: number;
 }
 
+/**
+ * Who owns a cluster. `notebook` (the kernel's session path) and `server_pid` (the Jupyter server the kernel
+ * belongs to) are optional here: servers that predate them do not send them.
+ */
+export interface IClusterOwner {
+  kind: 'kernel' | 'server';
+  pid: number;
+  notebook?: string | null;
+  server_pid?: number | null;
+}
+
 export interface IClusterModel {
   id: string;
   name: string;
   profile: string;
-  owner: { kind: 'kernel' | 'server'; pid: number };
+  owner: IClusterOwner;
   state: ClusterState;
   size: number;
   engines_up: number;
@@ -51,6 +64,8 @@ export interface IClusterModel {
   run: IClusterRun | null;
   pending: IPendingAction | null;
   error: string | null;
+  /** Whether the cluster belongs to the Jupyter server answering (absent: treat as this server's). */
+  this_server?: boolean;
 }
 
 /** `GET clusters`. */
@@ -61,6 +76,8 @@ export interface IClusterList {
 /** `GET version`. */
 export interface IVersion {
   version: string;
+  /** The most ranks the server lets a cluster have (absent from servers that predate the limit). */
+  max_ranks?: number;
 }
 
 /** The error body every 4xx/5xx of the server extension carries. */
@@ -135,13 +152,51 @@ function oneOf<T extends string>(obj: Json, key: string, path: string, allowed: 
   return value as T;
 }
 
+/** Copy `key` from `obj` into `target` only when the server sent it: optional fields stay absent otherwise. */
+function ifPresent<T, K extends keyof T & string>(
+  target: T,
+  obj: Json,
+  key: K,
+  path: string,
+  parse: (v: unknown, p: string) => T[K]
+): T {
+  if (obj[key] !== undefined) {
+    target[key] = parse(obj[key], `${path}.${key}`);
+  }
+  return target;
+}
+
+function strings(value: unknown, path: string): string[] {
+  if (!Array.isArray(value) || !value.every(v => typeof v === 'string')) {
+    fail(path, 'an array of strings', value);
+  }
+  return value;
+}
+
+function boolValue(value: unknown, path: string): boolean {
+  if (typeof value !== 'boolean') {
+    fail(path, 'a boolean', value);
+  }
+  return value;
+}
+
+function nullable<T>(parse: (v: unknown, p: string) => T): (v: unknown, p: string) => T | null {
+  return (value, path) => (value === null ? null : parse(value, path));
+}
+
 function parseNode(value: unknown, path: string): IClusterNode {
   const obj = object(value, path);
   const ranks = obj.ranks;
   if (!Array.isArray(ranks) || !ranks.every(r => typeof r === 'number')) {
     fail(`${path}.ranks`, 'an array of numbers', ranks);
   }
-  return { node: num(obj, 'node', path), host: str(obj, 'host', path), ranks, gpus: num(obj, 'gpus', path) };
+  const node: IClusterNode = {
+    node: num(obj, 'node', path),
+    host: str(obj, 'host', path),
+    ranks,
+    gpus: num(obj, 'gpus', path)
+  };
+  return ifPresent(node, obj, 'gpu_names', path, strings);
 }
 
 function parseHugepages(value: unknown, path: string): IHugepages {
@@ -169,9 +224,14 @@ function parsePending(value: unknown, path: string): IPendingAction {
   };
 }
 
-function parseOwner(value: unknown, path: string): IClusterModel['owner'] {
+function parseOwner(value: unknown, path: string): IClusterOwner {
   const obj = object(value, path);
-  return { kind: oneOf(obj, 'kind', path, ['kernel', 'server'] as const), pid: num(obj, 'pid', path) };
+  const owner: IClusterOwner = {
+    kind: oneOf(obj, 'kind', path, ['kernel', 'server'] as const),
+    pid: num(obj, 'pid', path)
+  };
+  ifPresent(owner, obj, 'notebook', path, nullable(strValue));
+  return ifPresent(owner, obj, 'server_pid', path, nullable(numValue));
 }
 
 function arrayOf<T>(obj: Json, key: string, path: string, parse: (v: unknown, p: string) => T): T[] {
@@ -185,7 +245,7 @@ function arrayOf<T>(obj: Json, key: string, path: string, parse: (v: unknown, p:
 /** Check one `ClusterModel`; throws {@link InvalidResponseError} naming the first bad field. */
 export function parseCluster(value: unknown, path = 'cluster'): IClusterModel {
   const obj = object(value, path);
-  return {
+  const cluster: IClusterModel = {
     id: str(obj, 'id', path),
     name: str(obj, 'name', path),
     profile: str(obj, 'profile', path),
@@ -203,6 +263,7 @@ export function parseCluster(value: unknown, path = 'cluster'): IClusterModel {
     pending: optional(obj, 'pending', path, parsePending),
     error: optional(obj, 'error', path, strValue)
   };
+  return ifPresent(cluster, obj, 'this_server', path, boolValue);
 }
 
 /** Check a `GET clusters` body. */
@@ -216,7 +277,9 @@ export function parseClusterList(value: unknown): IClusterList {
 
 /** Check a `GET version` body. */
 export function parseVersion(value: unknown): IVersion {
-  return { version: str(object(value, 'response'), 'version', 'response') };
+  const obj = object(value, 'response');
+  const version: IVersion = { version: str(obj, 'version', 'response') };
+  return ifPresent(version, obj, 'max_ranks', 'response', numValue);
 }
 
 /**

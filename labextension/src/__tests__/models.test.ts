@@ -69,6 +69,29 @@ describe('parseVersion', () => {
     assert.deepEqual(parseVersion({ version: '0.1.0' }), { version: '0.1.0' });
     assert.throws(() => parseVersion({ version: 1 }), /response\.version/);
   });
+
+  it('keeps max_ranks when the server sends it', () => {
+    assert.deepEqual(parseVersion({ version: '0.1.0', max_ranks: 8 }), { version: '0.1.0', max_ranks: 8 });
+    assert.throws(() => parseVersion({ version: '0.1.0', max_ranks: '8' }), /response\.max_ranks/);
+  });
+});
+
+describe('the optional owner, server and GPU fields', () => {
+  it('are kept when sent, absent when not, and checked', () => {
+    const owner = { kind: 'kernel', pid: 1, notebook: 'a/b.ipynb', server_pid: 2 };
+    const nodes = [{ node: 0, host: 'n0', ranks: [0], gpus: 1, gpu_names: ['H100'] }];
+    const json = clusterJson({ owner, this_server: false, nodes });
+    assert.deepEqual(parseCluster(json), json);
+    const legacy = parseCluster(clusterJson());
+    assert.equal('this_server' in legacy, false);
+    assert.equal('notebook' in legacy.owner, false);
+    assert.equal(parseCluster(clusterJson({ owner: { ...owner, notebook: null } })).owner.notebook, null);
+    assert.throws(() => parseCluster(clusterJson({ this_server: 'yes' })), /cluster\.this_server: expected a boolean/);
+    assert.throws(
+      () => parseCluster(clusterJson({ nodes: [{ ...nodes[0], gpu_names: [1] }] })),
+      /cluster\.nodes\[0\]\.gpu_names: expected an array of strings/
+    );
+  });
 });
 
 describe('errorMessage', () => {
