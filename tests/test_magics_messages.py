@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from IPython.core.error import UsageError
 from ipyparallel.error import RemoteError
+from IPython.core.error import UsageError
 
 from taco_notebook.cluster.limits import MAX_RANKS_ENV, max_ranks
 from taco_notebook.cluster.reporting import error_kinds, error_line, ranks_phrase
