@@ -240,7 +240,9 @@ export function stopConfirmation(cluster: Pick<IClusterModel, 'name' | 'state' |
       label: 'Remove'
     };
   }
-  const run = cluster.run ? ` It is running a cell (${cellSnippet(cluster.run.cell)}): that run ends on every rank.` : '';
+  const run = cluster.run
+    ? ` It is running a cell (${cellSnippet(cluster.run.cell)}): that run ends on every rank.`
+    : '';
   return {
     title: `Stop cluster ${cluster.name}?`,
     body: `Its engines stop and their variables are lost.${run}`,
