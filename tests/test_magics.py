@@ -108,7 +108,7 @@ def test_no_stream_groups_output_by_rank(ip, shared_cluster, capsys):
 def test_quiet_hides_cluster_messages_but_not_output(ip, capsys):
     ip.run_cell_magic("taco_run", "-np 2 --cluster quiet --quiet", "print('hello')")
     captured = capsys.readouterr()
-    assert "[taco]" not in captured.err
+    assert "[taco]" not in captured.err and "[taco]" not in captured.out
     assert sorted(rank_lines(captured.out)) == [0, 1]
 
 
@@ -132,7 +132,8 @@ def test_failed_rank_releases_peers_blocked_in_a_collective(ip, shared_cluster):
     pids = engine_pids()
     cell = "if taco.rank() == 1:\n    1 / 0\nx = torch.ones(4)\ntaco.allreduce(x)"
     began = time.monotonic()
-    with pytest.raises(RankFailedError, match=r"rank 1 .*ZeroDivisionError.*ranks 0, 2, 3 also failed"):
+    # the peers' error is named with its message, not only its class
+    with pytest.raises(RankFailedError, match=r"rank 1 .*ZeroDivisionError.*ranks 0, 2, 3 also failed \(\w+: .+\)"):
         ip.run_cell_magic("taco_run", "", cell)
     assert time.monotonic() - began < 8, "peers waited for the collective timeout"
     # the process group is rebuilt on the same engines before the next cell
@@ -198,7 +199,7 @@ def test_timeout_names_the_ranks_still_running(ip, shared_cluster):
     pids = engine_pids()
     cell = "import time\nif taco.rank() == 3:\n    time.sleep(60)"
     began = time.monotonic()
-    with pytest.raises(CellTimeoutError, match=r"timed out after 2 s .*ranks 3 still running") as info:
+    with pytest.raises(CellTimeoutError, match=r"timed out after 2 s .*with rank 3 still running") as info:
         ip.run_cell_magic("taco_run", "--timeout 2", cell)
     assert info.value.running == [3]
     assert time.monotonic() - began < 2 + 5
@@ -276,7 +277,7 @@ def test_warm_cluster_is_reused_and_a_new_size_restarts_it(ip, capsys):
     assert engine_pids("sized") == first
     capsys.readouterr()
     assert ip.run_cell_magic("taco_run", "-np 3 --cluster sized --gather", "taco.size()") == [3, 3, 3]
-    assert "has 2 ranks; restarting it with -np 3" in capsys.readouterr().err
+    assert "has 2 ranks; restarting it with -np 3: the engines' variables are lost" in capsys.readouterr().err
     assert not any(pid in session_processes() for pid in first)
 
 

@@ -24,6 +24,7 @@ export class ClusterManager implements IDisposable {
   private _pollError: ApiError | null = null;
   private _failures = 0;
   private _loaded = false;
+  private _maxRanks: number | null = null;
 
   /**
    * @param isVisible - polling stands by while this returns false (the sidebar is collapsed), as it does
@@ -56,6 +57,11 @@ export class ClusterManager implements IDisposable {
   /** Whether one poll succeeded: until then an empty list means "not known yet", not "no clusters". */
   get loaded(): boolean {
     return this._loaded;
+  }
+
+  /** The server's limit on a cluster's size (`GET version`'s `max_ranks`), `null` when it does not say. */
+  get maxRanks(): number | null {
+    return this._maxRanks;
   }
 
   /** The failure of the latest poll; `null` once a poll succeeds again. */
@@ -120,7 +126,8 @@ export class ClusterManager implements IDisposable {
     }
     try {
       if (this._serverStatus !== 'ok') {
-        await this._api.version();
+        const version = await this._api.version();
+        this._maxRanks = version.max_ranks ?? null;
         this._serverStatus = 'ok';
       }
       this._clusters = await this._api.list();

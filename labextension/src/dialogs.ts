@@ -1,17 +1,18 @@
 /**
- * The dialogs of the sidebar: asking for a number of engines.
+ * The dialogs of the sidebar: asking for a number of engines, and confirming a stop or a scale-down.
  */
 
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
-import { MAX_CLUSTER_SIZE, parseSize } from './format';
+import { MAX_CLUSTER_SIZE, parseSize, scaleDownConfirmation, stopConfirmation } from './format';
+import { IClusterModel } from './models';
 
 /** A labelled, required number input (`input.taco-size-input`), with the last error under it. */
 class SizeInputBody extends Widget implements Dialog.IBodyWidget<string> {
   private readonly _input: HTMLInputElement;
 
-  constructor(label: string, initial: number, error: string | null) {
+  constructor(label: string, initial: number, error: string | null, max: number) {
     super();
     this.addClass('taco-size-dialog');
     const labelNode = document.createElement('label');
@@ -20,7 +21,7 @@ class SizeInputBody extends Widget implements Dialog.IBodyWidget<string> {
     this._input.type = 'number';
     this._input.className = 'taco-size-input jp-mod-styled';
     this._input.min = '1';
-    this._input.max = String(MAX_CLUSTER_SIZE);
+    this._input.max = String(max);
     this._input.step = '1';
     this._input.required = true;
     this._input.value = String(initial);
@@ -30,7 +31,7 @@ class SizeInputBody extends Widget implements Dialog.IBodyWidget<string> {
     // The dialog disables its accept button while the input is :invalid; say why.
     const hint = document.createElement('p');
     hint.className = 'taco-size-hint';
-    hint.textContent = `A whole number from 1 to ${MAX_CLUSTER_SIZE}.`;
+    hint.textContent = `A whole number from 1 to ${max}.`;
     this.node.appendChild(hint);
     if (error) {
       const errorNode = document.createElement('p');
@@ -50,6 +51,8 @@ export interface IAskSizeOptions {
   label: string;
   initial: number;
   acceptLabel: string;
+  /** The largest size accepted: the server's `max_ranks` (default {@link MAX_CLUSTER_SIZE}). */
+  max?: number;
 }
 
 /**
@@ -59,17 +62,18 @@ export interface IAskSizeOptions {
 export async function askSize(options: IAskSizeOptions): Promise<number | null> {
   let error: string | null = null;
   let initial = options.initial;
+  const max = options.max ?? MAX_CLUSTER_SIZE;
   for (;;) {
     const result = await showDialog({
       title: options.title,
-      body: new SizeInputBody(options.label, initial, error),
+      body: new SizeInputBody(options.label, Math.min(initial, max), error, max),
       buttons: [Dialog.cancelButton(), Dialog.okButton({ label: options.acceptLabel })],
       focusNodeSelector: 'input.taco-size-input'
     });
     if (!result.button.accept || result.value === null) {
       return null;
     }
-    const parsed = parseSize(result.value);
+    const parsed = parseSize(result.value, max);
     if ('size' in parsed) {
       return parsed.size;
     }
@@ -79,12 +83,23 @@ export async function askSize(options: IAskSizeOptions): Promise<number | null> 
   }
 }
 
-/** Ask before stopping a cluster that is in the middle of a run; `true` to go ahead. */
-export async function confirmStopDuringRun(name: string, cellSnippet: string): Promise<boolean> {
+/** Ask before stopping (or removing a stale) cluster, saying what is lost; `true` to go ahead. */
+export async function confirmStop(cluster: IClusterModel): Promise<boolean> {
+  const text = stopConfirmation(cluster);
   const result = await showDialog({
-    title: `Stop cluster ${name}?`,
-    body: `It is running a cell (${cellSnippet}); stopping it ends that run on every rank.`,
-    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Stop' })]
+    title: text.title,
+    body: text.body,
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: text.label })]
+  });
+  return result.button.accept;
+}
+
+/** Ask before scaling a cluster down to `size` engines; `true` to go ahead. */
+export async function confirmScaleDown(cluster: IClusterModel, size: number): Promise<boolean> {
+  const result = await showDialog({
+    title: `Scale cluster ${cluster.name} down to ${size}?`,
+    body: scaleDownConfirmation(cluster, size),
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Scale down' })]
   });
   return result.button.accept;
 }

@@ -105,12 +105,12 @@ export function stateLabel(cluster: Pick<IClusterModel, 'state' | 'pending'>): s
   return cluster.state;
 }
 
-/** The badge's tooltip: why a cluster is in its state. */
+/** The badge's tooltip: why a cluster is in its state. A stale one is explained by the server's `error`. */
 export function stateDescription(cluster: Pick<IClusterModel, 'state' | 'owner' | 'error'>): string {
   const owner = `${cluster.owner.kind === 'kernel' ? 'kernel' : 'Jupyter server'} process ${cluster.owner.pid}`;
   switch (cluster.state) {
     case 'stale':
-      return `Stale: its owner (${owner}) is gone, so nothing manages these engines. Stop it to clean up.`;
+      return cluster.error ? `Stale: ${cluster.error}` : `Stale: its owner (${owner}) is gone.`;
     case 'broken':
       return `Broken${cluster.error ? `: ${cluster.error}` : ''}`;
     case 'starting':
@@ -139,18 +139,121 @@ export function tacoRunHeader(cluster: Pick<IClusterModel, 'name' | 'size'>): st
   return `%%taco_run -np ${cluster.size} --cluster ${shellQuote(cluster.name)}\n`;
 }
 
-/** The most engines one dialog may ask for; the server has the final word. */
+/** The most engines one dialog may ask for when the server does not say (`GET version`'s `max_ranks`). */
 export const MAX_CLUSTER_SIZE = 4096;
 
-/** Parse the size typed into a dialog: a positive integer, or a message that says what is wrong. */
-export function parseSize(text: string): { size: number } | { error: string } {
+/** The dialogs' cap: the server's `max_ranks` when it is a positive integer, else {@link MAX_CLUSTER_SIZE}. */
+export function sizeCap(maxRanks: number | null | undefined): number {
+  return typeof maxRanks === 'number' && Number.isInteger(maxRanks) && maxRanks >= 1 ? maxRanks : MAX_CLUSTER_SIZE;
+}
+
+/** Parse the size typed into a dialog: a positive integer up to `max`, or a message that says what is wrong. */
+export function parseSize(text: string, max = MAX_CLUSTER_SIZE): { size: number } | { error: string } {
   const trimmed = text.trim();
   if (!/^\d+$/.test(trimmed) || Number(trimmed) < 1) {
     return { error: `The number of engines must be a positive integer, got '${text}'` };
   }
   const size = Number(trimmed);
-  if (size > MAX_CLUSTER_SIZE) {
-    return { error: `The number of engines must be at most ${MAX_CLUSTER_SIZE}, got ${size}` };
+  if (size > max) {
+    return {
+      error:
+        `The number of engines must be at most ${max}, got ${size}` +
+        (max === MAX_CLUSTER_SIZE ? '' : ' (the server\'s limit: set TACO_MAX_RANKS where it runs to raise it)')
+    };
   }
   return { size };
+}
+
+/** The last part of a path: `"work/train.ipynb"` → `"train.ipynb"`. */
+export function baseName(path: string): string {
+  const parts = path.split('/').filter(part => part);
+  return parts.length ? parts[parts.length - 1] : path;
+}
+
+/**
+ * What a card says besides the cluster's name: the notebook whose kernel owns it (`"train.ipynb"`), or
+ * `"started here"` for a cluster the sidebar started, or the kernel's pid when the notebook is not known.
+ */
+export function ownerLabel(cluster: Pick<IClusterModel, 'owner'>): string {
+  const owner = cluster.owner;
+  if (owner.kind === 'server') {
+    return 'started from the sidebar';
+  }
+  return owner.notebook ? baseName(owner.notebook) : `kernel ${owner.pid}`;
+}
+
+/** The owner label's tooltip: the notebook's full path and the processes behind it. */
+export function ownerDescription(cluster: Pick<IClusterModel, 'owner'>): string {
+  const owner = cluster.owner;
+  const server = owner.server_pid ? ` of Jupyter server ${owner.server_pid}` : '';
+  if (owner.kind === 'server') {
+    return `Owned by Jupyter server process ${owner.pid}`;
+  }
+  return `${owner.notebook ? `${owner.notebook}: ` : ''}kernel process ${owner.pid}${server}`;
+}
+
+/** Clusters of the Jupyter server answering, and those of other servers (`this_server === false`). */
+export function splitByServer<T extends Pick<IClusterModel, 'this_server'>>(
+  clusters: readonly T[]
+): { mine: T[]; others: T[] } {
+  return {
+    mine: clusters.filter(c => c.this_server !== false),
+    others: clusters.filter(c => c.this_server === false)
+  };
+}
+
+/**
+ * One line per node that reports GPU model names: `"n0: 2 × NVIDIA H100"`, `"n1: A100, L4"`; empty when no node
+ * reports them (the card then shows the GPU count alone).
+ */
+export function gpuNameLines(nodes: IClusterNode[]): string[] {
+  const lines: string[] = [];
+  for (const node of [...nodes].sort((a, b) => a.node - b.node)) {
+    if (!node.gpu_names || node.gpu_names.length === 0) {
+      continue;
+    }
+    const counts = new Map<string, number>();
+    for (const name of node.gpu_names) {
+      counts.set(name, (counts.get(name) ?? 0) + 1);
+    }
+    const models = [...counts].map(([name, count]) => (count > 1 ? `${count} × ${name}` : name));
+    lines.push(`${node.host}: ${models.join(', ')}`);
+  }
+  return lines;
+}
+
+/** Whether scaling `cluster` to `size` removes engines (the sidebar asks before doing it). */
+export function isScaleDown(cluster: Pick<IClusterModel, 'size'>, size: number): boolean {
+  return size < cluster.size;
+}
+
+/** The confirm dialog's text before a stop: what is lost, and the run it ends if one is going on. */
+export function stopConfirmation(cluster: Pick<IClusterModel, 'name' | 'state' | 'run'>): {
+  title: string;
+  body: string;
+  label: string;
+} {
+  if (cluster.state === 'stale') {
+    return {
+      title: `Remove stale cluster ${cluster.name}?`,
+      body: 'Its kernel is gone. The entry is removed, and any engine process it left running is ended.',
+      label: 'Remove'
+    };
+  }
+  const run = cluster.run
+    ? ` It is running a cell (${cellSnippet(cluster.run.cell)}): that run ends on every rank.`
+    : '';
+  return {
+    title: `Stop cluster ${cluster.name}?`,
+    body: `Its engines stop and their variables are lost.${run}`,
+    label: 'Stop'
+  };
+}
+
+/** The confirm dialog's text before scaling down. */
+export function scaleDownConfirmation(cluster: Pick<IClusterModel, 'name' | 'size'>, size: number): string {
+  return (
+    `Cluster ${cluster.name} restarts with ${size} engine${size === 1 ? '' : 's'} instead of ${cluster.size}: ` +
+    "an MPI job's size is fixed at launch, so every engine's variables are lost."
+  );
 }

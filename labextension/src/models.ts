@@ -12,9 +12,8 @@ export interface IClusterNode {
   host: string;
   ranks: number[];
   gpus: number;
-  /** Models of the node's GPUs ("NVIDIA H100 80GB HBM3"), one per GPU; [] on CPU nodes (parsed as [] when a
-   * server that predates it leaves it out, hence optional in literals). */
-  gpu_names?: string[];
+  /** The model name of each GPU on the node ("NVIDIA H100 80GB HBM3"); [] on CPU nodes. */
+  gpu_names: string[];
 }
 
 export interface IHugepages {
@@ -53,8 +52,6 @@ export interface IClusterModel {
   name: string;
   profile: string;
   owner: IClusterOwner;
-  /** Owned by the Jupyter server answering, or by one of its kernels. */
-  this_server: boolean;
   state: ClusterState;
   size: number;
   engines_up: number;
@@ -67,6 +64,8 @@ export interface IClusterModel {
   run: IClusterRun | null;
   pending: IPendingAction | null;
   error: string | null;
+  /** Whether the cluster belongs to the Jupyter server answering (absent: treat as this server's). */
+  this_server: boolean;
 }
 
 /** `GET clusters`. */
@@ -152,23 +151,39 @@ function oneOf<T extends string>(obj: Json, key: string, path: string, allowed: 
   return value as T;
 }
 
+function strings(value: unknown, path: string): string[] {
+  if (!Array.isArray(value) || !value.every(v => typeof v === 'string')) {
+    fail(path, 'an array of strings', value);
+  }
+  return value;
+}
+
+function boolValue(value: unknown, path: string): boolean {
+  if (typeof value !== 'boolean') {
+    fail(path, 'a boolean', value);
+  }
+  return value;
+}
+
+function nullable<T>(parse: (v: unknown, p: string) => T): (v: unknown, p: string) => T | null {
+  return (value, path) => (value === null ? null : parse(value, path));
+}
+
 function parseNode(value: unknown, path: string): IClusterNode {
   const obj = object(value, path);
   const ranks = obj.ranks;
   if (!Array.isArray(ranks) || !ranks.every(r => typeof r === 'number')) {
     fail(`${path}.ranks`, 'an array of numbers', ranks);
   }
-  const names = obj.gpu_names ?? [];
-  if (!Array.isArray(names) || !names.every(n => typeof n === 'string')) {
-    fail(`${path}.gpu_names`, 'an array of strings', names);
-  }
-  return {
+  const node: IClusterNode = {
     node: num(obj, 'node', path),
     host: str(obj, 'host', path),
     ranks,
     gpus: num(obj, 'gpus', path),
-    gpu_names: names
+    // a node model from before GPU names were reported has none
+    gpu_names: obj.gpu_names === undefined ? [] : strings(obj.gpu_names, `${path}.gpu_names`)
   };
+  return node;
 }
 
 function parseHugepages(value: unknown, path: string): IHugepages {
@@ -196,21 +211,15 @@ function parsePending(value: unknown, path: string): IPendingAction {
   };
 }
 
-function boolValue(value: unknown, path: string): boolean {
-  if (typeof value !== 'boolean') {
-    fail(path, 'a boolean', value);
-  }
-  return value;
-}
-
 function parseOwner(value: unknown, path: string): IClusterOwner {
   const obj = object(value, path);
-  return {
+  const owner: IClusterOwner = {
     kind: oneOf(obj, 'kind', path, ['kernel', 'server'] as const),
     pid: num(obj, 'pid', path),
-    notebook: optional(obj, 'notebook', path, strValue),
-    server_pid: optional(obj, 'server_pid', path, numValue)
+    notebook: nullable(strValue)(obj.notebook, `${path}.notebook`),
+    server_pid: nullable(numValue)(obj.server_pid, `${path}.server_pid`)
   };
+  return owner;
 }
 
 function arrayOf<T>(obj: Json, key: string, path: string, parse: (v: unknown, p: string) => T): T[] {
@@ -224,7 +233,7 @@ function arrayOf<T>(obj: Json, key: string, path: string, parse: (v: unknown, p:
 /** Check one `ClusterModel`; throws {@link InvalidResponseError} naming the first bad field. */
 export function parseCluster(value: unknown, path = 'cluster'): IClusterModel {
   const obj = object(value, path);
-  return {
+  const cluster: IClusterModel = {
     id: str(obj, 'id', path),
     name: str(obj, 'name', path),
     profile: str(obj, 'profile', path),
@@ -243,6 +252,7 @@ export function parseCluster(value: unknown, path = 'cluster'): IClusterModel {
     pending: optional(obj, 'pending', path, parsePending),
     error: optional(obj, 'error', path, strValue)
   };
+  return cluster;
 }
 
 /** Check a `GET clusters` body. */

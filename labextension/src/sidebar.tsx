@@ -6,12 +6,18 @@
  * - `#taco-notebook-sidebar` the panel; `.taco-new-cluster` its "New cluster" button; `.taco-server-missing` the
  *   message shown instead of the list when `GET version` is a 404; `.taco-poll-error` the banner while polls fail.
  * - `li.taco-cluster[data-cluster-id][data-cluster-name][data-state]` one row per cluster, with
+ *   `.taco-cluster-name`, `.taco-cluster-owner` (the owning notebook, full path in its title),
  *   `.taco-cluster-state` (badge), `.taco-cluster-engines` (text `up/size`), `.taco-cluster-nodes`,
- *   `.taco-cluster-gpus`, `.taco-cluster-hugepages`, `.taco-cluster-run` > `.taco-cluster-cell`,
- *   `.taco-cluster-step`, `.taco-cluster-throughput`, and the buttons `.taco-cluster-insert`,
- *   `.taco-cluster-scale`, `.taco-cluster-stop`.
+ *   `.taco-cluster-gpus` (with `.taco-cluster-gpu-names` lines when nodes report model names),
+ *   `.taco-cluster-hugepages`, `.taco-cluster-mpi` (one line, full text in its title), `.taco-cluster-run` >
+ *   `.taco-cluster-cell`, `.taco-cluster-step`, `.taco-cluster-throughput`, `.taco-cluster-error` (the server's
+ *   explanation, e.g. of a stale entry), and the buttons `.taco-cluster-insert`, `.taco-cluster-scale`,
+ *   `.taco-cluster-stop` (labelled "Remove" on a stale row).
+ * - Rows of this Jupyter server sit in `ul.taco-cluster-list`; those of other servers in
+ *   `details.taco-other-servers` (collapsed at first) > `ul.taco-other-list`.
  * - Size dialogs: `.jp-Dialog input.taco-size-input` and the accept button `.jp-Dialog .jp-mod-accept` (disabled
- *   while the input is invalid).
+ *   while the input is invalid). Stop and scale-down ask first: `.jp-Dialog` with `.jp-mod-accept` (a warn
+ *   button) to go ahead.
  */
 
 import { showErrorMessage } from '@jupyterlab/apputils';
@@ -22,7 +28,7 @@ import { ISignal } from '@lumino/signaling';
 import React, { useEffect, useState } from 'react';
 
 import { ClusterManager } from './clusters';
-import { askSize, confirmStopDuringRun } from './dialogs';
+import { askSize, confirmScaleDown, confirmStop } from './dialogs';
 import {
   cellSnippet,
   formatElapsed,
@@ -32,7 +38,13 @@ import {
   formatNodeCount,
   formatStep,
   formatThroughput,
+  gpuNameLines,
+  isScaleDown,
   NONE,
+  ownerDescription,
+  ownerLabel,
+  sizeCap,
+  splitByServer,
   stateDescription,
   stateLabel,
   tacoRunHeader
@@ -143,6 +155,8 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
   const [busy, setBusy] = useState(false);
   const hasNotebook = !!actions.tracker?.currentWidget;
   const settled = cluster.state === 'stopped' || cluster.state === 'stopping' || cluster.pending?.action === 'stop';
+  const stale = cluster.state === 'stale';
+  const gpuNames = gpuNameLines(cluster.nodes);
   const canScale = cluster.state === 'running' && !cluster.pending;
 
   const act = (title: string, action: () => Promise<unknown>) => {
@@ -151,7 +165,7 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
   };
   const onStop = () =>
     act(`Could not stop cluster ${cluster.name}`, async () => {
-      if (cluster.run && !(await confirmStopDuringRun(cluster.name, cellSnippet(cluster.run.cell)))) {
+      if (!(await confirmStop(cluster))) {
         return;
       }
       await actions.manager.stop(cluster.id);
@@ -162,11 +176,13 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
         title: `Scale cluster ${cluster.name}`,
         label: 'Number of engines (MPI ranks)',
         initial: cluster.size,
-        acceptLabel: 'Scale'
+        acceptLabel: 'Scale',
+        max: sizeCap(actions.manager.maxRanks)
       });
-      if (size !== null) {
-        await actions.manager.scale(cluster.id, size);
+      if (size === null || (isScaleDown(cluster, size) && !(await confirmScaleDown(cluster, size)))) {
+        return;
       }
+      await actions.manager.scale(cluster.id, size);
     });
   const onInsert = () => {
     insertTacoRunCell(actions, cluster);
@@ -180,8 +196,13 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
       data-state={cluster.state}
     >
       <div className="taco-cluster-header">
-        <span className="taco-cluster-name" title={`${cluster.name} (profile ${cluster.profile}, id ${cluster.id})`}>
-          {cluster.name}
+        <span className="taco-cluster-title">
+          <span className="taco-cluster-name" title={`${cluster.name} (profile ${cluster.profile}, id ${cluster.id})`}>
+            {cluster.name}
+          </span>
+          <span className="taco-cluster-owner" title={ownerDescription(cluster)}>
+            {ownerLabel(cluster)}
+          </span>
         </span>
         <span className={`taco-cluster-state taco-badge taco-badge-${cluster.state}`} title={stateDescription(cluster)}>
           {stateLabel(cluster)}
@@ -196,11 +217,20 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
           {cluster.nodes.length ? `: ${formatHosts(cluster.nodes)}` : ''}
         </dd>
         <dt>GPUs</dt>
-        <dd className="taco-cluster-gpus">{cluster.gpus}</dd>
+        <dd className="taco-cluster-gpus">
+          {cluster.gpus}
+          {gpuNames.map(line => (
+            <span key={line} className="taco-cluster-gpu-names" title={line}>
+              {line}
+            </span>
+          ))}
+        </dd>
         <dt>Hugepages</dt>
         <dd className="taco-cluster-hugepages">{formatHugepages(cluster.hugepages)}</dd>
         <dt>MPI</dt>
-        <dd className="taco-cluster-mpi">{cluster.mpi || NONE}</dd>
+        <dd className="taco-cluster-mpi" title={cluster.mpi || undefined}>
+          {cluster.mpi || NONE}
+        </dd>
       </dl>
       {cluster.run ? <ClusterRun run={cluster.run} /> : null}
       {cluster.error ? <div className="taco-cluster-error">{cluster.error}</div> : null}
@@ -228,10 +258,16 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
         <button
           className="taco-cluster-stop jp-Button jp-mod-styled jp-mod-warn"
           disabled={busy || settled}
-          title={settled ? 'Already stopping' : 'Stop the engines and the controller'}
+          title={
+            settled
+              ? 'Already stopping'
+              : stale
+                ? 'Remove this stale entry (and end any engine its kernel left running)'
+                : 'Stop the engines and the controller'
+          }
           onClick={onStop}
         >
-          Stop
+          {stale ? 'Remove' : 'Stop'}
         </button>
       </div>
     </li>
@@ -252,6 +288,22 @@ function PollStatus({ manager }: { manager: ClusterManager }): JSX.Element | nul
   );
 }
 
+/** Clusters of other Jupyter servers of this user: apart, and collapsed until asked for. */
+function OtherServers({ clusters, actions }: { clusters: IClusterModel[]; actions: IActions }): JSX.Element {
+  return (
+    <details className="taco-other-servers">
+      <summary title="Clusters started by kernels of other Jupyter servers you run on this machine">
+        Other Jupyter servers ({clusters.length})
+      </summary>
+      <ul className="taco-other-list">
+        {clusters.map(cluster => (
+          <ClusterRow key={cluster.id} cluster={cluster} actions={actions} />
+        ))}
+      </ul>
+    </details>
+  );
+}
+
 function ClusterPanel({ actions }: { actions: IActions }): JSX.Element {
   const { manager, tracker } = actions;
   useSignalRender(manager.changed);
@@ -265,7 +317,8 @@ function ClusterPanel({ actions }: { actions: IActions }): JSX.Element {
         title: 'New cluster',
         label: 'Number of engines (MPI ranks)',
         initial: DEFAULT_NEW_SIZE,
-        acceptLabel: 'Start'
+        acceptLabel: 'Start',
+        max: sizeCap(manager.maxRanks)
       });
       if (size !== null) {
         await manager.start(size);
@@ -274,6 +327,7 @@ function ClusterPanel({ actions }: { actions: IActions }): JSX.Element {
   };
 
   const missing = manager.serverStatus === 'missing';
+  const { mine, others } = splitByServer(manager.clusters);
   return (
     <div className="taco-sidebar-content">
       <header className="taco-sidebar-header">
@@ -288,14 +342,15 @@ function ClusterPanel({ actions }: { actions: IActions }): JSX.Element {
         </button>
       </header>
       {missing ? <div className="taco-server-missing">{SERVER_MISSING_MESSAGE}</div> : <PollStatus manager={manager} />}
-      {!missing && manager.loaded && manager.clusters.length === 0 ? (
+      {!missing && manager.loaded && mine.length === 0 ? (
         <p className="taco-empty">No clusters yet: start one here, or run a %%taco_run cell.</p>
       ) : null}
       <ul className="taco-cluster-list">
-        {manager.clusters.map(cluster => (
+        {mine.map(cluster => (
           <ClusterRow key={cluster.id} cluster={cluster} actions={actions} />
         ))}
       </ul>
+      {others.length ? <OtherServers clusters={others} actions={actions} /> : null}
     </div>
   );
 }

@@ -59,7 +59,7 @@ def attach(model: Any, timeout: float = 30.0) -> AttachedCluster:
     try:
         cluster.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=model["id"])
         cluster.client = cluster.ipp_cluster.connect_client_sync()
-        cluster.client.wait_for_engines(model["size"], timeout=timeout)
+        cluster.client.wait_for_engines(model["size"], timeout=timeout, interactive=False)  # no stray tqdm bar
         cluster._check_ranks()
     except Exception as exc:
         cluster.stop()

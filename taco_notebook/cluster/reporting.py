@@ -1,4 +1,5 @@
-"""Tell the cluster registry (and so the JupyterLab sidebar) what cell runs on a cluster, and how far it got."""
+"""Report a cell: tell the cluster registry (and so the JupyterLab sidebar) what runs on a cluster and how far it
+got, and word the one-line summaries of how it failed (which ranks, which error)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     from ..server.models import RunModel
     from .session import TacoCluster
 
-__all__ = ["RegistryRun", "cell_snippet"]
+__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds"]
 
 SNIPPET_CHARS = 120
 WRITE_EVERY_S = 1.0  # the sidebar polls every ~2 s: writing the entry more often would only cost the kernel
@@ -55,3 +56,44 @@ class RegistryRun:
 
     def finish(self, outcome: str) -> None:
         registry.set_run(self.cluster, None)
+
+
+SUMMARY_ERROR_CHARS = 100  # an error's message in a one-line failure summary is cut to this
+
+
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1, 3``: the subject of a summary's clause, with the right number.
+
+    >>> ranks_phrase([3]), ranks_phrase([3, 0])
+    ('rank 3', 'ranks 0, 3')
+    """
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(rank) for rank in sorted(ranks))
+
+
+def were(ranks: Sequence[int]) -> str:
+    """The verb that goes with :func:`ranks_phrase`."""
+    return "was" if len(ranks) == 1 else "were"
+
+
+def error_line(error: Any) -> str:
+    """``ValueError: bad shard``: a remote error's name and the first line of its message, cut to a line."""
+    name = getattr(error, "ename", None) or type(error).__name__
+    lines = str(getattr(error, "evalue", "") or "").strip().splitlines()
+    text = f"{name}: {lines[0].strip()}" if lines else name
+    more = len(lines) > 1
+    if len(text) > SUMMARY_ERROR_CHARS:
+        text, more = text[: SUMMARY_ERROR_CHARS - 1], True
+    return text + "…" if more else text
+
+
+def error_kinds(errors: Mapping[int, Any]) -> str:
+    """The distinct errors of the other failed ranks, each once: ``RuntimeError: Connection closed by peer``;
+    which ranks raised which when they differ."""
+    by_text: dict[str, list[int]] = {}
+    for rank, error in sorted(errors.items()):
+        by_text.setdefault(error_line(error), []).append(rank)
+    if len(by_text) == 1:
+        return next(iter(by_text))
+    return "; ".join(f"{ranks_phrase(ranks)}: {text}" for text, ranks in by_text.items())

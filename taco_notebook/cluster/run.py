@@ -29,7 +29,8 @@ from ipyparallel.error import RemoteError
 
 from ..errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 from .publish import KEY as PUBLISH_KEY
-from .session import TacoCluster, _ranks_text
+from .reporting import error_kinds, error_line, ranks_phrase, were
+from .session import TacoCluster
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "capture_last_expression", "RESULT_NAME"]
 
@@ -67,6 +68,7 @@ class OutputSink(Protocol):
     def stream(self, rank: int, name: str, text: str) -> None: ...
     def display(self, rank: int, content: dict[str, Any]) -> None: ...
     def notice(self, text: str) -> None: ...
+    def warn(self, text: str) -> None: ...
     def flush(self) -> None: ...
 
 
@@ -203,8 +205,7 @@ class _CellRun:
                 if self.failure_deadline is None:
                     self.failure_deadline = time.monotonic() + self.options.failure_grace
                 if len(self.errors) == 1 and self.running():
-                    self.sink.notice(f"rank {rank} raised {result.ename}: {result.evalue}; "
-                                     "waiting for the other ranks")
+                    self.sink.warn(f"rank {rank} raised {error_line(result)}; waiting for the other ranks")
 
     def release_peers(self) -> None:
         """Shut the process group down on finished ranks so peers blocked on them fail fast (ladder step 1)."""
@@ -255,7 +256,7 @@ class _CellRun:
         """SIGINT the running ranks, release their peers, kill them if they hang. Returns ranks killed."""
         running = self.running()
         if running:
-            self.sink.notice(f"{why}: sending SIGINT to ranks {_ranks_text(running)}")
+            self.sink.warn(f"{why}: sending SIGINT to {ranks_phrase(running)}")
             delivered = self.cluster.client.send_signal("SIGINT", targets=running, block=False)
             try:  # a signal still in flight could land in the next cell on a loaded machine: see it delivered
                 delivered.result(timeout=1.0)
@@ -266,9 +267,9 @@ class _CellRun:
         if self.wait_until(time.monotonic() + self.options.interrupt_grace):
             return []
         stuck = self.killed = self.running()
-        self.sink.notice(f"ranks {_ranks_text(stuck)} ignored SIGINT for {self.options.interrupt_grace:g} s: "
-                         f"killing the engines; the next cell starts a fresh cluster")
-        self.cluster.kill_engines(f"ranks {_ranks_text(stuck)} hung after {why}")
+        self.sink.warn(f"{ranks_phrase(stuck)} ignored SIGINT for {self.options.interrupt_grace:g} s: "
+                       f"killing the engines; the next cell starts a fresh cluster")
+        self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
         return stuck
 
     def execute(self, code: str) -> Any:
@@ -326,16 +327,16 @@ class _CellRun:
         if self.wait_until(deadline):
             return
         if deadline is None or time.monotonic() < deadline:  # the failure grace ran out first
-            failed = _ranks_text(sorted(self.errors))
-            self.stop_ladder(f"ranks still running {self.options.failure_grace:g} s after rank {failed} failed")
+            failed = ranks_phrase(sorted(self.errors))
+            self.stop_ladder(f"ranks still running {self.options.failure_grace:g} s after {failed} failed")
             return
         running = self.running()
         killed = self.stop_ladder(f"Timeout after {timeout:g} s")
         self.drain()
         self.sink.flush()
-        fate = f"; ranks {_ranks_text(killed)} hung and were killed" if killed else ""
+        fate = f"; {ranks_phrase(killed)} hung and {were(killed)} killed" if killed else ""
         raise CellTimeoutError(
-            f"cell timed out after {timeout:g} s (--timeout) with ranks {_ranks_text(running)} still "
+            f"cell timed out after {timeout:g} s (--timeout) with {ranks_phrase(running)} still "
             f"running{fate}", running)
 
     def failure(self) -> RankFailedError:
@@ -343,15 +344,14 @@ class _CellRun:
         error = self.errors[first]
         host = self._host(first)
         others = {r: e for r, e in self.errors.items() if r != first}
-        message = f"rank {first} (host {host}) raised {error.ename}: {error.evalue}"
+        message = f"rank {first} (host {host}) raised {error_line(error)}"
         if others:
-            kinds = sorted({e.ename for e in others.values()})
-            message += f"; ranks {_ranks_text(list(others))} also failed ({', '.join(kinds)})"
+            message += f"; {ranks_phrase(list(others))} also failed ({error_kinds(others)})"
         if self.killed:
-            message += f"; ranks {_ranks_text(self.killed)} hung after it and were killed"
+            message += f"; {ranks_phrase(self.killed)} hung after it and {were(self.killed)} killed"
         ok = [r for r in self.targets if r not in self.errors and r not in self.killed]
         if ok:
-            message += f"; ranks {_ranks_text(ok)} finished"
+            message += f"; {ranks_phrase(ok)} finished"
         tracebacks = {r: _render(e) for r, e in self.errors.items()}
         tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
         return RankFailedError(message, tracebacks, first_rank=first)

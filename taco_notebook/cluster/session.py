@@ -147,6 +147,7 @@ class TacoCluster:
         self._started_processes: list[Any] = []
         self._shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
         self._engine_logs: list[str] = []  # ipyparallel forgets a stopped engine set, and with it its log's path
+        self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -201,7 +202,8 @@ class TacoCluster:
                                        config=self._ipp_config(self.mpi))
         try:
             self.ipp_cluster.start_cluster_sync()
-            self._engine_logs = [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
+            self._engine_launchers = self._engine_sets()
+            self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
             self.client = self.ipp_cluster.connect_client_sync()
             self._wait_for_engines()
             self._check_ranks()
@@ -221,7 +223,9 @@ class TacoCluster:
         return self
 
     def _wait_for_engines(self) -> None:
-        future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout)
+        # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
+        # stayed stuck in the notebook; the magic says "ready in … s" itself.
+        future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout, interactive=False)
         while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
             death = self.death()
             if death is not None:
@@ -354,12 +358,14 @@ class TacoCluster:
         """What mpiexec and the engines printed (the engine set's log)."""
         chunks = []
         paths = self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
+        launchers = {getattr(es, "output_file", None): es for es in self._engine_launchers}
         for path in paths:
             try:
                 with open(path, errors="replace") as f:
                     chunks.append(f.read())
-            except OSError:
-                pass
+            except OSError:  # removed by ipyparallel's on-stop logging, which read it first: ask the launcher
+                if path in launchers:
+                    chunks.append(launchers[path].get_output())
         return "".join(chunks)
 
     def death(self) -> str | None:

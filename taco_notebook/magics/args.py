@@ -10,8 +10,8 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-__all__ = ["cluster_args", "run_args", "comm_settings", "positive_int", "positive_float", "parse_targets", "DEFAULT_NP",
-           "gpu_option"]
+__all__ = ["cluster_args", "run_args", "comm_settings", "positive_int", "cluster_size", "positive_float",
+           "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option"]
 
 DEFAULT_NP = 4
 
@@ -92,6 +92,42 @@ def positive_int(value: str | None, option: str) -> int | None:
     if number <= 0:
         raise UsageError(f"{option} must be a positive integer, got {value!r}")
     return number
+
+
+def cluster_size(value: str | None, option: str) -> int | None:
+    """A rank count given as ``option``: a positive integer within the machine's limit
+    (:func:`taco_notebook.cluster.limits.check_size`), checked before anything starts or stops."""
+    from ..cluster.limits import SizeLimitError, check_size
+
+    number = positive_int(value, option)
+    if number is None:
+        return None
+    try:
+        return check_size(number, option)
+    except SizeLimitError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def wants_help(line: str) -> bool:
+    """Whether a magic's line asks for its usage (``-h`` or ``--help``): the magics' parsers have no help
+    option of their own (IPython builds them with ``add_help=False``)."""
+    from IPython.utils.process import arg_split
+
+    try:
+        words = arg_split(line, posix=True)
+    except ValueError:  # unbalanced quotes: the parser reports them
+        return False
+    return any(word in ("-h", "--help") for word in words)
+
+
+def usage(magic: Any, shown_as: str) -> str:
+    """A magic's help text (usage, docstring, options) as a terminal shows it, its name written ``shown_as``
+    (``%%taco_run`` for a cell magic)."""
+    text = magic.parser.format_help()
+    if text.startswith("::"):  # IPython formats it for the docstring (reST literal block)
+        text = text[2:].lstrip("\n")
+    name = "%" + magic.__name__
+    return text.replace(f"  {name}", f"usage: {shown_as}", 1)
 
 
 def positive_float(value: str | None, option: str) -> float | None:

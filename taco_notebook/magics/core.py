@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..cluster.mpi import find_mpi
@@ -17,20 +17,26 @@ from ..errors import MPINotFoundError
 from .args import (
     DEFAULT_NP,
     cluster_args,
+    cluster_size,
     comm_settings,
     gpu_option,
     parse_targets,
     positive_float,
     positive_int,
     run_args,
+    usage,
+    wants_help,
 )
 from .output import RankOutput
 
 __all__ = ["TacoMagics", "ensure_cluster", "format_status"]
 
+LOST = "the engines' variables are lost"  # said whenever a cluster is restarted under the user's feet
+
 
 def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_size: int | None = None,
            gpus: str | None = None) -> TacoCluster:
+    cluster_size(str(size), "-np")  # the limit, once more where every start goes through
     env = {"LIGHT_INTRA_SIZE": str(intra_size)} if intra_size else {}
     if gpus is not None:
         env["TACO_GPUS"] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
@@ -53,23 +59,23 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
     """The running cluster ``name`` with ``size`` ranks, reusing, repairing or resizing as needed."""
     cluster = clusters.get(name)
     if cluster is not None and cluster.broken_reason:
-        say.notice(f"cluster {name!r} is unusable ({cluster.broken_reason}); starting a fresh one")
+        say.warn(f"cluster {name!r} is unusable ({cluster.broken_reason}); starting a fresh one: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     if cluster is not None and cluster.ipp_cluster is None:
         clusters.pop(name)
         cluster = None
     if cluster is not None and size is not None and size != cluster.size:
-        say.notice(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}")
+        say.warn(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     wanted = str(intra_size) if intra_size else None
     if cluster is not None and intra_size is not None and cluster.env.get("LIGHT_INTRA_SIZE") != wanted:
-        say.notice(f"cluster {name!r} has another node layout; restarting it with --intra-size {intra_size}")
+        say.warn(f"cluster {name!r} has another node layout; restarting it with --intra-size {intra_size}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     if cluster is not None and gpus is not None and cluster.env.get("TACO_GPUS", "auto") != gpus:
-        say.notice(f"cluster {name!r} places GPUs otherwise; restarting it with --gpus {gpus}")
+        say.warn(f"cluster {name!r} places GPUs otherwise; restarting it with --gpus {gpus}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     if cluster is None:
@@ -149,8 +155,8 @@ class TacoMagics(Magics):
 
     @magic_arguments()
     @run_args
-    @cell_magic
-    def taco_run(self, line: str, cell: str) -> Any:
+    @line_cell_magic
+    def taco_run(self, line: str, cell: str | None = None) -> Any:
         """Run the cell on every MPI rank of a cluster (started on first use); ``taco`` is the rank's API.
 
         Example::
@@ -158,8 +164,14 @@ class TacoMagics(Magics):
             %%taco_run -np 4
             t = torch.full((3,), float(taco.rank())); taco.allreduce(t); print(t)
         """
+        if wants_help(line):
+            print(usage(self.taco_run, "%%taco_run"))
+            return None
+        if cell is None:  # a line magic only so that `%taco_run?` and `%taco_run --help` show this help
+            raise UsageError("%taco_run runs a whole cell: put %%taco_run (two %) and its options on the cell's "
+                             "first line and the code below it; %%taco_run --help lists the options")
         args = parse_argstring(self.taco_run, line)
-        size = positive_int(args.np, "-np")
+        size = cluster_size(args.np, "-np")
         timeout = positive_float(args.timeout, "--timeout")
         intra_size = positive_int(args.intra_size, "--intra-size")
         settings = comm_settings(args.algorithm, args.compression, args.fusion_mb)
@@ -186,8 +198,11 @@ class TacoMagics(Magics):
     @line_magic
     def taco_cluster(self, line: str) -> None:
         """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | status | list [--cluster NAME]``."""
+        if wants_help(line):
+            print(usage(self.taco_cluster, "%taco_cluster"))
+            return
         args = parse_argstring(self.taco_cluster, line)
-        size = positive_int(args.np, "-n")
+        size = cluster_size(args.np, "-n")
         action = getattr(self, f"_cluster_{args.action}")
         action(args.cluster, size, args)
 
@@ -228,5 +243,6 @@ class TacoMagics(Magics):
         gpus = gpu_option(args.gpus, ranks)  # checked before the running cluster is stopped
         previous = clusters.pop(name, None)
         if previous is not None:
+            RankOutput().warn(f"restarting cluster {name!r}: {LOST}")
             previous.stop()
         _start(name, ranks, args.mpiexec, RankOutput(), gpus=gpus)

@@ -12,7 +12,7 @@ class RankOutput:
     """Receives engines' stream chunks and prints whole lines with their rank's label.
 
     With ``live=False`` everything is kept and printed grouped by rank on :meth:`flush`. ``quiet`` silences
-    the magic's own notices, never the ranks' output.
+    the magic's own lines (notices on stdout, warnings on stderr), never the ranks' output.
     """
 
     def __init__(self, live: bool = True, quiet: bool = False,
@@ -53,6 +53,16 @@ class RankOutput:
         publish_display_data(data=content.get("data", {}), metadata=content.get("metadata", {}))
 
     def notice(self, text: str) -> None:
+        """An informational line (cluster starting, ready, stopped): stdout, so the notebook does not show it
+        in the red box it keeps for errors. ``--quiet`` silences it."""
+        if not self.quiet:
+            target = self._target("stdout")
+            target.write(f"[taco] {text}\n")
+            target.flush()
+
+    def warn(self, text: str) -> None:
+        """A line about something going wrong or being lost (a rank failed, engines killed or restarted):
+        stderr. ``--quiet`` silences it too, as it always did the magic's own messages."""
         if not self.quiet:
             target = self._target("stderr")
             target.write(f"[taco] {text}\n")

@@ -4,7 +4,10 @@ Contract under test (``labextension/src/sidebar.tsx``, top comment): the panel `
 ``li.taco-cluster[data-cluster-id][data-cluster-name][data-state]`` per cluster, with ``.taco-cluster-engines``
 (``up/size``), ``.taco-cluster-state`` and the buttons ``.taco-cluster-scale`` / ``.taco-cluster-stop``; the panel's
 ``.taco-new-cluster`` starts a server-owned cluster. Size dialogs: ``.jp-Dialog input.taco-size-input`` and
-``.jp-Dialog .jp-mod-accept``. Stop asks for confirmation only while a run is in progress.
+``.jp-Dialog .jp-mod-accept``. A row is named by its cluster (``.taco-cluster-name``) and its owner
+(``.taco-cluster-owner``: the notebook, or the kernel when the server does not report the notebook); its MPI line
+stays on one line. Stop always asks for confirmation, and so does a Scale to a smaller size (not a larger one);
+Cancel leaves the cluster as it was. Screenshots of the confirmations go to ``test-artifacts/``.
 
 The Lab server and its kernels share one registry directory: the server is started with ``JUPYTER_RUNTIME_DIR`` set
 (``tests/browser/conftest.py``) and its kernels inherit that environment (and ``TACO_REGISTRY_DIR`` where the
@@ -34,6 +37,9 @@ SIDEBAR_TAB = f'.jp-SideBar .lm-TabBar-tab[data-id="{SIDEBAR[1:]}"]'
 ROW = "li.taco-cluster"
 DIALOG_INPUT = ".jp-Dialog input.taco-size-input"
 DIALOG_ACCEPT = ".jp-Dialog .jp-mod-accept"
+DIALOG_CANCEL = ".jp-Dialog .jp-mod-reject"
+DIALOG_TITLE = ".jp-Dialog .jp-Dialog-header"
+DIALOG_BODY = ".jp-Dialog .jp-Dialog-body"
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ def _open_sidebar(page) -> None:
     expect(panel.locator(".taco-server-missing")).to_have_count(0)
 
 
-def _answer_size_dialog(page, size: int) -> None:
+def _fill_size_dialog(page, size: int) -> None:
     from playwright.sync_api import expect
 
     field = page.locator(DIALOG_INPUT)
@@ -108,7 +114,60 @@ def _answer_size_dialog(page, size: int) -> None:
     accept = page.locator(DIALOG_ACCEPT)
     expect(accept).to_be_enabled(timeout=10_000)
     accept.click()
+    expect(field).to_have_count(0, timeout=30_000)
+
+
+def _answer_size_dialog(page, size: int) -> None:
+    """Fill the size dialog and accept it; no confirmation may follow (a new cluster, or a scale up)."""
+    from playwright.sync_api import expect
+
+    _fill_size_dialog(page, size)
     expect(page.locator(".jp-Dialog")).to_have_count(0, timeout=30_000)
+    time.sleep(1)  # a confirmation would open right after the size dialog closes
+    if page.locator(".jp-Dialog").count():
+        pytest.fail(f"a dialog followed the size dialog: {page.locator('.jp-Dialog').first.inner_text()!r}")
+
+
+def _confirmation(page, title: str, body: str, screenshot: str) -> None:
+    """Wait for the confirm dialog titled ``title`` whose text mentions ``body``; keep a screenshot of it."""
+    from playwright.sync_api import expect
+
+    expect(page.locator(DIALOG_TITLE)).to_have_text(title, timeout=30_000)
+    expect(page.locator(DIALOG_BODY)).to_contain_text(body, timeout=5_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / screenshot), full_page=True)
+
+
+def _cancel_dialog(page) -> None:
+    from playwright.sync_api import expect
+
+    page.locator(DIALOG_CANCEL).click()
+    expect(page.locator(".jp-Dialog")).to_have_count(0, timeout=30_000)
+
+
+def _owner_label(owner: dict) -> str:
+    """What ``ownerLabel`` (labextension/src/format.ts) shows for a model's ``owner``."""
+    if owner.get("kind") == "server":
+        return "started from the sidebar"
+    notebook = owner.get("notebook")
+    return notebook.rstrip("/").rsplit("/", 1)[-1] if notebook else f"kernel {owner['pid']}"
+
+
+def _check_names_and_mpi_line(lab, row, cluster_id: str, name: str) -> None:
+    """The row names its cluster and its owner as the model says; the MPI line does not wrap."""
+    from playwright.sync_api import expect
+
+    model = next(c for c in _clusters(lab) if c["id"] == cluster_id)
+    expect(row.locator(".taco-cluster-name")).to_have_text(name)
+    expect(row.locator(".taco-cluster-owner")).to_have_text(_owner_label(model["owner"]))
+    assert str(model["owner"]["pid"]) in (row.locator(".taco-cluster-owner").get_attribute("title") or "")
+    mpi = row.locator(".taco-cluster-mpi")
+    assert mpi.get_attribute("title") == model["mpi"], "the MPI line's title is not its full text"
+    style = mpi.evaluate("el => { const s = getComputedStyle(el); return [s.whiteSpace, s.textOverflow, "
+                         "el.getBoundingClientRect().height] }")  # fmt: skip
+    engines_height = row.locator(".taco-cluster-engines").evaluate("el => el.getBoundingClientRect().height")
+    assert style[:2] == ["nowrap", "ellipsis"], style
+    assert style[2] <= engines_height * 1.2, f"the MPI line wraps: {style[2]} px high, one line is {engines_height}"
 
 
 def _wait_for_row(page, lab, row, engines: str, state: str, timeout: float, what: str) -> float:
@@ -137,19 +196,16 @@ def _wait_for_row(page, lab, row, engines: str, state: str, timeout: float, what
 
 
 def _stop_from_panel(page, lab, row, what: str, timeout: float = 60.0) -> float:
-    """Click the row's Stop (accepting the confirmation if one shows) and wait until the row is gone."""
+    """Click the row's Stop, accept the confirmation it must ask for, and wait until the row is gone."""
     from playwright.sync_api import expect
 
     stop = row.locator(".taco-cluster-stop")
     expect(stop).to_be_enabled(timeout=30_000)
+    name = row.get_attribute("data-cluster-name")
     start = time.monotonic()
     stop.click()
-    confirm = page.locator(".jp-Dialog .jp-mod-accept")
-    try:  # a confirmation only while a run is in progress: none expected here, but accept one if it shows
-        confirm.wait_for(timeout=2_000)
-        confirm.click()
-    except Exception:  # noqa: BLE001 - no dialog
-        pass
+    expect(page.locator(DIALOG_TITLE)).to_have_text(f"Stop cluster {name}?", timeout=30_000)
+    page.locator(DIALOG_ACCEPT).click()
     deadline = start + timeout
     while time.monotonic() < deadline:
         if row.count() == 0:
@@ -188,6 +244,7 @@ def test_sidebar_shows_scales_and_stops_a_notebook_cluster(lab, page):
         cluster_id = row.get_attribute("data-cluster-id")
         assert cluster_id, "the row has no data-cluster-id"
         expect(row.locator(".taco-cluster-state")).to_have_text("running")
+        _check_names_and_mpi_line(lab, row, cluster_id, "panel")
 
         scale = row.locator(".taco-cluster-scale")
         expect(scale).to_be_enabled(timeout=10_000)
@@ -197,6 +254,20 @@ def test_sidebar_shows_scales_and_stops_a_notebook_cluster(lab, page):
         assert row.get_attribute("data-cluster-id") == cluster_id, "scaling changed the cluster's id"
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "sidebar-scaled.png"), full_page=True)
+
+        # A smaller size asks first; Cancel leaves the cluster as it was.
+        scale.click()
+        _fill_size_dialog(page, 1)
+        _confirmation(page, "Scale cluster panel down to 1?", "variables are lost", "sidebar-confirm-scale-down.png")
+        _cancel_dialog(page)
+        # Stop asks too; Cancel leaves it running.
+        row.locator(".taco-cluster-stop").click()
+        _confirmation(page, "Stop cluster panel?", "variables are lost", "sidebar-confirm-stop.png")
+        _cancel_dialog(page)
+        time.sleep(3)  # more than a poll: a cancelled action would show as pending by now
+        _wait_for_row(page, lab, row, "3/3", "running", 10, "after cancelling the scale-down and the stop")
+        model = next(c for c in _clusters(lab) if c["id"] == cluster_id)
+        assert model["pending"] is None and model["size"] == 3, f"a cancelled action reached the server: {model}"
 
         timings["row gone after Stop"] = _stop_from_panel(page, lab, row, "kernel-owned cluster")
         remaining = [c for c in _clusters(lab) if c["id"] == cluster_id and c.get("state") != "stopped"]
@@ -234,6 +305,7 @@ def test_sidebar_starts_a_cluster_from_the_panel(lab, page):
         timings["start (click to running)"] = time.monotonic() - started
         owner = next(c["owner"] for c in _clusters(lab) if c["id"] == new_ids[0])
         assert owner.get("kind") != "kernel", f"a cluster started from the panel is owned by {owner}"
+        _check_names_and_mpi_line(lab, row, new_ids[0], row.get_attribute("data-cluster-name"))
 
         timings["row gone after Stop"] = _stop_from_panel(page, lab, row, "server-owned cluster")
     finally:

@@ -56,8 +56,8 @@ describe('formatting a cluster', () => {
     assert.equal(formatHosts(cluster.nodes), 'n0, n1');
     assert.equal(
       formatHosts([
-        { node: 0, host: 'vm', ranks: [0], gpus: 0 },
-        { node: 1, host: 'vm', ranks: [1], gpus: 0 }
+        { node: 0, host: 'vm', ranks: [0], gpus: 0, gpu_names: [] },
+        { node: 1, host: 'vm', ranks: [1], gpus: 0, gpu_names: [] }
       ]),
       'vm'
     );

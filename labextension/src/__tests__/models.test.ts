@@ -77,6 +77,26 @@ describe('parseVersion', () => {
     assert.throws(() => parseVersion({ version: 1, max_ranks: 8 }), /response\.version/);
     assert.throws(() => parseVersion({ version: '0.1.0' }), /response\.max_ranks/);
   });
+
+  it('checks max_ranks', () => {
+    assert.throws(() => parseVersion({ version: '0.1.0', max_ranks: '8' }), /response\.max_ranks/);
+  });
+});
+
+describe('the owner, server and GPU fields', () => {
+  it('are kept and checked', () => {
+    const owner = { kind: 'kernel', pid: 1, notebook: 'a/b.ipynb', server_pid: 2 };
+    const nodes = [{ node: 0, host: 'n0', ranks: [0], gpus: 1, gpu_names: ['H100'] }];
+    const json = clusterJson({ owner, this_server: false, nodes });
+    assert.deepEqual(parseCluster(json), json);
+    assert.equal(parseCluster(clusterJson({ owner: { ...owner, notebook: null } })).owner.notebook, null);
+    assert.throws(() => parseCluster(clusterJson({ this_server: 'yes' })), /cluster\.this_server: expected a boolean/);
+    assert.throws(() => parseCluster(clusterJson({ this_server: undefined })), /cluster\.this_server/);
+    assert.throws(
+      () => parseCluster(clusterJson({ nodes: [{ ...nodes[0], gpu_names: [1] }] })),
+      /cluster\.nodes\[0\]\.gpu_names: expected an array of strings/
+    );
+  });
 });
 
 describe('errorMessage', () => {
