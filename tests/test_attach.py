@@ -38,7 +38,7 @@ def test_a_cell_attaches_to_the_servers_cluster_and_leaves_it_running(ip, capsys
         assert [size for size, _ in value] == [2, 2]
         owned_pids = sorted(r.pid for r in manager._owned[model["id"]].cluster.ranks)
         assert sorted(pid for _, pid in value) == owned_pids  # the server's engines ran the cell
-        assert "using cluster 'shared' started from the sidebar" in capsys.readouterr().err
+        assert "using cluster 'shared' started from the sidebar" in capsys.readouterr().out  # a notice: stdout
 
         ip.run_line_magic("taco_cluster", "stop --cluster shared")  # only disconnects
         assert wait_for(manager, model["id"], "running")["engines_up"] == 2

@@ -28,11 +28,12 @@ from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures: jp_fetch, 
 from taco_notebook.cluster import registry
 from taco_notebook.cluster.limits import max_ranks
 from taco_notebook.cluster.private import UnsafeDirectoryError, check_private_dir
-from taco_notebook.cluster.session import TacoCluster
+from taco_notebook.cluster.session import TacoCluster, clusters
 from taco_notebook.server.manager import ClusterManager, UnsafeRegistry
 from taco_notebook.server.models import MAX_BODY_BYTES
 
 from . import test_server
+from .conftest import cluster_pids
 from .test_registry import dead_pid, make_entry, wait_for
 from .test_server import API, Fetch
 
@@ -63,7 +64,7 @@ def sleep_process() -> Iterator[psutil.Process]:
 # ------------------------------------------------------------------------------------------ private files
 _FRESH_HOME_JOB = textwrap.dedent("""
     import json, os, subprocess, sys
-    from taco_notebook.cluster.session import TacoCluster
+    from taco_notebook.cluster.session import TacoCluster, clusters
     home, as_root = sys.argv[1], sys.argv[2] == "1"
     cluster = TacoCluster("modes", 2)
     try:
@@ -260,7 +261,10 @@ def test_rest_refuses_an_unsafe_registry_dir(api: Fetch, registry_dir: Path) -> 
 def _nothing_started(api: Fetch, manager: ClusterManager) -> None:
     assert api("GET", "clusters") == (200, {"clusters": []})
     assert manager._owned == {}
-    assert not [p for p in psutil.Process().children(recursive=True) if p.name() in ("mpiexec", "hydra_pmi_proxy")]
+    # the session's own clusters (the shared one a previous test may have started) are not this request's
+    earlier = {pid for name in list(clusters) for pid in cluster_pids(name)}
+    assert not [p for p in psutil.Process().children(recursive=True)
+                if p.name() in ("mpiexec", "hydra_pmi_proxy") and p.pid not in earlier]
 
 
 @pytest.mark.parametrize(("method", "parts", "body", "status", "words"), [
