@@ -71,6 +71,18 @@ def test_a_stream_echoed_by_the_browser_is_applied_once(model_class: type[BokehM
     assert bool(to_other) == (points == 2)  # the duplicate reached the other view: a line back to its first point
 
 
+@pytest.mark.parametrize("model_class, pinned", [(BokehModel, True), (KernelFedBokehModel, False)])
+def test_ranges_the_browser_computed_do_not_pin_the_kernels_figures(model_class: type[BokehModel],
+                                                                    pinned: bool) -> None:
+    """A view reports the x range of its first render; applied, it would frame the final picture on that window."""
+    board = Dashboard(NODE_OF_RANK)
+    live = model_class(board.layout)
+    x_range = board.stream.plots.throughput.figure.x_range
+    event = {"kind": "ModelChanged", "model": {"id": x_range.id}, "attr": "start", "new": 8.8, "event": "jsevent"}
+    live._sync_model(live, event, [])
+    assert (x_range.start == 8.8) == pinned
+
+
 def test_the_dashboards_live_views_ignore_echoed_streams() -> None:
     board = Dashboard(NODE_OF_RANK)
     plots = board.widget().children[-1]

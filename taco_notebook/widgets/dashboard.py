@@ -19,6 +19,7 @@ overrides it (VS Code, for example, needs ``widget``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -32,6 +33,7 @@ from .stream import MetricsStream
 __all__ = ["Dashboard", "CellDashboard", "ProgressView", "aggregate_progress", "dashboard_mode", "last_dashboard"]
 
 MODES = ("auto", "widget", "text", "off")
+log = logging.getLogger("taco_notebook")
 _last: Dashboard | None = None
 
 
@@ -301,9 +303,14 @@ class CellDashboard:
         self.dashboard.finish(outcome, time.monotonic() - self.started)
         if self.handles:  # one final, self-contained picture in place of the live view; the loader blanked
             loader, live = self.handles
-            live.update(self.dashboard.static_bundle(), raw=True)
-            loader.update({"text/plain": ""}, raw=True)
             self.handles = []
+            try:
+                picture = self.dashboard.static_bundle()
+            except Exception:  # the training result matters more than its picture: keep the live view
+                log.exception("could not render the dashboard's final picture; the live view stays")
+                return
+            live.update(picture, raw=True)
+            loader.update({"text/plain": ""}, raw=True)
             self.dashboard.close_live_views()
         if self.mode == "text":
             sys.stdout.write(self.dashboard.summary() + "\n")

@@ -196,8 +196,10 @@ def _link_heatmap(
         fig.rect("dst", "src", width=1, height=1, source=sources[role], line_color="white", name=role,
                  fill_color={"field": "bps", "transform": mappers[role]}, hatch_pattern=hatch,
                  hatch_alpha=0.3)  # fmt: skip
-        fig.rect(x=[], y=[], width=1, height=1, line_color="white", name=f"{role}_swatch", hatch_pattern=hatch,
-                 hatch_alpha=0.3, fill_color=mappers[role].palette[SWATCH_AT], legend_label=legend)  # fmt: skip
+        # one zero-size rect: nothing on the grid, but a legend swatch (an empty renderer draws none)
+        fig.rect(x=[names[0]], y=[names[0]], width=0, height=0, line_alpha=0, name=f"{role}_swatch",
+                 hatch_pattern=hatch, hatch_alpha=0.3, fill_color=mappers[role].palette[SWATCH_AT],
+                 legend_label=legend)  # fmt: skip
         if len(names) <= MAX_LABELLED_CELLS:
             fig.text("dst", "src", text="label", source=sources[role], text_align="center", text_baseline="middle",
                      text_font_size="9pt", color="black", background_fill_color="white",

@@ -8,8 +8,10 @@ Two problems of jupyter_bokeh 4.1 in a notebook, and what this module does about
   second time. The kernel reads those messages only once the training cell is over; then every series holds
   its points twice, and any other view of the same document (``taco.dashboard()`` in the next cell, queued
   ahead of the echoes by "Run All") receives the whole series again: a segment from the last point back to the
-  first, "bytes saved" drawn twice. :class:`KernelFedBokehModel` drops stream and patch events coming from
-  the browser: the dashboard's sources are written by the kernel only (nothing in the page edits data).
+  first, "bytes saved" drawn twice. The view also sends the ranges it computed (``DataRange1d.start``/``end``
+  of its first render), which then pin the kernel's figures to a stale window. :class:`KernelFedBokehModel`
+  applies nothing the browser sends: the dashboard is drawn from the kernel only (no Python callbacks, no
+  editable data), and zooming or panning stays in the page.
 * **Reload.** ``BokehView`` finds BokehJS through ``window.Bokeh``. A kernel that loaded it once does not know
   that a reloaded page has not: a live view then fails with "Cannot read properties of undefined (reading
   'require')". :func:`display_bokehjs` puts the (inline) loader before every live view, and the cell's end
@@ -25,22 +27,17 @@ from typing import Any
 
 from jupyter_bokeh import BokehModel
 
-__all__ = ["KernelFedBokehModel", "display_bokehjs", "static_html", "FROM_KERNEL_ONLY"]
+__all__ = ["KernelFedBokehModel", "display_bokehjs", "static_html"]
 
-FROM_KERNEL_ONLY = ("ColumnsStreamed", "ColumnsPatched")  # data events a browser could only echo back
 ROW_PX = 340  # a 290 px figure, its legend below and margins
 
 
 class KernelFedBokehModel(BokehModel):
-    """A ``jupyter_bokeh.BokehModel`` (same frontend model and view) that ignores data events from the browser.
-
-    Everything else the page sends (ranges, selections, tool events) is applied as ``BokehModel`` does.
-    """
+    """A ``jupyter_bokeh.BokehModel`` (same frontend model and view) that keeps the kernel's document one-way:
+    kernel → page. What the page sends (echoed streams, computed ranges, tool events) is not applied."""
 
     def _sync_model(self, _model: BokehModel, content: dict[str, Any], _buffers: list[Any]) -> None:
-        if content.get("event") == "jsevent" and content.get("kind") in FROM_KERNEL_ONLY:
-            return  # an echo of the kernel's own stream/patch: applying it would duplicate the data
-        super()._sync_model(_model, content, _buffers)
+        return  # an echo of the kernel's own change, or view state (ranges) that must not pin the kernel's figures
 
 
 def _inline_resources() -> Any:
