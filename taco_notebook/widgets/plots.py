@@ -50,14 +50,14 @@ GPU_COLUMNS = ("rank", "memory", "peak", "label")
 STRAGGLER_OUTLINE = "black"  # the straggler's bar; the others get no outline
 INTER_PALETTE = Viridis256
 INTRA_PALETTE = Greens256[::-1]
-SWATCH_AT = 170  # legend swatches show the palette's colour at this index: a mid-to-high rate on each scale
+SWATCH_AT = {"inter": 80, "intra": 170}  # legend swatches: each palette's colour at a mid rate, told apart
 
 # Decimal bytes as format_bytes writes them ("1.5 MB"), for axis ticks and colour bars: no "1.500e+8".
 _BYTES_JS = """
 const units = ["B", "kB", "MB", "GB", "TB"];
 let scaled = tick, i = 0;
 while (Math.abs(scaled) >= 1000 && i < units.length - 1) { scaled /= 1000; i += 1; }
-const text = i === 0 ? scaled.toFixed(0) : String(Number(scaled.toFixed(2)));
+const text = String(Number(scaled.toFixed(2)));  // 1.5 MB, 512 B; 0.2 B only on an axis of nothing
 return text + " " + units[i] + suffix;
 """
 
@@ -198,7 +198,7 @@ def _link_heatmap(
                  hatch_alpha=0.3)  # fmt: skip
         # one zero-size rect: nothing on the grid, but a legend swatch (an empty renderer draws none)
         fig.rect(x=[names[0]], y=[names[0]], width=0, height=0, line_alpha=0, name=f"{role}_swatch",
-                 hatch_pattern=hatch, hatch_alpha=0.3, fill_color=mappers[role].palette[SWATCH_AT],
+                 hatch_pattern=hatch, hatch_alpha=0.3, fill_color=mappers[role].palette[SWATCH_AT[role]],
                  legend_label=legend)  # fmt: skip
         if len(names) <= MAX_LABELLED_CELLS:
             fig.text("dst", "src", text="label", source=sources[role], text_align="center", text_baseline="middle",
