@@ -302,8 +302,8 @@ class MetricsStream:
         source = plot.sources["gpu"]
         ranks = [int(name) for name in source.data["rank"]]
         source.data.update(
-            memory=[float(gpus[r]["memory_bytes"]) if r in gpus else NAN for r in ranks],
-            peak=[float(gpus[r]["peak_bytes"]) if r in gpus else NAN for r in ranks],
+            memory=[float(gpus[r].get("memory_bytes") or 0) if r in gpus else NAN for r in ranks],
+            peak=[float(gpus[r].get("peak_bytes") or 0) if r in gpus else NAN for r in ranks],
             label=[_gpu_label(gpus[r]) if r in gpus else "" for r in ranks],
         )  # fmt: skip
         plot.figure.visible = True
