@@ -150,8 +150,9 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
     tokens = fig.line("time", "tokens", source=source, y_range_name="tokens", color="#9467bd", line_dash="dotted",
                       line_width=2, legend_label="tokens/s (total)", name="tokens", visible=False)  # fmt: skip
     token_range.renderers = [tokens]
-    fig.add_layout(LinearAxis(y_range_name="tokens", axis_label="tokens/s", name="tokens_axis", visible=False,
-                              formatter=NumeralTickFormatter(format="0,0.[0]")), "right")  # fmt: skip
+    token_axis = LinearAxis(y_range_name="tokens", axis_label="tokens/s", name="tokens_axis", visible=False)
+    token_axis.formatter = NumeralTickFormatter(format="0,0.[0]")  # type: ignore[assignment]  # stub too narrow
+    fig.add_layout(token_axis, "right")
     for i, rank in enumerate(ranks):
         column = rank_column(rank)
         color = Category10_10[i % len(Category10_10)]
@@ -243,8 +244,9 @@ def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
     fig.y_range = DataRange1d(renderers=[ratio], start=0)
     fig.extra_y_ranges = {"saved": DataRange1d(renderers=[saved], start=0)}
     fig.yaxis[0].formatter = NumeralTickFormatter(format="0.[0]")
-    fig.add_layout(LinearAxis(y_range_name="saved", axis_label="bytes saved", formatter=bytes_formatter(),
-                              name="saved_axis"), "right")  # fmt: skip
+    saved_axis = LinearAxis(y_range_name="saved", axis_label="bytes saved", name="saved_axis")
+    saved_axis.formatter = bytes_formatter()  # type: ignore[assignment]  # any TickFormatter works at runtime
+    fig.add_layout(saved_axis, "right")
     _legend_below(fig)
     return Plot(fig, {"compression": source})
 

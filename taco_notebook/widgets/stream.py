@@ -295,7 +295,7 @@ class MetricsStream:
 
     def _render_gpu(self) -> None:
         """GPU memory per rank from the latest snapshots; the figure shows once some rank reports a GPU."""
-        gpus = {rank: snap.get("gpu") for rank, snap in self.latest.items() if snap.get("gpu")}
+        gpus: dict[int, Mapping[str, Any]] = {r: snap["gpu"] for r, snap in self.latest.items() if snap.get("gpu")}
         if not gpus:
             return
         plot = self.plots.gpu
