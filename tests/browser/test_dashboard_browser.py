@@ -301,7 +301,8 @@ def test_run_all_on_the_example_draws_each_series_once(lab, page):
         frame = static_frame(page, index)
         sources = frame_sources(frame, ["taco-throughput", "taco-compression"])
         for name, columns in sources.items():
-            assert len(columns["time"]) >= 2 and strictly_increasing(columns["time"]), (
+            # a fast loop may close a single interval; a repeated point (the bug) breaks the order even then
+            assert columns["time"] and strictly_increasing(columns["time"]), (
                 f"cell {index}: {name} goes back in time (a line back to its first point): {columns['time']}")
         painted_canvases(frame)
 
@@ -315,7 +316,7 @@ def test_run_all_on_the_example_draws_each_series_once(lab, page):
     expect(cell_output(page, last)).to_contain_text("TACO-CHECK 2", timeout=120_000)
     kernel = json.loads(expect_text.search(cell_output(page, last).inner_text()).group(1))
     for name, times in kernel.items():
-        assert len(times) >= 2 and strictly_increasing(times), f"kernel-side {name} times repeat: {times}"
+        assert times and strictly_increasing(times), f"kernel-side {name} times repeat: {times}"
     assert page.evaluate("() => window.__tacoErrors") == []
     print(f"run all: {len(kernel['throughput'])} throughput points, each once")
 
