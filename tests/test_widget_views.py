@@ -153,6 +153,7 @@ def test_cell_end_replaces_the_live_view_with_the_static_picture(published) -> N
     assert final["text/plain"].startswith("taco dashboard: cluster 'x' · finished") and "VBox(" not in str(final)
     assert updates[loader["transient"]["display_id"]]["data"] == {"text/plain": ""}  # 1 MB less in the notebook
     assert bokeh_view.comm is None  # closed: nothing left for a reloaded page to fail to create
+    bokeh_view.close()  # again, as Widget.__del__ does: no KeyError from jupyter_bokeh
 
 
 def test_taco_dashboard_in_text_mode_is_the_summary_not_a_widget_repr(published, monkeypatch) -> None:

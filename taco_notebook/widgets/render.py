@@ -39,6 +39,13 @@ class KernelFedBokehModel(BokehModel):
     def _sync_model(self, _model: BokehModel, content: dict[str, Any], _buffers: list[Any]) -> None:
         return  # an echo of the kernel's own change, or view state (ranges) that must not pin the kernel's figures
 
+    def close(self) -> None:
+        """Close once: ``BokehModel.close`` raises ``KeyError`` when called again (``Widget.__del__`` does)."""
+        if getattr(self, "_taco_closed", False):
+            return
+        self._taco_closed = True
+        super().close()
+
 
 def _inline_resources() -> Any:
     from bokeh.resources import Resources
