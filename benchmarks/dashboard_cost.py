@@ -6,7 +6,9 @@ Two measurements on one running cluster, in one real IPython shell with the widg
 1. on the ranks, the microseconds of one ``taco.metrics.publish()`` (snapshot + ipyparallel datapub send) and of one
    ``taco.progress`` iteration, turned into a cost per training step at the default publish interval (``PUBLISH_S``);
 2. the same training cell (``taco.progress`` + ``DistributedOptimizer``), alternately with the dashboard and with
-   ``--no-dashboard``, timed on rank 0 around the loop only.
+   ``--no-dashboard``, timed on rank 0 around the loop only, and in the notebook around the whole cell;
+3. in the notebook, the end-of-cell static rendering of the final picture (``Dashboard.static_bundle``: a
+   self-contained HTML page with inline BokehJS) that replaces the live view: its time and size.
 
     .venv/bin/python benchmarks/dashboard_cost.py --ranks 4 --repeats 5 --steps 200
 """
@@ -18,6 +20,7 @@ import contextlib
 import io
 import os
 import statistics
+import time
 
 from IPython.testing.globalipapp import start_ipython
 
@@ -76,10 +79,13 @@ def main() -> None:
         costs = ip.run_cell_magic("taco_run", "--cluster bench --gather --no-dashboard",
                                   PUBLISH.format(n=args.calls))
         rates: dict[str, list[float]] = {"dashboard": [], "--no-dashboard": []}
+        cells: dict[str, list[float]] = {"dashboard": [], "--no-dashboard": []}
         ip.run_cell_magic("taco_run", "--cluster bench --no-dashboard", TRAIN.format(steps=20))  # warm-up
         for _ in range(args.repeats):
             for variant, line in (("dashboard", ""), ("--no-dashboard", "--no-dashboard")):
+                began = time.perf_counter()
                 rate = ip.run_cell_magic("taco_run", f"--cluster bench {line}", TRAIN.format(steps=args.steps))
+                cells[variant].append(time.perf_counter() - began)
                 rates[variant].append(rate)
         ip.run_line_magic("taco_cluster", "stop --cluster bench")
 
@@ -101,6 +107,25 @@ def main() -> None:
     for variant, runs in rates.items():
         print(f"| {variant} | {statistics.median(runs):.1f} | {', '.join(f'{r:.1f}' for r in runs)} |")
     print(f"\ndashboard vs --no-dashboard: {100 * (on / off - 1):+.1f} % steps/s")
+    whole = {variant: statistics.median(runs) for variant, runs in cells.items()}
+    print(f"whole cell in the notebook (median): {whole['dashboard']:.2f} s with the dashboard, "
+          f"{whole['--no-dashboard']:.2f} s without\n")
+    render_s, size = _static_rendering_cost()
+    print(f"end-of-cell static rendering: {render_s * 1e3:.0f} ms (median of 5), {size / 1e6:.2f} MB of HTML")
+
+
+def _static_rendering_cost() -> tuple[float, int]:
+    """Time ``static_bundle()`` of the last cell's dashboard, as the cell's end does once."""
+    from taco_notebook.widgets.dashboard import last_dashboard
+
+    board = last_dashboard()
+    assert board is not None, "no dashboard: the training cells reported nothing"
+    times, size = [], 0
+    for _ in range(5):
+        began = time.perf_counter()
+        size = len(board.static_bundle()["text/html"])
+        times.append(time.perf_counter() - began)
+    return statistics.median(times), size
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def dashboard() -> Any:
-    """The last ``%%taco_run`` cell's dashboard, to show again (its final picture) or read (``.summary()``).
+    """The last ``%%taco_run`` cell's dashboard, to show again or read (``.summary()``).
+
+    Shown as the last line of a cell it is its final picture (static, self-contained) once that cell ended, or
+    the text summary where no widget frontend listens.
 
     Example: ``taco.dashboard()`` as the last line of a notebook cell.
     """

@@ -93,7 +93,10 @@ def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, c
     ip.run_cell_magic("taco_run", "-np 4 --cluster twonode --compression fp16 --intra-size 2",
                       train(steps=80, sleep=0.03))
     board = taco_notebook.dashboard()
-    assert "taco dashboard" not in capsys.readouterr().out  # the widget, not the text
+    out = capsys.readouterr().out
+    # the widget, not the text mode's print: a terminal shows the live view's repr, then the final picture's
+    # text/plain (the summary), once (changed with issue 10: the final picture replaces the live view)
+    assert "VBox(" in out and out.count("taco dashboard:") == 1
     throughput = board.stream.plots.throughput.sources["throughput"].data
     assert len(throughput["time"]) >= 2 and all(v > 0 for v in throughput["total"])
     ratio = board.stream.plots.compression.sources["compression"].data["ratio"]
@@ -147,3 +150,28 @@ def test_the_registry_entry_shows_the_running_cell_and_its_step(shared_cluster):
     assert max(r["step"] for r in runs) > 0 and any(r["samples_per_s"] for r in runs)
     entry = registry.read_entry(registry.registry_dir(), shared_cluster.cluster_id)
     assert entry is not None and entry["model"]["run"] is None  # cleared when the cell ended
+
+
+def test_widget_cell_ends_with_one_static_picture_in_place_of_the_live_view(ip, shared_cluster, monkeypatch):
+    """What a notebook keeps of a training cell: the live widget (and the BokehJS loader before it) are replaced,
+    through their display ids, by the final picture (self-contained HTML) and the summary."""
+    from IPython.core.displaypub import CapturingDisplayPublisher
+
+    publisher = CapturingDisplayPublisher()
+    monkeypatch.setattr(ip, "display_pub", publisher)
+    monkeypatch.setenv("TACO_DASHBOARD", "widget")
+    ip.run_cell_magic("taco_run", "", train(steps=40, sleep=0.02))
+    shown = [o for o in publisher.outputs if not o["update"]]
+    final = {o["transient"]["display_id"]: o["data"] for o in publisher.outputs if o["update"]}
+    assert len(shown) == 2 and all(o["transient"]["display_id"] in final for o in shown)
+    loader, live = shown
+    assert "application/javascript" in loader["data"] and final[loader["transient"]["display_id"]] == {
+        "text/plain": ""}
+    assert "application/vnd.jupyter.widget-view+json" in live["data"]
+    picture = final[live["transient"]["display_id"]]
+    assert picture["text/plain"].startswith("taco dashboard: cluster 'default' · finished · 4 ranks on 1 node")
+    assert "taco-static-dashboard" in picture["text/html"] and "40/40 (100%)" in picture["text/html"]
+
+    monkeypatch.setenv("TACO_DASHBOARD", "text")
+    ip.run_cell("taco.dashboard()")  # text mode: the summary, not a widget's repr
+    assert publisher.outputs[-1]["data"] == {"text/plain": taco_notebook.dashboard().summary()}

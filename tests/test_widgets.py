@@ -291,9 +291,9 @@ def payloads(elapsed: float, n: int, total: int | None = 60) -> dict[int, dict[s
 def test_progress_of_many_ranks_is_the_slowest_one() -> None:
     view = aggregate_progress({r: p["progress"] for r, p in payloads(2.0, 30).items()})
     assert view is not None and (view.n, view.total, view.desc) == (29, 60, "train")
-    assert view.text() == "train: 29/60 (48%) · 14.50 it/s · 2.0 s · ETA 2.1 s"
+    assert view.text() == "train: 29/60 (48%) · 14.50 it/s · 2.0 s in the loop · ETA 2.1 s"
     unknown = aggregate_progress({0: {"n": 7, "total": None, "desc": "", "elapsed_seconds": 1.0}})
-    assert unknown is not None and unknown.text() == "7 it · 7.00 it/s · 1.0 s"
+    assert unknown is not None and unknown.text() == "7 it · 7.00 it/s · 1.0 s in the loop"
     assert aggregate_progress({0: {}, 1: {}}) is None
 
 
@@ -314,7 +314,7 @@ def test_dashboard_updates_bar_status_and_plots_then_freezes() -> None:
     board.update(payloads(1.5, 30), running=4, elapsed=1.5)
     assert (board.bar.value, board.bar.max) == (29, 60)
     assert board.bar_text.value.startswith("train: 29/60 (48%)")
-    assert "running · 4/4 ranks running on 2 nodes · step 6 · 1.5 s" in board.status.value
+    assert "running · 4/4 ranks running on 2 nodes · step 6 · 1.5 s since the cell started" in board.status.value
     throughput = board.layout.select_one({"type": ColumnDataSource, "name": "taco-throughput"})
     assert throughput.data["time"] == [1.5]
     assert sent and all(c["msg"] == "patch" for c in sent)  # the live view received the change
@@ -333,7 +333,8 @@ def test_dashboard_summary_is_the_text_fallback() -> None:
     board.update(payloads(1.5, 15), running=4, elapsed=1.5)
     board.finish("failed: rank 2 raised", elapsed=1.6)
     text = board.summary()
-    assert text.splitlines()[0] == "taco dashboard: failed: rank 2 raised · 4 ranks on 2 nodes · step 6 · 1.6 s"
+    assert text.splitlines()[0] == ("taco dashboard: failed: rank 2 raised · 4 ranks on 2 nodes · step 6 · "
+                                 "1.6 s since the cell started")
     assert "progress: train: 14/60 (23%)" in text and "throughput:" in text and "compression: 4.00x" in text
     assert board.bar.bar_style == "danger"
 

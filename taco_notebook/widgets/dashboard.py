@@ -4,7 +4,10 @@
 hands it to a :class:`CellDashboard`, which decides how to show it:
 
 * ``widget``: an ipywidgets ``VBox`` (status ``HTML``, ``IntProgress`` + label, and the plots in one
-  ``jupyter_bokeh.BokehModel``), created at the first payload and updated in place; it stays as the final picture.
+  ``jupyter_bokeh.BokehModel``), created at the first payload and updated in place while the cell runs. When the
+  cell ends it is replaced (``update_display``) by a static, self-contained rendering of the final picture and
+  the text summary (``render.static_html``), which shows after a page reload, in the saved notebook and in
+  nbviewer, with no kernel or widget manager (see ``render.py`` for why).
 * ``text``: where no widget frontend listens (terminal IPython, nbval, ``python -m taco_notebook run``), a compact
   summary printed when the cell ends.
 * ``off``: ``--no-dashboard``.
@@ -16,6 +19,7 @@ overrides it (VS Code, for example, needs ``widget``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -23,13 +27,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .plots import plural
 from .stream import MetricsStream
 
 __all__ = ["Dashboard", "CellDashboard", "ProgressView", "aggregate_progress", "dashboard_mode", "last_dashboard"]
 
 MODES = ("auto", "widget", "text", "off")
+log = logging.getLogger("taco_notebook")
 _last: Dashboard | None = None
-_bokeh_loaded = False
 
 
 def last_dashboard() -> Dashboard | None:
@@ -78,15 +83,18 @@ class ProgressView:
         return min(self.n / self.total, 1.0) if self.total else None
 
     def text(self) -> str:
-        """``epoch 1: 30/60 (50%) · 12.3 it/s · ETA 2.4 s`` — like tqdm's."""
+        """``epoch 1: 30/60 (50%) · 12.3 it/s · 2.4 s in the loop · ETA 2.4 s`` — like tqdm's. The seconds count
+        from the loop's first iteration, so they are fewer than the status line's, which count from the cell's
+        start (model building, the first collectives)."""
         label = f"{self.desc}: " if self.desc else ""
         rate = f"{self.rate:.2f} it/s" if not math.isnan(self.rate) else "- it/s"
+        seconds = f"{self.seconds:.1f} s in the loop"
         if self.fraction is None:
-            return f"{label}{self.n} it · {rate} · {self.seconds:.1f} s"
+            return f"{label}{self.n} it · {rate} · {seconds}"
         assert self.total is not None
         left = (self.total - self.n) / self.rate if self.rate > 0 else math.nan
         eta = "done" if self.n >= self.total else ("ETA -" if math.isnan(left) else f"ETA {left:.1f} s")
-        return f"{label}{self.n}/{self.total} ({self.fraction:.0%}) · {rate} · {self.seconds:.1f} s · {eta}"
+        return f"{label}{self.n}/{self.total} ({self.fraction:.0%}) · {rate} · {seconds} · {eta}"
 
 
 def aggregate_progress(states: Mapping[int, Mapping[str, Any]]) -> ProgressView | None:
@@ -119,6 +127,7 @@ class Dashboard:
                                  _dom_classes=("taco-progress",))  # fmt: skip
         self.bar_text = w.HTML(_dom_classes=("taco-progress-text",))
         self.layout = self._bokeh_layout()
+        self._live: list[Any] = []  # live BokehModels made by widget()
         self._render_status()
 
     def _bokeh_layout(self) -> Any:
@@ -127,7 +136,7 @@ class Dashboard:
         p = self.stream.plots
         return column(row(p.throughput.figure, p.compression.figure, sizing_mode="stretch_width"),
                       row(p.node_links.figure, p.rank_links.figure, sizing_mode="stretch_width"),
-                      p.step_time.figure, sizing_mode="stretch_width")  # fmt: skip
+                      p.step_time.figure, p.gpu.figure, sizing_mode="stretch_width")  # fmt: skip
 
     # ------------------------------------------------------------ updates
     def update(self, payloads: Mapping[int, Mapping[str, Any]], *, running: int, elapsed: float) -> None:
@@ -172,9 +181,9 @@ class Dashboard:
         step = max((s.get("steps", 0) for s in snaps), default=0)
         state = self.outcome or "running"
         ranks = len(self.ranks)
-        alive = f"{self.running}/{ranks} ranks running" if self.outcome is None else f"{ranks} ranks"
-        return (f"{self.title + ' · ' if self.title else ''}{state} · {alive} on {self.nodes} "
-                f"node{'s' if self.nodes != 1 else ''} · step {step} · {self.elapsed:.1f} s")
+        alive = f"{self.running}/{ranks} ranks running" if self.outcome is None else plural(ranks, "rank")
+        return (f"{self.title + ' · ' if self.title else ''}{state} · {alive} on {plural(self.nodes, 'node')} · "
+                f"step {step} · {self.elapsed:.1f} s since the cell started")
 
     def _render_status(self) -> None:
         self.status.value = f"<b>taco</b> {_escape(self._status_text())}"
@@ -190,35 +199,55 @@ class Dashboard:
         return "\n".join(lines)
 
     def widget(self) -> Any:
-        """A new view: ipywidgets share their models, and a fresh ``BokehModel`` starts from the plots' current
-        state (re-displaying an old one would replay its first render)."""
+        """A new live view: ipywidgets share their models, and a fresh ``BokehModel`` starts from the plots' current
+        state (re-displaying an old one would replay its first render). Display BokehJS before it
+        (``render.display_bokehjs``): the page may have been reloaded since the kernel last loaded it."""
         import ipywidgets as w
-        from jupyter_bokeh import BokehModel
 
-        _load_bokehjs()
-        plots = BokehModel(self.layout, combine_events=True, layout=w.Layout(width="100%"))
+        from .render import KernelFedBokehModel
+
+        plots = KernelFedBokehModel(self.layout, combine_events=True, layout=w.Layout(width="100%"))
+        self._live.append(plots)
         head = w.HBox([self.bar, self.bar_text], layout=w.Layout(align_items="center"))
         return w.VBox([self.status, head, plots], _dom_classes=("taco-dashboard",), layout=w.Layout(width="100%"))
 
+    def static_bundle(self) -> dict[str, str]:
+        """The final picture as a display bundle: ``text/html`` (status, progress and the plots, self-contained)
+        and ``text/plain`` (the summary)."""
+        from .render import static_html
+
+        style = "font-family:sans-serif;font-size:13px;margin:2px 0"
+        header = f'<div class="taco-status" style="{style}"><b>taco</b> {_escape(self._status_text())}</div>'
+        if self.progress is not None:
+            header += f'<div class="taco-progress-text" style="{style}">{_escape(self.progress.text())}</div>'
+        return {"text/plain": self.summary(), "text/html": static_html(self.layout, header)}
+
+    def close_live_views(self) -> None:
+        """Close the live ``BokehModel`` widgets: the cell's output no longer shows them (see ``finish``)."""
+        for plots in self._live:
+            plots.close()
+        self._live.clear()
+
     def _ipython_display_(self) -> None:
+        """``taco.dashboard()``: the summary in text mode; the final picture (static) once the cell ended; else a
+        live view."""
         from IPython.display import display
 
-        display(self.widget())
+        if dashboard_mode() == "text":
+            display({"text/plain": self.summary()}, raw=True)
+        elif self.outcome is not None:
+            display(self.static_bundle(), raw=True)
+        else:
+            from .render import display_bokehjs
+
+            display_bokehjs()
+            display(self.widget())
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.summary())
 
     def __repr__(self) -> str:
         return self.summary()
-
-
-def _load_bokehjs() -> None:
-    """BokehJS inline, once per kernel: the notebook may have no internet, and only core bokeh is needed."""
-    global _bokeh_loaded
-    if _bokeh_loaded:
-        return
-    from bokeh.io.notebook import load_notebook
-    from bokeh.resources import Resources
-
-    load_notebook(resources=Resources(mode="inline", components=["bokeh"]), hide_banner=True)
-    _bokeh_loaded = True
 
 
 def _escape(text: str) -> str:
@@ -245,6 +274,7 @@ class CellDashboard:
         self.title = title
         self.capacity_bps = capacity_bps
         self.dashboard: Dashboard | None = None
+        self.handles: list[Any] = []  # the live view's display handles (BokehJS loader, widget): replaced at the end
         self.started = time.monotonic()
         # bokeh and the widget libraries take ~1.5 s to import: pay it before the cell runs, not mid-stream
         import bokeh.plotting  # noqa: F401
@@ -262,13 +292,26 @@ class CellDashboard:
             if self.mode == "widget":
                 from IPython.display import display
 
-                display(self.dashboard)
+                from .render import display_bokehjs
+
+                self.handles = [display_bokehjs(), display(self.dashboard.widget(), display_id=True)]
         self.dashboard.update(payloads, running=len(running), elapsed=time.monotonic() - self.started)
 
     def finish(self, outcome: str) -> None:
         if self.dashboard is None:
             return
         self.dashboard.finish(outcome, time.monotonic() - self.started)
+        if self.handles:  # one final, self-contained picture in place of the live view; the loader blanked
+            loader, live = self.handles
+            self.handles = []
+            try:
+                picture = self.dashboard.static_bundle()
+            except Exception:  # the training result matters more than its picture: keep the live view
+                log.exception("could not render the dashboard's final picture; the live view stays")
+                return
+            live.update(picture, raw=True)
+            loader.update({"text/plain": ""}, raw=True)
+            self.dashboard.close_live_views()
         if self.mode == "text":
             sys.stdout.write(self.dashboard.summary() + "\n")
             sys.stdout.flush()

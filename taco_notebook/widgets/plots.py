@@ -13,7 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bokeh.models import ColumnDataSource, DataRange1d, LinearAxis, LinearColorMapper
+from bokeh.models import (
+    ColumnDataSource,
+    CustomJSTickFormatter,
+    DataRange1d,
+    LinearAxis,
+    LinearColorMapper,
+    NumeralTickFormatter,
+)
 from bokeh.models.annotations import ColorBar
 from bokeh.palettes import Category10_10, Greens256, Viridis256
 from bokeh.plotting import figure
@@ -27,15 +34,32 @@ __all__ = [
     "rank_heatmap",
     "compression_plot",
     "step_time_plot",
+    "gpu_plot",
     "rank_column",
     "format_bytes",
     "format_rate",
+    "bytes_formatter",
+    "plural",
 ]
 
 TOOLS = "pan,wheel_zoom,box_zoom,reset,save,hover"
 MAX_LABELLED_CELLS = 16  # above this many rows a heatmap shows colours only: numbers would overlap
 CELL_COLUMNS = ("src", "dst", "bps", "label")
-STEP_COLUMNS = ("rank", "compute", "comm", "wait", "total", "note")
+STEP_COLUMNS = ("rank", "compute", "comm", "wait", "total", "note", "outline")
+GPU_COLUMNS = ("rank", "memory", "peak", "label")
+STRAGGLER_OUTLINE = "black"  # the straggler's bar; the others get no outline
+INTER_PALETTE = Viridis256
+INTRA_PALETTE = Greens256[::-1]
+SWATCH_AT = {"inter": 80, "intra": 170}  # legend swatches: each palette's colour at a mid rate, told apart
+
+# Decimal bytes as format_bytes writes them ("1.5 MB"), for axis ticks and colour bars: no "1.500e+8".
+_BYTES_JS = """
+const units = ["B", "kB", "MB", "GB", "TB"];
+let scaled = tick, i = 0;
+while (Math.abs(scaled) >= 1000 && i < units.length - 1) { scaled /= 1000; i += 1; }
+const text = String(Number(scaled.toFixed(2)));  // 1.5 MB, 512 B; 0.2 B only on an axis of nothing
+return text + " " + units[i] + suffix;
+"""
 
 
 @dataclass(frozen=True)
@@ -55,10 +79,11 @@ class DashboardPlots:
     rank_links: Plot
     compression: Plot
     step_time: Plot
+    gpu: Plot
 
     def all(self) -> tuple[Plot, ...]:
         """The plots in display order."""
-        return (self.throughput, self.node_links, self.rank_links, self.compression, self.step_time)
+        return (self.throughput, self.node_links, self.rank_links, self.compression, self.step_time, self.gpu)
 
 
 def rank_column(rank: int) -> str:
@@ -81,6 +106,16 @@ def format_bytes(nbytes: float) -> str:
 def format_rate(bytes_per_s: float) -> str:
     """A bandwidth for labels: ``format_rate(2e6) == "2.0 MB/s"``."""
     return "-" if math.isnan(bytes_per_s) else f"{format_bytes(bytes_per_s)}/s"
+
+
+def plural(count: int, noun: str) -> str:
+    """``plural(1, "rank") == "1 rank"``, ``plural(4, "rank") == "4 ranks"``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def bytes_formatter(suffix: str = "") -> CustomJSTickFormatter:
+    """Ticks in decimal bytes with a unit (``1.5 MB``, ``20 MB/s`` with ``suffix="/s"``), drawn by BokehJS."""
+    return CustomJSTickFormatter(code=_BYTES_JS, args={"suffix": suffix})
 
 
 def _figure(title: str, **kwargs: Any) -> figure:
@@ -108,14 +143,16 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
     fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="samples/s")
     total = fig.line("time", "total", source=source, line_width=3, color="black", legend_label="total", name="total")
     fig.y_range = DataRange1d(renderers=[total], start=0)
+    fig.yaxis[0].formatter = NumeralTickFormatter(format="0,0.[0]")  # 12,500 rather than 1.250e+4
     # tokens/s has another scale; hidden (with its axis) until a rank reports tokens
     token_range = DataRange1d(start=0)
     fig.extra_y_ranges = {"tokens": token_range}
     tokens = fig.line("time", "tokens", source=source, y_range_name="tokens", color="#9467bd", line_dash="dotted",
                       line_width=2, legend_label="tokens/s (total)", name="tokens", visible=False)  # fmt: skip
     token_range.renderers = [tokens]
-    fig.add_layout(LinearAxis(y_range_name="tokens", axis_label="tokens/s", name="tokens_axis", visible=False),
-                   "right")  # fmt: skip
+    token_axis = LinearAxis(y_range_name="tokens", axis_label="tokens/s", name="tokens_axis", visible=False)
+    token_axis.formatter = NumeralTickFormatter(format="0,0.[0]")  # type: ignore[assignment]  # stub too narrow
+    fig.add_layout(token_axis, "right")
     for i, rank in enumerate(ranks):
         column = rank_column(rank)
         color = Category10_10[i % len(Category10_10)]
@@ -139,8 +176,9 @@ def _link_heatmap(
     """A src×dst grid of bytes/s; ``intra`` cells (same node) use a green palette and hatching, the rest viridis.
 
     Intra-node links (shared memory, NVLink) are far faster than the network, so they get their own colour
-    scale; ``capacity_bps`` (the NIC's bytes/s) pins the inter-node scale's maximum so a saturated link reads
-    as saturated rather than as "the brightest cell".
+    scale (and colour bar); ``capacity_bps`` (the NIC's bytes/s) pins the inter-node scale's maximum so a
+    saturated link reads as saturated rather than as "the brightest cell". The legend's swatches are fixed
+    colours from each scale (not the first cell's colour, which is whatever that link happens to carry).
     """
     cells = [(s, d) for s in names for d in names]
     sources = {
@@ -150,23 +188,31 @@ def _link_heatmap(
     fig = _figure(title, x_range=list(names), y_range=list(reversed(names)))
     fig.xaxis.axis_label, fig.yaxis.axis_label = f"to {unit}", f"from {unit}"
     fig.grid.grid_line_color = None
-    inter_mapper = LinearColorMapper(palette=Viridis256, low=0, high=capacity_bps, nan_color="#dddddd")
-    intra_mapper = LinearColorMapper(palette=Greens256[::-1], low=0, nan_color="#dddddd")
-    for role, mapper, legend in (("inter", inter_mapper, "inter-node"), ("intra", intra_mapper, "intra-node")):
-        fig.rect(
-            "dst", "src", width=1, height=1, source=sources[role], line_color="white", name=role,
-            fill_color={"field": "bps", "transform": mapper}, legend_label=legend,
-            hatch_pattern="/" if role == "intra" else " ", hatch_alpha=0.3,
-        )  # fmt: skip
+    mappers = {
+        "inter": LinearColorMapper(palette=INTER_PALETTE, low=0, high=capacity_bps, nan_color="#dddddd"),
+        "intra": LinearColorMapper(palette=INTRA_PALETTE, low=0, nan_color="#dddddd"),
+    }
+    for role, legend in (("inter", "inter-node"), ("intra", "intra-node (own scale)")):
+        hatch = "/" if role == "intra" else " "
+        fig.rect("dst", "src", width=1, height=1, source=sources[role], line_color="white", name=role,
+                 fill_color={"field": "bps", "transform": mappers[role]}, hatch_pattern=hatch,
+                 hatch_alpha=0.3)  # fmt: skip
+        # one zero-size rect: nothing on the grid, but a legend swatch (an empty renderer draws none)
+        fig.rect(x=[names[0]], y=[names[0]], width=0, height=0, line_alpha=0, name=f"{role}_swatch",
+                 hatch_pattern=hatch, hatch_alpha=0.3, fill_color=mappers[role].palette[SWATCH_AT[role]],
+                 legend_label=legend)  # fmt: skip
         if len(names) <= MAX_LABELLED_CELLS:
             fig.text("dst", "src", text="label", source=sources[role], text_align="center", text_baseline="middle",
                      text_font_size="9pt", color="black", background_fill_color="white",
                      background_fill_alpha=0.7,  # type: ignore[call-arg]  # readable on any cell colour
                      name=f"{role}_label")  # fmt: skip
-    scale = "bytes/s, inter-node"
+    scale = "inter-node"
     if capacity_bps is not None:
         scale += f" (max = capacity {format_rate(capacity_bps)})"
-    fig.add_layout(ColorBar(color_mapper=inter_mapper, title=scale, width=8), "right")
+    fig.add_layout(ColorBar(color_mapper=mappers["inter"], title=scale, width=8, formatter=bytes_formatter("/s"),
+                            name="inter_scale"), "right")  # fmt: skip
+    fig.add_layout(ColorBar(color_mapper=mappers["intra"], title="intra-node", width=8,
+                            formatter=bytes_formatter("/s"), name="intra_scale"), "right")  # fmt: skip
     _legend_below(fig)
     return Plot(fig, sources)
 
@@ -174,14 +220,14 @@ def _link_heatmap(
 def node_heatmap(nodes: Sequence[int], *, capacity_bps: float | None = None) -> Plot:
     """Node→node bytes/s of the last interval; the diagonal is intra-node traffic (sources ``inter``/``intra``)."""
     names = [str(n) for n in nodes]
-    return _link_heatmap(names, {(n, n) for n in names}, capacity_bps, "Node links (bytes/s, last interval)", "node")
+    return _link_heatmap(names, {(n, n) for n in names}, capacity_bps, "Node links (rate, last interval)", "node")
 
 
 def rank_heatmap(node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None) -> Plot:
     """Rank→rank bytes/s of the last interval; pairs on the same node are the ``intra`` cells."""
     ranks = sorted(node_of_rank)
     intra = {(str(a), str(b)) for a in ranks for b in ranks if node_of_rank[a] == node_of_rank[b]}
-    return _link_heatmap([str(r) for r in ranks], intra, capacity_bps, "Rank links (bytes/s, last interval)", "rank")
+    return _link_heatmap([str(r) for r in ranks], intra, capacity_bps, "Rank links (rate, last interval)", "rank")
 
 
 def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
@@ -197,33 +243,65 @@ def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
                      legend_label="bytes saved", name="saved_bytes")  # fmt: skip
     fig.y_range = DataRange1d(renderers=[ratio], start=0)
     fig.extra_y_ranges = {"saved": DataRange1d(renderers=[saved], start=0)}
-    fig.add_layout(LinearAxis(y_range_name="saved", axis_label="bytes saved"), "right")
+    fig.yaxis[0].formatter = NumeralTickFormatter(format="0.[0]")
+    saved_axis = LinearAxis(y_range_name="saved", axis_label="bytes saved", name="saved_axis")
+    saved_axis.formatter = bytes_formatter()  # type: ignore[assignment]  # any TickFormatter works at runtime
+    fig.add_layout(saved_axis, "right")
     _legend_below(fig)
     return Plot(fig, {"compression": source})
 
 
 def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)") -> Plot:
-    """Per-rank stacked bars of a step: compute, communication hidden behind it, and waiting; the slowest is labelled.
+    """Per-rank stacked bars of a step: compute, communication hidden behind it, and waiting; the straggler's bar
+    is outlined and labelled.
 
     One source ``"step_time"`` with columns ``rank`` (str), ``compute`` (compute alone), ``comm``
-    (communication that overlapped compute), ``wait`` (the loop blocked on communication), ``total`` and
-    ``note`` (``"slowest"`` on the straggler, else empty): the straggler has the tallest compute part and the
-    shortest wait, its peers the reverse.
+    (communication that overlapped compute), ``wait`` (the loop blocked on communication), ``total``, ``note``
+    (``"slowest"`` on the straggler, else empty) and ``outline`` (its bar's outline colour). In synchronous
+    training every rank's step lasts about as long, so bar heights hardly differ: the straggler is the rank with
+    the tallest *compute* part (``stream.straggler``), the one its peers wait for.
     """
     names = [str(r) for r in ranks]
     n = len(names)
     source = ColumnDataSource(data={"rank": names, "compute": [0.0] * n, "comm": [0.0] * n, "wait": [0.0] * n,
-                                    "total": [0.0] * n, "note": [""] * n}, name="taco-step-time")  # fmt: skip
+                                    "total": [0.0] * n, "note": [""] * n, "outline": [None] * n},
+                              name="taco-step-time")  # fmt: skip
     fig = _figure(title, x_range=names, y_range=DataRange1d(start=0, range_padding=0.15), x_axis_label="rank",
                   y_axis_label="seconds per step")  # fmt: skip
+    fig.yaxis[0].formatter = NumeralTickFormatter(format="0.[000]")
     fig.vbar_stack(["compute", "comm", "wait"], x="rank", width=0.8, source=source,
-                   color=["#2ca02c", "#98df8a", "#d62728"],
+                   color=["#2ca02c", "#98df8a", "#d62728"], line_color="outline", line_width=2,
                    legend_label=["compute", "communication (overlapped)", "waiting for communication"],
                    name="step")  # fmt: skip
     fig.text("rank", "total", text="note", source=source, text_align="center", text_baseline="bottom",
              text_font_size="9pt", name="note")  # fmt: skip
     _legend_below(fig)
     return Plot(fig, {"step_time": source})
+
+
+def gpu_plot(ranks: Sequence[int], *, title: str = "GPU memory per rank") -> Plot:
+    """Per-rank GPU memory in use (bars) and its peak (a tick above), with the GPU's name and utilization as
+    a label; hidden until a rank reports a GPU (``figure.visible``).
+
+    One source ``"gpu"`` with columns ``rank`` (str), ``memory`` and ``peak`` (bytes; NaN for a rank without
+    a GPU) and ``label`` (``"H100 · 87% busy"``).
+    """
+    names = [str(r) for r in ranks]
+    n = len(names)
+    nan = float("nan")
+    source = ColumnDataSource(data={"rank": names, "memory": [nan] * n, "peak": [nan] * n, "label": [""] * n},
+                              name="taco-gpu")  # fmt: skip
+    fig = _figure(title, x_range=names, y_range=DataRange1d(start=0, range_padding=0.2), x_axis_label="rank",
+                  y_axis_label="GPU memory", visible=False, name="gpu")  # fmt: skip
+    fig.yaxis[0].formatter = bytes_formatter()
+    fig.vbar(x="rank", top="memory", width=0.6, source=source, color="#1f77b4", legend_label="in use",
+             name="gpu_memory")  # fmt: skip
+    fig.scatter(x="rank", y="peak", source=source, marker="dash", size=30, line_width=3, color="#d62728",
+                legend_label="peak", name="gpu_peak")  # fmt: skip
+    fig.text("rank", "peak", text="label", source=source, text_align="center", text_baseline="bottom",
+             text_font_size="9pt", y_offset=-4, name="gpu_label")  # fmt: skip
+    _legend_below(fig)
+    return Plot(fig, {"gpu": source})
 
 
 def build_plots(node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None) -> DashboardPlots:
@@ -235,4 +313,5 @@ def build_plots(node_of_rank: Mapping[int, int], *, capacity_bps: float | None =
         rank_links=rank_heatmap(node_of_rank, capacity_bps=capacity_bps),
         compression=compression_plot(),
         step_time=step_time_plot(ranks),
+        gpu=gpu_plot(ranks),
     )

@@ -25,9 +25,9 @@ from typing import Any
 
 from bokeh.models.annotations import Title
 
-from .plots import Plot, build_plots, format_bytes, format_rate, rank_column
+from .plots import STRAGGLER_OUTLINE, Plot, build_plots, format_bytes, format_rate, plural, rank_column
 
-__all__ = ["Interval", "MetricsStream", "interval_between", "is_new_run"]
+__all__ = ["Interval", "MetricsStream", "interval_between", "is_new_run", "straggler", "gpu_text"]
 
 Snapshot = Mapping[str, Any]
 COUNTERS = ("elapsed_seconds", "samples", "steps", "raw_bytes", "wire_bytes", "wait_seconds", "comm_seconds")
@@ -155,6 +155,24 @@ def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Sna
     )
 
 
+def straggler(compute_seconds: Mapping[int, float]) -> int | None:
+    """THE straggler, for the bars' outline, their "slowest" label and the text summary alike: the rank with the
+    most compute per step (its peers wait for it in every collective); the lowest rank on a tie; None before
+    any rank computed."""
+    busy = {rank: seconds for rank, seconds in compute_seconds.items() if seconds > 0}
+    return min(busy, key=lambda rank: (-busy[rank], rank)) if busy else None
+
+
+def gpu_text(gpu: Mapping[str, Any]) -> str:
+    """``NVIDIA H100: 1.2 GB in use, peak 3.4 GB, 87% busy`` for a snapshot's ``gpu`` field (utilization in
+    percent; left out when None)."""
+    text = f"{gpu.get('name') or 'GPU'}: {format_bytes(float(gpu.get('memory_bytes') or 0))} in use, " \
+           f"peak {format_bytes(float(gpu.get('peak_bytes') or 0))}"
+    if gpu.get("utilization") is not None:
+        text += f", {float(gpu['utilization']):.0f}% busy"
+    return text
+
+
 def _fill_heatmap(plot: Plot, bps: Mapping[tuple[int, int], float], reported: set[int] | None) -> None:
     """Set every cell of a link heatmap: the interval's bytes/s, 0 for a silent link, NaN for a silent source."""
     for source in plot.sources.values():
@@ -164,6 +182,11 @@ def _fill_heatmap(plot: Plot, bps: Mapping[tuple[int, int], float], reported: se
         ]
         labels = ["" if reported is None else format_rate(v) for v in values]
         source.data.update(bps=values, label=labels)
+
+
+def _gpu_label(gpu: Mapping[str, Any]) -> str:
+    name = str(gpu.get("name") or "GPU").removeprefix("NVIDIA ")
+    return name if gpu.get("utilization") is None else f"{name} · {float(gpu['utilization']):.0f}% busy"
 
 
 class MetricsStream:
@@ -184,6 +207,7 @@ class MetricsStream:
         self.new_runs = 0  # how many times counters went backwards and history was dropped
         self.unit = "steps"  # throughput in steps/s until some rank reports samples (a batch size)
         self.tokens_shown = False
+        self.step_split: dict[int, tuple[float, float, float]] = {}  # rank -> what its bar shows (compute, comm, wait)
 
     @classmethod
     def from_snapshots(cls, snapshots: Iterable[Snapshot], **kwargs: Any) -> MetricsStream:
@@ -201,6 +225,7 @@ class MetricsStream:
             self.new_runs += 1
         interval = interval_between(self.latest, current)
         self.latest.update(current)
+        self._render_gpu()
         if interval is not None:
             self.last_interval = interval
             self._render(interval)
@@ -217,7 +242,9 @@ class MetricsStream:
             _fill_heatmap(plot, {}, None)
         bars = self.plots.step_time.sources["step_time"]
         n = len(bars.data["rank"])
-        bars.data.update(compute=[0.0] * n, comm=[0.0] * n, wait=[0.0] * n, total=[0.0] * n, note=[""] * n)
+        bars.data.update(compute=[0.0] * n, comm=[0.0] * n, wait=[0.0] * n, total=[0.0] * n, note=[""] * n,
+                         outline=[None] * n)  # fmt: skip
+        self.step_split.clear()
 
     def _use_units(self) -> None:
         """Switch the throughput plot to samples/s once a rank reports samples, and show tokens/s once reported."""
@@ -251,23 +278,35 @@ class MetricsStream:
         self._render_steps(interval)
 
     def _render_steps(self, interval: Interval) -> None:
-        """Update the bars of ranks that reported; the others keep their last values.
-
-        In synchronous training every rank's step takes the same wall time, so the straggler is the rank with
-        the most compute (its peers wait for it), and that is the bar labelled "slowest".
-        """
+        """Update the bars of ranks that reported (the others keep their last values) and mark the straggler
+        (:func:`straggler` over what the bars show) with an outline and "slowest"."""
+        for rank in interval.compute_seconds:
+            self.step_split[rank] = (interval.compute_seconds[rank], interval.comm_seconds[rank],
+                                     interval.wait_seconds[rank])  # fmt: skip
         bars = self.plots.step_time.sources["step_time"]
-        data = {name: list(bars.data[name]) for name in ("compute", "comm", "wait", "total")}
-        for i, name in enumerate(bars.data["rank"]):
-            rank = int(name)
-            if rank in interval.compute_seconds:
-                data["compute"][i] = interval.compute_seconds[rank]
-                data["comm"][i] = interval.comm_seconds[rank]
-                data["wait"][i] = interval.wait_seconds[rank]
-                data["total"][i] = data["compute"][i] + data["comm"][i] + data["wait"][i]
-        slowest = max(range(len(data["compute"])), key=data["compute"].__getitem__, default=None)
-        note = ["slowest" if i == slowest and data["compute"][i] > 0 else "" for i in range(len(data["compute"]))]
-        bars.data.update(note=note, **data)
+        ranks = [int(name) for name in bars.data["rank"]]
+        split = [self.step_split.get(rank, (0.0, 0.0, 0.0)) for rank in ranks]
+        slowest = straggler({rank: s[0] for rank, s in self.step_split.items()})
+        bars.data.update(
+            compute=[s[0] for s in split], comm=[s[1] for s in split], wait=[s[2] for s in split],
+            total=[sum(s) for s in split], note=["slowest" if rank == slowest else "" for rank in ranks],
+            outline=[STRAGGLER_OUTLINE if rank == slowest else None for rank in ranks],
+        )  # fmt: skip
+
+    def _render_gpu(self) -> None:
+        """GPU memory per rank from the latest snapshots; the figure shows once some rank reports a GPU."""
+        gpus: dict[int, Mapping[str, Any]] = {r: snap["gpu"] for r, snap in self.latest.items() if snap.get("gpu")}
+        if not gpus:
+            return
+        plot = self.plots.gpu
+        source = plot.sources["gpu"]
+        ranks = [int(name) for name in source.data["rank"]]
+        source.data.update(
+            memory=[float(gpus[r].get("memory_bytes") or 0) if r in gpus else NAN for r in ranks],
+            peak=[float(gpus[r].get("peak_bytes") or 0) if r in gpus else NAN for r in ranks],
+            label=[_gpu_label(gpus[r]) if r in gpus else "" for r in ranks],
+        )  # fmt: skip
+        plot.figure.visible = True
 
     def summary(self) -> str:
         """A few lines for a notebook without widgets: throughput, bytes per node link, compression, straggler."""
@@ -287,21 +326,23 @@ class MetricsStream:
         if tokens > 0:
             throughput += f", {tokens:,.0f} tokens/s"
         lines = [
-            f"taco metrics: {len(self.latest)} ranks on {len(nodes)} nodes, {elapsed:.1f} s, "
-            f"{max(s.get('steps', 0) for s in snaps)} steps",
+            f"taco metrics: {plural(len(self.latest), 'rank')} on {plural(len(nodes), 'node')}, {elapsed:.1f} s, "
+            f"{plural(max(s.get('steps', 0) for s in snaps), 'step')}",
             throughput,
             "links: " + (", ".join(self._link_totals()) or "no traffic"),
             self._compression_line(),
         ]
-        if self.last_interval is not None and self.last_interval.step_seconds:
-            last = self.last_interval
-            steps = last.step_seconds
-            rank = max(last.compute_seconds, key=last.compute_seconds.__getitem__)  # the one the others wait for
+        rank = straggler({r: split[0] for r, split in self.step_split.items()})
+        if rank is not None:
+            compute, comm, wait = self.step_split[rank]
+            median = statistics.median(sum(split) for split in self.step_split.values())
             lines.append(
-                f"slowest rank: {rank} ({steps[rank]:.3f} s/step: compute {last.compute_seconds[rank]:.3f} s,"
-                f" overlapped communication {last.comm_seconds[rank]:.3f} s, wait {last.wait_seconds[rank]:.3f} s;"
-                f" median {statistics.median(steps.values()):.3f} s)"
+                f"slowest rank: {rank} ({compute + comm + wait:.3f} s/step: compute {compute:.3f} s,"
+                f" overlapped communication {comm:.3f} s, wait {wait:.3f} s; median {median:.3f} s)"
             )
+        gpus = [f"rank {r} {gpu_text(s['gpu'])}" for r, s in sorted(self.latest.items()) if s.get("gpu")]
+        if gpus:
+            lines.append("gpu: " + "; ".join(gpus))
         return "\n".join(lines)
 
     def _link_totals(self) -> list[str]:
