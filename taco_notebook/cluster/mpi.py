@@ -1,4 +1,11 @@
-"""Find ``mpiexec`` and tell MPICH from Open MPI, so each gets the flags it needs."""
+"""Find ``mpiexec`` and tell MPICH from Open MPI, so each gets the flags it needs.
+
+For a one-host cluster with MPICH, :func:`find_mpi` (``single_host=True``) picks ``mpiexec.gforker`` from the
+same directory as the chosen ``mpiexec`` (the same MPICH): it forks the ranks itself and talks PMI over
+inherited sockets, so the job opens no TCP port at all, where hydra's ``mpiexec`` listens on 0.0.0.0 for its
+proxies whatever it is told. ``TACO_MPI_LAUNCHER=hydra|gforker|auto`` chooses; an explicit ``--mpiexec PATH``
+is always used as given.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,16 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import MPINotFoundError
 
-__all__ = ["MPIInfo", "find_mpi", "single_host_env", "library_dir", "mpi4py_environment"]
+__all__ = ["MPIInfo", "find_mpi", "single_host_env", "library_dir", "mpi4py_environment", "LAUNCHER_ENV",
+           "LAUNCHERS", "launcher_choice", "gforker_beside", "for_one_host"]
 
+LAUNCHER_ENV = "TACO_MPI_LAUNCHER"  # the user's choice of MPICH launcher for a one-host cluster
+LAUNCHERS = ("auto", "hydra", "gforker")
+GFORKER = "mpiexec.gforker"
 INSTALL_HINT = "install one with `pip install mpich mpi4py` (or your system's Open MPI), or pass --mpiexec PATH"
 
 
@@ -26,10 +37,13 @@ class MPIInfo:
     # What the ranks need so that mpi4py loads this mpiexec's library (MPI4PY_MPIABI, its lib dir on
     # LD_LIBRARY_PATH): a system Open MPI beside the mpich wheel otherwise gives every rank a world of one.
     environment: dict[str, str] = field(default_factory=dict)
+    # MPICH's process manager: "hydra" (listens on 0.0.0.0) or "gforker" (one host, no port); "" otherwise.
+    launcher: str = ""
 
     @property
     def description(self) -> str:
-        return f"{self.implementation} {self.version} ({self.mpiexec})"
+        how = f"{self.launcher}: " if self.launcher else ""
+        return f"{self.implementation} {self.version} ({how}{self.mpiexec})"
 
 
 def _candidates(explicit: str | None) -> list[str]:
@@ -122,8 +136,50 @@ def mpi4py_environment(mpiexec: str, impl: str, base: dict[str, str] | None = No
     return {"MPI4PY_MPIABI": impl, "LD_LIBRARY_PATH": os.pathsep.join(p for p in (*dirs, current) if p)}
 
 
-def find_mpi(mpiexec: str | None = None) -> MPIInfo:
-    """Locate a working ``mpiexec`` and mpi4py, or raise :class:`MPINotFoundError` naming the fix."""
+def launcher_choice(environ: dict[str, str] | None = None) -> str:
+    """``TACO_MPI_LAUNCHER``, lower-cased (unset or empty: ``auto``); anything else is an error naming the choices."""
+    given = (os.environ if environ is None else environ).get(LAUNCHER_ENV, "")
+    chosen = given.strip().lower() or "auto"
+    if chosen not in LAUNCHERS:
+        raise MPINotFoundError(f"{LAUNCHER_ENV}={given!r} is not a launcher: set it to one of {', '.join(LAUNCHERS)}"
+                               f" (or unset it)")
+    return chosen
+
+
+def gforker_beside(mpiexec: str) -> str | None:
+    """``mpiexec.gforker`` of the same MPICH: in ``mpiexec``'s directory, or in the one its symlink points to."""
+    for directory in dict.fromkeys((os.path.dirname(os.path.abspath(mpiexec)),
+                                    os.path.dirname(os.path.realpath(mpiexec)))):
+        candidate = os.path.join(directory, GFORKER)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def for_one_host(info: MPIInfo, explicit: bool, environ: dict[str, str] | None = None) -> MPIInfo:
+    """The launcher for a job whose ranks all run here: MPICH's gforker when it is there, unless told otherwise.
+
+    ``explicit`` (the user named the program with ``--mpiexec``) keeps ``info`` exactly. Open MPI and unknown
+    implementations are kept too. ``TACO_MPI_LAUNCHER=gforker`` without a gforker beside ``mpiexec`` is an error.
+    """
+    if explicit or info.implementation != "mpich" or info.launcher == "gforker":
+        return info
+    choice = launcher_choice(environ)
+    gforker = gforker_beside(info.mpiexec) if choice != "hydra" else None
+    if gforker is None:
+        if choice == "gforker":
+            raise MPINotFoundError(f"{LAUNCHER_ENV}=gforker but there is no {GFORKER} beside {info.mpiexec}: "
+                                   f"unset {LAUNCHER_ENV} (or set it to hydra), or pass --mpiexec PATH")
+        return info
+    return replace(info, mpiexec=gforker, launcher="gforker")
+
+
+def find_mpi(mpiexec: str | None = None, single_host: bool = False) -> MPIInfo:
+    """Locate a working ``mpiexec`` and mpi4py, or raise :class:`MPINotFoundError` naming the fix.
+
+    ``single_host``: every rank runs on this machine (a :class:`~taco_notebook.cluster.session.TacoCluster`),
+    so MPICH's network-free gforker is taken when it is there (:func:`for_one_host`).
+    """
     candidates = _candidates(mpiexec)
     if not candidates:
         raise MPINotFoundError(f"no mpiexec found next to {sys.executable} or on PATH: {INSTALL_HINT}")
@@ -137,4 +193,22 @@ def find_mpi(mpiexec: str | None = None) -> MPIInfo:
     except ImportError:
         raise MPINotFoundError(f"mpi4py is not installed in {sys.executable}: {INSTALL_HINT}") from None
     impl, version = _identify(out.stdout + out.stderr)
-    return MPIInfo(path, impl, version, _implementation_args(impl), mpi4py_environment(path, impl))
+    launcher = ""
+    if os.path.basename(path) == GFORKER:  # answers --version with its usage: the MPICH beside it says which
+        impl, version, launcher = "mpich", _mpich_version(path), "gforker"
+    elif impl == "mpich":
+        launcher = "hydra"
+    info = MPIInfo(path, impl, version, _implementation_args(impl), mpi4py_environment(path, impl), launcher)
+    return for_one_host(info, explicit=mpiexec is not None) if single_host else info
+
+
+def _mpich_version(gforker: str) -> str:
+    tool = os.path.join(os.path.dirname(gforker), "mpichversion")
+    try:
+        out = subprocess.run([tool], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    for line in out.splitlines():
+        if "version" in line.lower() and ":" in line:
+            return line.split(":", 1)[1].strip()
+    return "?"

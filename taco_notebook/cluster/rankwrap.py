@@ -6,6 +6,12 @@ engine dies abnormally prints one marker line (rank, host, pid, signal or exit c
 gathers from every node into the engine set's log. The client reads that line to say *which* rank died and
 how: mpiexec itself only reports that one did. The wrapper then ends the same way, so MPI reacts as usual.
 
+Under MPICH's gforker (a one-host cluster, see cluster/mpi.py) the wrapper also does two things hydra does and
+gforker does not: it tells each rank its local rank and the local size (``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``,
+which comm/ reads to keep MPI on shared memory and to place GPUs; every rank is local), and when its engine dies
+abnormally it asks its own ``mpiexec.gforker`` to stop the job (SIGTERM, which gforker forwards to every rank),
+as hydra does on a rank's death; gforker alone would leave the other ranks running.
+
 Stdlib only: it starts on every rank before anything else.
 """
 
@@ -19,6 +25,7 @@ import subprocess
 import sys
 
 MARKER = "TACO-RANK-EXIT"
+LAUNCHED_BY_ENV = "TACO_LAUNCHED_BY"  # "gforker" when the cluster's engines run under mpiexec.gforker
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
 
@@ -38,10 +45,34 @@ def _die_with_parent() -> None:
         pass
 
 
+def _under_gforker() -> bool:
+    return os.environ.get(LAUNCHED_BY_ENV) == "gforker" and "PMI_RANK" in os.environ
+
+
+def _gforker_locals() -> None:
+    # gforker runs every rank on this host: the local rank is the rank, the local size the world size.
+    os.environ.setdefault("MPI_LOCALRANKID", os.environ["PMI_RANK"])
+    os.environ.setdefault("MPI_LOCALNRANKS", os.environ.get("PMI_SIZE", "1"))
+
+
+def _stop_gforker_job() -> None:
+    """SIGTERM the parent, only if it is provably an ``mpiexec.gforker`` (its executable's name)."""
+    parent = os.getppid()
+    try:
+        exe = os.readlink(f"/proc/{parent}/exe")
+    except OSError:
+        return
+    if os.path.basename(exe) == "mpiexec.gforker":
+        os.kill(parent, signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m taco_notebook.cluster.rankwrap COMMAND [ARGS…]", file=sys.stderr)
         return 2
+    gforker = _under_gforker()
+    if gforker:
+        _gforker_locals()
     child = subprocess.Popen(argv, close_fds=False, preexec_fn=_die_with_parent)
     for signum in FORWARDED:
         signal.signal(signum, lambda s, _frame: child.send_signal(s))
@@ -51,8 +82,13 @@ def main(argv: list[str]) -> int:
     host = os.environ.get("TACO_NODE_NAME") or socket.gethostname()
     how = f"signal={-code}" if code < 0 else f"exitcode={code}"
     print(f"{MARKER} rank={mpi_rank_from_env()} host={host} pid={child.pid} {how}", file=sys.stderr, flush=True)
+    if gforker:  # after the marker, so the dead rank's line is the first in the log
+        _stop_gforker_job()
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except OSError:  # SIGKILL and SIGSTOP cannot be handled: their default stands anyway
+            pass
         os.kill(os.getpid(), -code)
     return code if code > 0 else 1
 

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
-from .mpi import MPIInfo, find_mpi
+from .mpi import MPIInfo, find_mpi, for_one_host
 from .private import private_ipython_profile
 from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files, stop_at_exit
-from .rankwrap import MARKER
+from .rankwrap import LAUNCHED_BY_ENV, MARKER
 
 __all__ = ["RankInfo", "ClusterStatus", "TacoCluster", "clusters", "stop_all"]
 
@@ -164,6 +164,8 @@ class TacoCluster:
             from .mpi import single_host_env
 
             env.update({k: v for k, v in single_host_env(self.mpi).items() if k not in os.environ})
+            if self.mpi.launcher == "gforker":  # rankwrap gives the ranks what hydra would (see there)
+                env[LAUNCHED_BY_ENV] = "gforker"
         env.update(self.env)
         if self.cluster_id:  # the proof that a process is this cluster's (processes.proven_process)
             env[CLUSTER_ID_ENV] = self.cluster_id
@@ -192,7 +194,8 @@ class TacoCluster:
 
         from . import registry
 
-        self.mpi = self.mpi or find_mpi(self.mpiexec)
+        explicit = self.mpiexec is not None  # --mpiexec PATH: exactly that program
+        self.mpi = for_one_host(self.mpi, explicit) if self.mpi else find_mpi(self.mpiexec, single_host=True)
         cluster_id = self.cluster_id = self.cluster_id or f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.broken_reason = None
         registry.publish(self, "starting")

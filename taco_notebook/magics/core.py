@@ -42,7 +42,7 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_siz
         env["TACO_GPUS"] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
     cluster = TacoCluster(name, size, mpiexec=mpiexec, env=env)
     try:
-        mpi = cluster.mpi = find_mpi(mpiexec)
+        mpi = cluster.mpi = find_mpi(mpiexec, single_host=True)
     except MPINotFoundError as exc:
         raise UsageError(str(exc)) from None
     say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
