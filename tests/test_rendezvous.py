@@ -1,9 +1,12 @@
 """A one-host job opens nothing on the network: listening sockets of real 4-rank allreduces, started as users do.
 
-The one listener these tests allow off loopback is hydra's control port: ``mpiexec`` binds it to 0.0.0.0 and no
-hydra option or variable changes that (``-iface lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` were
-tried; see taco_notebook/comm/rendezvous.py). It is identified exactly, by the port hydra's proxies are told
-to dial back (``hydra_pmi_proxy --control-port HOST:PORT``), and must belong to the ``mpiexec`` process.
+A ``TacoCluster`` (what ``%%taco_run`` starts) launches its engines with MPICH's ``mpiexec.gforker``, which forks
+the ranks and talks PMI over inherited sockets: no listener off loopback at all, no exception. The one listener
+allowed off loopback is hydra's control port, where hydra is used (a plain ``mpiexec`` job a user starts, or
+``TACO_MPI_LAUNCHER=hydra``): hydra binds it to 0.0.0.0 and no hydra option or variable changes that (``-iface
+lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` were tried; see taco_notebook/comm/rendezvous.py). It
+is identified exactly, by the port hydra's proxies are told to dial back (``hydra_pmi_proxy --control-port
+HOST:PORT``), and must belong to the ``mpiexec`` process.
 """
 
 from __future__ import annotations
@@ -78,10 +81,10 @@ def hydra_control_port(procs: list[psutil.Process]) -> tuple[int, int] | None:
     return None
 
 
-def off_loopback(procs: list[psutil.Process]) -> tuple[list[Listener], list[Listener]]:
-    """(listeners on loopback, listeners elsewhere other than hydra's control port held by mpiexec)."""
+def off_loopback(procs: list[psutil.Process], allow_hydra: bool = True) -> tuple[list[Listener], list[Listener]]:
+    """(listeners on loopback, listeners elsewhere other than hydra's control port held by mpiexec, if allowed)."""
     found = listeners(procs)
-    hydra = hydra_control_port(procs)
+    hydra = hydra_control_port(procs) if allow_hydra else None
     allowed: set[int] = set()
     if hydra is not None:
         mpiexec_pid, port = hydra
@@ -188,7 +191,35 @@ def _reinit() -> None:
     _taco.reinit()
 
 
-def test_taco_cluster_listens_only_on_loopback_and_reinit_replaces_the_store(shared_cluster):
+def _listening_during_allreduce(cluster, allow_hydra: bool) -> tuple[list[psutil.Process], list[Listener]]:
+    """The cluster's processes and its listeners on loopback, sampled while every rank allreduces; asserts that
+    none listens elsewhere (hydra's control port excepted only when ``allow_hydra``)."""
+    running = cluster.view.apply_async(_allreduce_for, 4.0)
+    time.sleep(1.0)
+    procs = job_processes(list(cluster._started_processes))
+    inside, outside = off_loopback(procs, allow_hydra=allow_hydra)
+    steps = running.get(timeout=120)
+    assert all(s > 0 for s in steps), steps
+    assert not outside, f"listening off loopback: {outside}"
+    assert any("ipyparallel.controller" in item.command for item in inside), inside  # on 127.0.0.1
+    engines = {item.pid for item in inside if item.command.endswith("ipyparallel.engine --mpi")}
+    assert len(engines) == cluster.size, inside  # each rank's gloo pair, on loopback
+    return procs, inside
+
+
+def _launchers(procs: list[psutil.Process]) -> set[str]:
+    names = set()
+    for proc in procs:
+        try:
+            names.add(os.path.basename(proc.exe()))
+        except psutil.Error:
+            continue
+    return names & {"mpiexec", "mpiexec.hydra", "mpiexec.gforker", "hydra_pmi_proxy"}
+
+
+def test_taco_cluster_listens_on_nothing_off_loopback_and_reinit_replaces_the_store(shared_cluster):
+    """gforker, the one-host launcher: not even a launcher port off loopback."""
+    assert shared_cluster.mpi is not None and shared_cluster.mpi.launcher == "gforker", shared_cluster.mpi
     view = shared_cluster.view
     view.apply_sync(_reinit)  # a group every rank holds: an earlier test's failed cell may have aborted rank 0's
     before = view.apply_sync(_rendezvous_report)
@@ -197,23 +228,30 @@ def test_taco_cluster_listens_only_on_loopback_and_reinit_replaces_the_store(sha
     store = Path(before[0]["address"])
     assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700
 
-    running = view.apply_async(_allreduce_for, 4.0)
-    time.sleep(1.0)
-    procs = job_processes(list(shared_cluster._started_processes))
-    inside, outside = off_loopback(procs)
-    steps = running.get(timeout=120)
-    assert all(s > 0 for s in steps), steps
-    assert hydra_control_port(procs) is not None, "hydra's proxy not found: the listing saw no job"
-    assert not outside, f"listening off loopback: {outside}"
-    assert any("ipyparallel.controller" in item.command for item in inside), inside  # on 127.0.0.1
-    engines = {item.pid for item in inside if item.command.endswith("ipyparallel.engine --mpi")}
-    assert len(engines) == 4, inside  # each rank's gloo pair, on loopback
+    procs, _ = _listening_during_allreduce(shared_cluster, allow_hydra=False)
+    assert _launchers(procs) == {"mpiexec.gforker"}, _launchers(procs)  # the listing saw the job, and no hydra
 
     view.apply_sync(_reinit)  # the group is rebuilt: a new private store, the old one removed
     after = view.apply_sync(_rendezvous_report)
     assert len({r["address"] for r in after}) == 1 and after[0]["address"] != before[0]["address"], after
     assert not store.parent.exists()
-    assert stat.S_IMODE(Path(after[0]["address"]).parent.stat().st_mode) == 0o700
+
+
+def test_hydra_chosen_by_env_listens_only_on_its_control_port_off_loopback(monkeypatch):
+    """``TACO_MPI_LAUNCHER=hydra`` keeps hydra, and with it the one documented listener on 0.0.0.0."""
+    from taco_notebook.cluster.session import TacoCluster
+
+    monkeypatch.setenv("TACO_MPI_LAUNCHER", "hydra")
+    cluster = TacoCluster("hydra-listen", size=2)
+    try:
+        cluster.start()
+        assert cluster.mpi is not None and cluster.mpi.launcher == "hydra", cluster.mpi
+        assert os.path.basename(cluster.mpi.mpiexec) == "mpiexec", cluster.mpi
+        procs, _ = _listening_during_allreduce(cluster, allow_hydra=True)
+        assert hydra_control_port(procs) is not None, "hydra's proxy not found: the listing saw no job"
+        assert off_loopback(procs, allow_hydra=False)[1], "hydra's control port on 0.0.0.0 was expected"
+    finally:
+        cluster.stop()
 
 
 def test_sweep_removes_only_our_directories_whose_rank_0_is_gone(tmp_path):

@@ -1,0 +1,120 @@
+"""Which MPI launcher a one-host cluster gets (MPICH's gforker: no network port), the overrides, and what
+rankwrap adds under gforker (the local rank/size hydra would set, and the job stopped when a rank dies).
+
+Everything runs the mpich wheel's real programs; the cluster-level behaviour (engine ids, streaming, Ctrl-C,
+dead ranks, kernel shutdown) is covered by test_magics.py, test_kernel.py and test_rendezvous.py, which now run
+under gforker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from taco_notebook.cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host, gforker_beside
+from taco_notebook.cluster.rankwrap import LAUNCHED_BY_ENV, MARKER
+from taco_notebook.errors import MPINotFoundError
+
+BIN = Path(sys.executable).parent
+GFORKER = BIN / "mpiexec.gforker"
+needs_gforker = pytest.mark.skipif(not GFORKER.exists() or not (BIN / "mpiexec").exists(),
+                                   reason="needs the mpich wheel's mpiexec and mpiexec.gforker beside python")
+
+
+@needs_gforker
+def test_one_host_takes_gforker_and_says_so(monkeypatch):
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    info = find_mpi(single_host=True)
+    assert info.mpiexec == str(GFORKER) and info.launcher == "gforker", info
+    assert info.implementation == "mpich" and info.version[0].isdigit(), info
+    assert "gforker" in info.description, info.description
+    # same MPICH as hydra's mpiexec: same library, same environment for mpi4py
+    assert info.environment == find_mpi().environment and info.environment, info
+
+
+@needs_gforker
+def test_overrides_hydra_by_env_and_explicit_path(monkeypatch):
+    monkeypatch.setenv(LAUNCHER_ENV, "Hydra")
+    assert find_mpi(single_host=True).launcher == "hydra"
+    monkeypatch.setenv(LAUNCHER_ENV, "gforker")
+    explicit = find_mpi(str(BIN / "mpiexec"), single_host=True)  # --mpiexec PATH: exactly that program
+    assert explicit.mpiexec == str(BIN / "mpiexec") and explicit.launcher == "hydra", explicit
+    named = find_mpi(str(GFORKER), single_host=True)  # --mpiexec .../mpiexec.gforker is recognised
+    assert (named.implementation, named.launcher) == ("mpich", "gforker") and named.version[0].isdigit(), named
+    assert find_mpi().launcher == "hydra"  # not a one-host job: never switched
+
+
+@needs_gforker
+def test_bad_choice_and_missing_gforker_are_clear_errors(monkeypatch, tmp_path):
+    monkeypatch.setenv(LAUNCHER_ENV, "fork")
+    with pytest.raises(MPINotFoundError, match=r"TACO_MPI_LAUNCHER='fork'.*auto, hydra, gforker"):
+        find_mpi(single_host=True)
+    lone = tmp_path / "mpiexec"  # an MPICH install without gforker
+    shutil.copy(BIN / "mpiexec", lone)
+    assert gforker_beside(str(lone)) is None
+    hydra_only = MPIInfo(str(lone), "mpich", "5", launcher="hydra")
+    assert for_one_host(hydra_only, explicit=False, environ={}) is hydra_only  # auto: hydra stays
+    with pytest.raises(MPINotFoundError, match=r"no mpiexec.gforker beside .*unset TACO_MPI_LAUNCHER"):
+        for_one_host(hydra_only, explicit=False, environ={LAUNCHER_ENV: "gforker"})
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "mpiexec").symlink_to(BIN / "mpiexec")  # a symlink to the wheel's: its gforker is found
+    assert gforker_beside(str(linked / "mpiexec")) == str(GFORKER)
+
+
+def test_open_mpi_is_left_as_it_is():
+    info = MPIInfo("/opt/ompi/bin/mpiexec", "openmpi", "5.0", ["--oversubscribe"])
+    assert for_one_host(info, explicit=False, environ={LAUNCHER_ENV: "gforker"}) is info
+
+
+RANK = """
+import os, signal, sys, time
+print("rank", os.environ["PMI_RANK"], os.environ.get("MPI_LOCALRANKID"), os.environ.get("MPI_LOCALNRANKS"),
+      flush=True)
+if os.environ["PMI_RANK"] == "1":
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(float(sys.argv[1]))
+print("rank", os.environ["PMI_RANK"], "outlived its peer", flush=True)
+"""
+
+
+@needs_gforker
+def test_rankwrap_under_gforker_sets_local_ranks_and_stops_the_job_when_a_rank_dies(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {**os.environ, LAUNCHED_BY_ENV: "gforker"}
+    began = time.monotonic()
+    job = subprocess.run([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
+                          sys.executable, str(script), "60"], capture_output=True, text=True, env=env,
+                         timeout=120, start_new_session=True)
+    took = time.monotonic() - began
+    assert "outlived its peer" not in job.stdout, job.stdout
+    assert took < 40, f"the job ran {took:.0f} s: the other ranks were not stopped"
+    assert sorted(line for line in job.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 0 3", "rank 1 1 3", "rank 2 2 3"], job.stdout  # every rank is local under gforker
+    markers = [line for line in job.stderr.splitlines() if line.startswith(MARKER)]
+    assert markers and markers[0].startswith(f"{MARKER} rank=1 ") and markers[0].endswith("signal=9"), job.stderr
+    assert "Traceback" not in job.stderr, job.stderr  # SIGKILL's handler no longer trips the wrapper
+
+
+def _local_env() -> tuple[str | None, str | None, str | None]:
+    import os as _os
+
+    return _os.environ.get("PMI_RANK"), _os.environ.get("MPI_LOCALRANKID"), _os.environ.get("MPI_LOCALNRANKS")
+
+
+@needs_gforker
+def test_cluster_runs_under_gforker_with_engine_id_equal_to_rank(ip, shared_cluster, capsys):
+    assert shared_cluster.mpi.launcher == "gforker", shared_cluster.mpi
+    view = shared_cluster.view
+    ids = list(shared_cluster.client.ids)
+    assert view.apply_sync(_local_env) == [(str(i), str(i), "4") for i in ids]
+    ip.run_line_magic("taco_cluster", "status --cluster default")
+    assert "gforker" in capsys.readouterr().out
