@@ -6,11 +6,13 @@ engine dies abnormally prints one marker line (rank, host, pid, signal or exit c
 gathers from every node into the engine set's log. The client reads that line to say *which* rank died and
 how: mpiexec itself only reports that one did. The wrapper then ends the same way, so MPI reacts as usual.
 
-Under MPICH's gforker (a one-host cluster, see cluster/mpi.py) the wrapper also does two things hydra does and
-gforker does not: it tells each rank its local rank and the local size (``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``,
-which comm/ reads to keep MPI on shared memory and to place GPUs; every rank is local), and when its engine dies
-abnormally it asks its own ``mpiexec.gforker`` to stop the job (SIGTERM, which gforker forwards to every rank),
-as hydra does on a rank's death; gforker alone would leave the other ranks running.
+Under MPICH's gforker (a one-host cluster, see cluster/mpi.py) the wrapper writes the rank's output straight
+into gforker's own stdout/stderr file (gforker's relay drops a rank's output at its first non-ASCII byte), and
+does two things hydra does and gforker does not: it tells each rank its local rank and the local size
+(``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``, which comm/ reads to keep MPI on shared memory and to place GPUs;
+every rank is local), and when its engine dies abnormally it kills the job's other ranks (SIGKILL, as hydra
+does on a rank's death; gforker alone would leave them running, and a SIGTERM would let their cells end "on
+their own" instead of as dead engines).
 
 Stdlib only: it starts on every rank before anything else.
 """
@@ -21,6 +23,7 @@ import ctypes
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
@@ -55,15 +58,60 @@ def _gforker_locals() -> None:
     os.environ.setdefault("MPI_LOCALNRANKS", os.environ.get("PMI_SIZE", "1"))
 
 
-def _stop_gforker_job() -> None:
-    """SIGTERM the parent, only if it is provably an ``mpiexec.gforker`` (its executable's name)."""
+def _write_where_gforker_writes() -> None:
+    """Point this rank's stdout and stderr at gforker's own, when that is a file (the engine set's log).
+
+    gforker relays each rank's output through a pipe and stops reading it at the first byte over 0x7f (seen
+    with mpich 5.0.2): the rest of that rank's log is lost, and its next write fails with EPIPE, this
+    wrapper's marker line included. Appending to the log directly (ipyparallel opens it for append too)
+    keeps every byte and keeps each write whole.
+    """
     parent = os.getppid()
+    for fd in (1, 2):
+        target = f"/proc/{parent}/fd/{fd}"
+        try:
+            if not stat.S_ISREG(os.stat(target).st_mode):
+                continue
+            log = os.open(target, os.O_WRONLY | os.O_APPEND)
+        except OSError:  # not ours to read, or gone: keep gforker's pipe
+            continue
+        os.dup2(log, fd)
+        os.close(log)
+
+
+def _stop_gforker_job() -> None:
+    """SIGKILL the other ranks of this job, as hydra does when a rank dies; gforker then ends by itself.
+
+    They are proven to be this job's: children of this wrapper's own parent, which must be an
+    ``mpiexec.gforker`` (its executable's name), of this user. Each wrapper's engine follows it (PDEATHSIG).
+    """
+    parent, me = os.getppid(), os.getpid()
     try:
-        exe = os.readlink(f"/proc/{parent}/exe")
+        if os.path.basename(os.readlink(f"/proc/{parent}/exe")) != "mpiexec.gforker":
+            return
     except OSError:
         return
-    if os.path.basename(exe) == "mpiexec.gforker":
-        os.kill(parent, signal.SIGTERM)
+    for pid in _children_of(parent):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # already gone
+                pass
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            if int(fields[1]) == parent and os.stat(f"/proc/{entry}").st_uid == os.getuid():
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
 
 
 def main(argv: list[str]) -> int:
@@ -73,6 +121,7 @@ def main(argv: list[str]) -> int:
     gforker = _under_gforker()
     if gforker:
         _gforker_locals()
+        _write_where_gforker_writes()
     child = subprocess.Popen(argv, close_fds=False, preexec_fn=_die_with_parent)
     for signum in FORWARDED:
         signal.signal(signum, lambda s, _frame: child.send_signal(s))
