@@ -87,21 +87,24 @@ print("rank", os.environ["PMI_RANK"], "outlived its peer", flush=True)
 
 @needs_gforker
 def test_rankwrap_under_gforker_sets_local_ranks_and_stops_the_job_when_a_rank_dies(tmp_path):
-    script = tmp_path / "rank.py"
+    """Output goes to a log file opened for append, as ipyparallel gives mpiexec the engine set's log."""
+    script, log = tmp_path / "rank.py", tmp_path / "engines.log"
     script.write_text(RANK)
     env = {**os.environ, LAUNCHED_BY_ENV: "gforker"}
     began = time.monotonic()
-    job = subprocess.run([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
-                          sys.executable, str(script), "60"], capture_output=True, text=True, env=env,
-                         timeout=120, start_new_session=True)
+    with open(log, "ab") as out:
+        subprocess.run([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
+                        sys.executable, str(script), "60"], stdout=out, stderr=subprocess.STDOUT, env=env,
+                       timeout=120, start_new_session=True)
     took = time.monotonic() - began
-    assert "outlived its peer" not in job.stdout, job.stdout
+    text = log.read_text()
+    assert "outlived its peer" not in text, text
     assert took < 40, f"the job ran {took:.0f} s: the other ranks were not stopped"
-    assert sorted(line for line in job.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 0 3", "rank 1 1 3", "rank 2 2 3"], job.stdout  # every rank is local under gforker
-    markers = [line for line in job.stderr.splitlines() if line.startswith(MARKER)]
-    assert markers and markers[0].startswith(f"{MARKER} rank=1 ") and markers[0].endswith("signal=9"), job.stderr
-    assert "Traceback" not in job.stderr, job.stderr  # SIGKILL's handler no longer trips the wrapper
+    assert sorted(line for line in text.splitlines() if line.startswith("rank")) == [
+        "rank 0 0 3", "rank 1 1 3", "rank 2 2 3"], text  # every rank is local under gforker
+    markers = [line for line in text.splitlines() if line.startswith(MARKER)]
+    assert len(markers) == 1 and markers[0].startswith(f"{MARKER} rank=1 "), text  # the others were SIGKILLed
+    assert markers[0].endswith("signal=9") and "Error" not in text, text  # SIGKILL's handler no longer trips it
 
 
 def _local_env() -> tuple[str | None, str | None, str | None]:
@@ -118,3 +121,32 @@ def test_cluster_runs_under_gforker_with_engine_id_equal_to_rank(ip, shared_clus
     assert view.apply_sync(_local_env) == [(str(i), str(i), "4") for i in ids]
     ip.run_line_magic("taco_cluster", "status --cluster default")
     assert "gforker" in capsys.readouterr().out
+
+
+LOUD = """
+import os, sys
+for i in range(100):
+    sys.stderr.write(f"rank {os.environ['PMI_RANK']} line {i} " + "é…🌮" * 300 + "\\n")
+    sys.stderr.flush()
+print("rank", os.environ["PMI_RANK"], "done", flush=True)
+"""
+
+
+@needs_gforker
+def test_non_ascii_output_reaches_the_log_whole_under_gforker(tmp_path):
+    """gforker's own relay stops at a rank's first non-ASCII byte; rankwrap writes to the log file directly,
+    which is opened for append as ipyparallel opens the engine set's log."""
+    script, log = tmp_path / "loud.py", tmp_path / "engines.log"
+    script.write_text(LOUD)
+    env = {**os.environ, LAUNCHED_BY_ENV: "gforker"}
+    with open(log, "ab") as out:
+        job = subprocess.run([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
+                              sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                             timeout=120, start_new_session=True)
+    text = log.read_text()  # strict UTF-8: no byte lost or interleaved mid-character
+    assert job.returncode == 0, text[-2000:]
+    lines = text.splitlines()
+    for rank in range(3):
+        assert f"rank {rank} done" in lines, text[-2000:]
+        expected = {f"rank {rank} line {i} " + "é…🌮" * 300 for i in range(100)}
+        assert expected <= set(lines), f"rank {rank}: {len(expected - set(lines))} lines lost or cut"
