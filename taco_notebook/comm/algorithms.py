@@ -30,15 +30,14 @@ import torch
 import torch.distributed as dist
 
 from . import bootstrap, metrics, streams
-from .compression import Compressor, NoneCompressor, TopKCompressor
+from .compression import Compressor, NoneCompressor
 from .config import check_algorithm, compressor_for, settings
+from .reduction import all_gather, merge_sends, reduce_scatter, spread
 from .shm import NodeSegment, new_tag
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "forget_groups", "comm_thread"]
 
 T = TypeVar("T")
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _CommThread:
@@ -153,53 +152,6 @@ def resolve_algorithm(algorithm: str | None) -> str:
     return "2d"
 
 
-def _ring_sends(group_ranks: tuple[int, ...], me: int, nbytes: float) -> dict[int, int]:
-    """What a ring allreduce over ``group_ranks`` sends to the next rank: 2(g-1)/g of the payload."""
-    g = len(group_ranks)
-    if g == 1:
-        return {}
-    nxt = group_ranks[(group_ranks.index(me) + 1) % g]
-    return {nxt: int(2 * (g - 1) / g * nbytes)}
-
-
-def _spread(peers: tuple[int, ...], me: int, nbytes: float) -> dict[int, int]:
-    return {p: int(nbytes) for p in peers if p != me}
-
-
-def _merge(*sends: dict[int, int]) -> dict[int, int]:
-    total: dict[int, int] = {}
-    for sent in sends:
-        for peer, nbytes in sent.items():
-            total[peer] = total.get(peer, 0) + nbytes
-    return total
-
-
-def _compressed_allreduce(shard: torch.Tensor, compressor: Compressor, key: Hashable, group: Any,
-                          peers: tuple[int, ...], me: int) -> tuple[int, int, dict[int, int]]:
-    """Sum ``shard`` over ``group`` in place, sending it compressed; returns raw, wire bytes and sends."""
-    raw = shard.numel() * shard.element_size()
-    payload, ctx = compressor.compress(shard, key)
-    if isinstance(compressor, TopKCompressor) and isinstance(payload, list):
-        values, indices = payload
-        g = len(peers)
-        all_values = values.new_empty(g * values.numel())
-        all_indices = indices.new_empty(g * indices.numel())
-        _all_gather(all_values, values, group=group)
-        _all_gather(all_indices, indices, group=group)
-        shard.copy_(TopKCompressor.merge([[all_values, all_indices]], ctx).view_as(shard))
-        wire = values.numel() * values.element_size() + indices.numel() * indices.element_size()
-        return (g - 1) * raw, (g - 1) * wire, _spread(peers, me, wire)
-    assert isinstance(payload, torch.Tensor)
-    dist.all_reduce(payload, group=group)
-    reduced = compressor.decompress(payload, ctx)
-    if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
-        shard.copy_(reduced.view_as(shard))
-    wire = payload.numel() * payload.element_size()
-    sends = _ring_sends(peers, me, wire)
-    factor = sum(sends.values()) / wire if wire else 0.0
-    return int(factor * raw), sum(sends.values()), sends
-
-
 def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: _Hierarchy,
                me: int) -> tuple[int, int, dict[int, int]]:
     local_size = len(tiers.local_peers)
@@ -207,21 +159,19 @@ def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: 
     shard = buf.new_empty(chunk)
     if tiers.segment is not None and buf.device.type == "cpu":
         tiers.segment.reduce_scatter(buf, shard)
-        raw, wire, cross_sends = _compressed_allreduce(shard, compressor, (key, "2d"), tiers.cross,
-                                                       tiers.cross_peers, me)
+        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
         tiers.segment.all_gather(buf, shard)
     else:
         padded = buf if buf.numel() == chunk * local_size else torch.cat(
             [buf, buf.new_zeros(chunk * local_size - buf.numel())])
-        _reduce_scatter(shard, padded, group=tiers.local)
-        raw, wire, cross_sends = _compressed_allreduce(shard, compressor, (key, "2d"), tiers.cross,
-                                                       tiers.cross_peers, me)
-        _all_gather(padded, shard, group=tiers.local)
+        reduce_scatter(shard, padded, group=tiers.local)
+        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
+        all_gather(padded, shard, group=tiers.local)
         if padded is not buf:
             buf.copy_(padded[: buf.numel()])
     shard_bytes = chunk * buf.element_size()
-    local = _spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
-    return raw, wire, _merge(local, cross_sends)
+    local = spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
+    return raw, wire, merge_sends(local, cross_sends)
 
 
 def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: Hashable) -> None:
@@ -238,8 +188,7 @@ def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: 
     if tiers is not None:
         raw, wire, sends = _reduce_2d(buf, compressor, key, tiers, me)
     else:
-        raw, wire, sends = _compressed_allreduce(buf, compressor, (key, "flat"), None,
-                                                 tuple(range(topo.size)), me)
+        raw, wire, sends = compressor.reduce(buf, (key, "flat"), None, tuple(range(topo.size)), me)
     metrics.record(time.perf_counter() - began, raw, wire, sends)
 
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from .reduction import Reduced, all_gather, ring_sends, spread
 
 __all__ = [
     "Compressor",
@@ -117,6 +120,32 @@ class Compressor(ABC):
     @abstractmethod
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Rebuild a dense tensor with the shape and dtype ``compress`` saw."""
+
+    def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
+               me: int) -> Reduced:
+        """Sum ``shard`` over ``group`` (ranks ``peers``, this one ``me``) in place, sending it compressed.
+
+        The default suits dense payloads (none, fp16, bf16): an allreduce of the payload, then decompress.
+        A compressor whose payloads cannot be summed on the wire (TopK's values and indices, a low-rank
+        factorisation) overrides it; the allreduce algorithm only ever calls this method.
+        """
+        payload, ctx = self.compress(shard, key)
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} makes multi-tensor payloads; it must override reduce()")
+        return self._reduce_dense(shard, payload, ctx, group, peers, me)
+
+    def _reduce_dense(self, shard: torch.Tensor, payload: torch.Tensor, ctx: Any, group: Any,
+                      peers: tuple[int, ...], me: int) -> Reduced:
+        """Allreduce a dense ``payload`` of ``shard`` and write the decompressed sum back into ``shard``."""
+        raw = shard.numel() * shard.element_size()
+        dist.all_reduce(payload, group=group)
+        reduced = self.decompress(payload, ctx)
+        if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
+            shard.copy_(reduced.view_as(shard))
+        wire = payload.numel() * payload.element_size()
+        sends = ring_sends(peers, me, wire)
+        factor = sum(sends.values()) / wire if wire else 0.0
+        return Reduced(int(factor * raw), sum(sends.values()), sends)
 
     def wire_bytes(self, payload: Payload) -> int:
         """Bytes ``payload`` occupies on the wire."""
@@ -279,6 +308,26 @@ class TopKCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         return self.merge([payload], ctx)
+
+    def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
+               me: int) -> Reduced:
+        """A sparse allreduce: allgather every rank's ``k`` values and indices, then :meth:`merge`.
+
+        Tensors TopK leaves dense (below the threshold) take the dense allreduce of the base class.
+        """
+        raw = shard.numel() * shard.element_size()
+        payload, ctx = self.compress(shard, key)
+        if isinstance(payload, torch.Tensor):
+            return self._reduce_dense(shard, payload, ctx, group, peers, me)
+        values, indices = payload
+        g = len(peers)
+        all_values = values.new_empty(g * values.numel())
+        all_indices = indices.new_empty(g * indices.numel())
+        all_gather(all_values, values, group=group)
+        all_gather(all_indices, indices, group=group)
+        shard.copy_(self.merge([[all_values, all_indices]], ctx).view_as(shard))
+        wire = values.numel() * values.element_size() + indices.numel() * indices.element_size()
+        return Reduced((g - 1) * raw, (g - 1) * wire, spread(peers, me, wire))
 
     @staticmethod
     def merge(payloads: Sequence[Payload], ctx: TopKContext) -> torch.Tensor:
