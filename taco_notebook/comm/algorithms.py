@@ -16,7 +16,6 @@ is the same on every rank.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -115,7 +114,7 @@ def _build_hierarchy() -> _Hierarchy | None:
                for i in range(topo.local_size)]
     local = locals_[topo.node]
     segment = None
-    if os.environ.get("TACO_SHM", "1") != "0":  # TACO_SHM=0 keeps the intra-node steps on the process group
+    if settings().shm:  # configure(shm=False) / TACO_SHM=0 keeps the intra-node steps on the process group
         segment = NodeSegment(local, topo.local_rank, topo.local_size, new_tag(local))
     return _Hierarchy(local, crosses[topo.local_rank], topo.node_ranks[topo.node],
                       tuple(ranks[topo.local_rank] for ranks in topo.node_ranks), segment)

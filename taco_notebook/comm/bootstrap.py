@@ -22,9 +22,6 @@ from .topology import Topology, intra_size_from_env, node_name
 __all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend",
            "device"]
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("TACO_COLLECTIVE_TIMEOUT", 1800))
-
-
 def _mpi_world() -> Any:
     """MPI's world, checked against the launcher's rank count (a wrong MPI library fails here, at once)."""
     from mpi4py import MPI
@@ -118,12 +115,14 @@ def init(
     """
     import torch.distributed as dist
 
+    from .config import settings
+
     topology = state.ensure_topology(intra_size)
     if is_initialized():
         return topology
     placed = _placed_backend(topology)  # before the group: pins the GPU, or fails naming the node
     backend = backend or os.environ.get("TACO_BACKEND") or placed
-    seconds = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    seconds = settings().collective_timeout if timeout is None else timeout  # TACO_COLLECTIVE_TIMEOUT
     meeting = rendezvous.create(state.mpi, seconds)
     try:
         dist.init_process_group(backend, store=meeting.store, rank=topology.rank, world_size=topology.size,
