@@ -16,8 +16,6 @@ is the same on every rank.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -33,60 +31,14 @@ from .compression import Compressor, NoneCompressor
 from .config import check_algorithm, compressor_for, settings
 from .reduction import all_gather, merge_sends, reduce_scatter, spread
 from .shm import NodeSegment, new_tag
+from .state import state
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "forget_groups", "comm_thread"]
 
 T = TypeVar("T")
 
 
-class _CommThread:
-    """One daemon worker thread per process that runs every collective of this module, in submission order.
-
-    :meth:`abandon` (the process group is going away) hands later work to a fresh thread: a collective of the
-    old group can stay blocked forever after a peer failed or was interrupted, and nothing queued behind it
-    would ever run. The abandoned thread is a daemon, so it cannot hold the process at exit either.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] | None = None
-        self._ident: int | None = None
-        self._lock = threading.Lock()
-
-    def _work(self, work: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
-        self._ident = threading.get_ident()
-        while (item := work.get()) is not None:
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-            del item, fn, future  # the finished work must not keep its tensors or groups alive
-
-    def submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
-        future = Future() if future is None else future
-        with self._lock:
-            if self._queue is None:
-                self._queue = queue.SimpleQueue()
-                threading.Thread(target=self._work, args=(self._queue,), name="taco-comm", daemon=True).start()
-            self._queue.put((fn, future))
-        return future
-
-    def run(self, fn: Callable[[], T], future: Future[T] | None = None) -> T:
-        if threading.get_ident() == self._ident:
-            return fn()
-        return self.submit(fn, future).result()
-
-    def abandon(self) -> None:
-        """Later collectives run on a new thread; the current one ends once its queue is done (if ever)."""
-        with self._lock:
-            if self._queue is not None:
-                self._queue.put(None)
-            self._queue = None
-
-
-comm_thread = _CommThread()
+comm_thread = state.comm_thread  # the name cluster/, collectives and tests use
 
 
 @dataclass(frozen=True)
@@ -98,17 +50,17 @@ class _Hierarchy:
     segment: NodeSegment | None  # shared memory for the intra-node steps of CPU tensors
 
 
-_hierarchy: dict[int, _Hierarchy | None] = {}
+_hierarchy = state.hierarchy  # generation -> this rank's 2D groups, dropped on teardown
 
 
 def _build_hierarchy() -> _Hierarchy | None:
     """Node and cross-node groups (collective: every rank builds every group, in the same order)."""
-    topo = bootstrap.state.topology
+    topo = state.topology
     assert topo is not None
     sizes = {len(ranks) for ranks in topo.node_ranks}
     if len(sizes) != 1 or topo.num_nodes == 1 or topo.local_size == 1:
         return None
-    backend = bootstrap.state.backend  # the same per-device backends as the world ("cpu:gloo,cuda:nccl")
+    backend = state.backend  # the same per-device backends as the world ("cpu:gloo,cuda:nccl")
     locals_ = [dist.new_group(list(ranks), backend=backend) for ranks in topo.node_ranks]
     crosses = [dist.new_group([ranks[i] for ranks in topo.node_ranks], backend=backend)
                for i in range(topo.local_size)]
@@ -122,15 +74,20 @@ def _build_hierarchy() -> _Hierarchy | None:
 
 def hierarchy() -> _Hierarchy | None:
     """This rank's groups for the 2D algorithm, or None when the job is one node or uneven."""
-    generation = bootstrap.state.generation
+    generation = state.generation
     if generation not in _hierarchy:
         _hierarchy.clear()
         _hierarchy[generation] = _build_hierarchy()
     return _hierarchy[generation]
 
 
+@state.on_teardown
 def forget_groups() -> None:
-    """Drop the 2D groups and unmap the node's segment (the process group is going away)."""
+    """Drop the 2D groups and unmap the node's segment, and leave the comm thread (the group is going away).
+
+    Registered with :meth:`.state.ProcessState.on_teardown`: ``bootstrap.shutdown()`` runs it without
+    importing this module.
+    """
     comm_thread.abandon()
     for tiers in _hierarchy.values():
         if tiers is not None and tiers.segment is not None:
@@ -180,7 +137,7 @@ def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: 
     (all of it for flat, what crosses nodes for 2d): their ratio is the compression ratio.
     """
     began = time.perf_counter()
-    topo = bootstrap.state.topology
+    topo = state.topology
     assert topo is not None
     me = topo.rank
     tiers = hierarchy() if algorithm == "2d" else None

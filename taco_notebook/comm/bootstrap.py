@@ -3,7 +3,10 @@
 The ranks meet through :mod:`.rendezvous` (a FileStore in a private directory on one host, a TCPStore bound to
 the job's interface across hosts; its name or address agreed over MPI), so nothing is hard-coded and two jobs on
 one machine never collide. The process group can be destroyed and built again without restarting the processes
-(after an interrupted cell, or when membership changes).
+(after an interrupted cell, or when membership changes): the process's state is :data:`.state.state`, and
+``shutdown()`` runs the teardown callbacks that modules building on the group registered there. The collective
+timeout is ``taco.configure(collective_timeout=...)`` (default ``TACO_COLLECTIVE_TIMEOUT``, 1800 s), read at
+``init()``.
 
 Works under ``%%taco_run`` and under plain ``mpiexec -n 4 python train.py`` alike; imports no IPython.
 """
@@ -12,24 +15,15 @@ from __future__ import annotations
 
 import atexit
 import os
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from . import excepthook, rendezvous
-from .topology import Topology, intra_size_from_env, node_name
+from .state import ProcessState, state
+from .topology import Topology
 
 __all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend",
            "device"]
-
-def _mpi_world() -> Any:
-    """MPI's world, checked against the launcher's rank count (a wrong MPI library fails here, at once)."""
-    from mpi4py import MPI
-
-    from .mpicheck import check_world
-
-    check_world(MPI.COMM_WORLD)
-    return MPI.COMM_WORLD
 
 
 def default_backend() -> str:
@@ -43,28 +37,7 @@ def default_backend() -> str:
     return backend_for(mode, mode != "none" and torch.cuda.is_available())
 
 
-@dataclass
-class CommState:
-    """Everything this process knows about the job: MPI communicator, topology, torch process group."""
-
-    mpi: Any = None
-    topology: Topology | None = None
-    backend: str | None = None
-    device: Any = None
-    generation: int = 0
-    store: Any = field(default=None, repr=False)
-    rendezvous: rendezvous.Rendezvous | None = field(default=None, repr=False)
-
-    def ensure_topology(self, intra_size: int | None = None) -> Topology:
-        if self.topology is None or intra_size is not None:
-            self.mpi = self.mpi or _mpi_world()
-            names = self.mpi.allgather(node_name())
-            chosen = intra_size if intra_size is not None else intra_size_from_env()
-            self.topology = Topology.from_hostnames(self.mpi.Get_rank(), names, chosen)
-        return self.topology
-
-
-state = CommState()
+CommState = ProcessState  # the old name, kept for code that imported it
 
 
 def is_initialized() -> bool:
@@ -143,19 +116,12 @@ def init(
 
 
 def shutdown() -> None:
-    """Destroy the process group (collective). Safe to call when none exists."""
+    """Destroy the process group (collective) and run the state's teardown callbacks. Safe when none exists."""
     import torch.distributed as dist
 
     if is_initialized():
         dist.destroy_process_group()  # every group, the 2D algorithm's subgroups included
-    from .algorithms import forget_groups
-
-    forget_groups()
-    state.store = None
-    if state.rendezvous is not None:
-        state.rendezvous.close()  # its private directory goes with the group; reinit() makes a new one
-        state.rendezvous = None
-    state.backend = None
+    state.teardown()  # what was built on the group (algorithms registered its groups and thread) goes too
 
 
 _HOLD_GROUPS = ("torch/distributed", "taco_notebook/comm")  # code whose frames hold process groups
@@ -167,6 +133,7 @@ def abort() -> None:
     Not collective: called on ranks that already stopped while their peers may still be blocked. A group's
     sockets close only when its last reference goes, and the frames of a failed collective, kept by the
     traceback of the error, hold it as a local: those frames are cleared first.
+
     """
     import gc
     import inspect
