@@ -129,3 +129,17 @@ def test_comm_modules_import_no_loop() -> None:
     assert graph["bootstrap"] and "algorithms" not in graph["bootstrap"], graph["bootstrap"]
     assert loops == [], f"import loops through {loops}"
 
+
+def test_torch_abort_does_not_release_a_gloo_peer(mpiexec):
+    """Why bootstrap.abort() clears frames: torch's ProcessGroup.abort() leaves a gloo group's sockets open.
+
+    A peer blocked on the group is released only when the aborting process lets go of the group (here: exits
+    after HOLD_S seconds). If a torch release makes abort() close the sockets, this fails: switch abort() to it.
+    """
+    hold = 8.0
+    result = run_mpi(mpiexec, 2, "gloo_abort.py", {"HOLD_S": str(hold), "TACO_ABORT_ON_EXCEPTION": "0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ABORTED" in result.stdout, result.stdout + result.stderr
+    found = re.search(r"RELEASED-AFTER ([\d.]+)", result.stdout)
+    assert found, result.stdout + result.stderr
+    assert float(found.group(1)) >= hold - 1.5, result.stdout  # blocked ~1 s before the abort, then HOLD_S

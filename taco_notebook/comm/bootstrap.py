@@ -134,6 +134,17 @@ def abort() -> None:
     sockets close only when its last reference goes, and the frames of a failed collective, kept by the
     traceback of the error, hold it as a local: those frames are cleared first.
 
+    Why walk the garbage collector instead of asking torch to abort: in torch 2.13 a gloo group's
+    ``ProcessGroup.abort()``, its backend's ``abort()`` and ``shutdown()``, and ``_abort_process_group()``
+    (documented as NCCL only) all return at once but leave gloo's pair sockets open, so a peer blocked in a
+    collective stays blocked until this process drops its last reference to the group or exits. Measured:
+    the peer was released when the aborting rank dropped its reference, 8 s after the abort, not at it
+    (tests/mpi/gloo_abort.py; ``test_torch_abort_does_not_release_a_gloo_peer`` fails the day torch closes
+    them, and this walk can then go). Only the C++ destructor closes the sockets, and the references that
+    keep it alive are in frames we do not own (the traceback kept by IPython, ipyparallel or the comm
+    thread's future): we cannot know every holder, but we know which code holds groups, so frames of that
+    code are cleared. Generators and coroutines are skipped (clearing a suspended one closes it), and frames
+    still executing cannot be cleared (the comm thread, if blocked, is abandoned on teardown instead).
     """
     import gc
     import inspect
