@@ -9,9 +9,12 @@
 3. allgather inside the node.
 
 ``flat`` is the backend's own allreduce over all ranks (gloo's ring on CPU, NCCL's on GPU), compressed as a
-whole if asked. All collectives of this module run on one background thread per process, in the order they
-were submitted, so gradient buckets can be reduced while backward still runs, and the order of collectives
-is the same on every rank.
+whole if asked. The compressed step is the compressor's own :meth:`.compression.Compressor.reduce` (a dense
+allreduce of the cast payload, TopK's sparse allgather): this module never looks at which compressor it has.
+All collectives of this module run on one background thread per process (``state.comm_thread``), in the
+order they were submitted, so gradient buckets can be reduced while backward still runs, and the order of
+collectives is the same on every rank. The 2D groups are cached per group generation in the process state
+(:mod:`.state`), and dropped by the teardown callback :func:`forget_groups` when the group goes away.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import warnings
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +37,6 @@ from .shm import NodeSegment, new_tag
 from .state import state
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "forget_groups", "comm_thread"]
-
-T = TypeVar("T")
-
 
 comm_thread = state.comm_thread  # the name cluster/, collectives and tests use
 
