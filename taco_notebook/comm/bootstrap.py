@@ -26,6 +26,11 @@ __all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_init
            "device"]
 
 
+# How long shutdown()'s rendezvous creator waits for its peers to let go of the FileStore before removing its
+# directory (all ranks shut down together: milliseconds; a peer that is gone costs this much once).
+_PEERS_CLOSE_S = 2.0
+
+
 def default_backend() -> str:
     """gloo without CUDA; with CUDA one backend per device type: ``cpu:gloo,cuda:nccl`` (``--gpus auto``)
     or ``cpu:gloo,cuda:gloo`` (``--gpus shared``), so CPU and CUDA tensors share one process group."""
@@ -117,11 +122,15 @@ def init(
 
 def shutdown() -> None:
     """Destroy the process group (collective) and run the state's teardown callbacks. Safe when none exists."""
+    _shutdown(_PEERS_CLOSE_S)
+
+
+def _shutdown(rendezvous_wait_s: float) -> None:
     import torch.distributed as dist
 
     if is_initialized():
         dist.destroy_process_group()  # every group, the 2D algorithm's subgroups included
-    state.teardown()  # what was built on the group (algorithms registered its groups and thread) goes too
+    state.teardown(rendezvous_wait_s)  # what was built on the group (algorithms' groups and thread) goes too
 
 
 _HOLD_GROUPS = ("torch/distributed", "taco_notebook/comm")  # code whose frames hold process groups
@@ -158,7 +167,7 @@ def abort() -> None:
                 obj.clear()
             except RuntimeError:  # still executing
                 pass
-    shutdown()
+    _shutdown(0.0)  # peers are blocked or failing: do not wait for them to let go of the store
     gc.collect()
 
 

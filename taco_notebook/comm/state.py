@@ -123,10 +123,12 @@ class ProcessState:
             self._teardown.append(callback)
         return callback
 
-    def teardown(self) -> None:
+    def teardown(self, rendezvous_wait_s: float = 0.0) -> None:
         """Run every teardown callback (last registered first), then forget the group's store and backend.
 
         A failing callback does not stop the others; the first error is raised once all have run.
+        ``rendezvous_wait_s``: how long the rendezvous' creator waits for its peers to let go of the store
+        before removing its directory (:meth:`.rendezvous.Rendezvous.close`).
         """
         errors: list[BaseException] = []
         for callback in reversed(self._teardown):
@@ -137,7 +139,7 @@ class ProcessState:
                 errors.append(exc)
         self.store = None
         if self.rendezvous is not None:
-            self.rendezvous.close()  # its private directory goes with the group; init() makes a new one
+            self.rendezvous.close(rendezvous_wait_s)  # its private directory goes with the group
             self.rendezvous = None
         self.backend = None
         if errors:
