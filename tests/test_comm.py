@@ -78,3 +78,68 @@ def test_rank_wrapper_reports_the_rank_that_died(mpiexec, tmp_path):
     marker = [line for line in result.stderr.splitlines() if line.startswith("TACO-RANK-EXIT")]
     assert marker and "rank=1 " in marker[0] and f"signal={int(__import__('signal').SIGSEGV)}" in marker[0], \
         result.stderr
+
+
+def test_process_state_teardown_runs_every_callback_last_first() -> None:
+    """comm/'s state tears down what was registered, in reverse order, even past a failing callback."""
+    from taco_notebook.comm.state import ProcessState
+
+    state = ProcessState()
+    ran: list[str] = []
+
+    def first() -> None:
+        ran.append("first")
+
+    def failing() -> None:
+        ran.append("failing")
+        raise OSError("segment already gone")
+
+    state.on_teardown(first)
+    state.on_teardown(failing)
+    state.on_teardown(first)  # registered once only
+    state.backend = "gloo"
+    with pytest.raises(OSError, match="segment already gone"):
+        state.teardown()
+    assert ran == ["failing", "first"]
+    assert state.backend is None and state.store is None and state.rendezvous is None
+
+
+def test_comm_modules_import_no_loop() -> None:
+    """No module of comm/ imports, even inside a function, a module that imports it back (directly or not)."""
+    import ast
+
+    import taco_notebook.comm as comm
+
+    root = Path(comm.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+        graph[path.stem] = deps - {path.stem, "__init__"}
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for dep in graph.get(start, set()) - seen:
+            if dep == target or reaches(dep, target, seen | {dep}):
+                return True
+        return False
+
+    loops = sorted(m for m in graph if m != "__init__" and reaches(m, m, set()))
+    assert graph["bootstrap"] and "algorithms" not in graph["bootstrap"], graph["bootstrap"]
+    assert loops == [], f"import loops through {loops}"
+
+
+def test_torch_abort_does_not_release_a_gloo_peer(mpiexec):
+    """Why bootstrap.abort() clears frames: torch's ProcessGroup.abort() leaves a gloo group's sockets open.
+
+    A peer blocked on the group is released only when the aborting process lets go of the group (here: exits
+    after HOLD_S seconds). If a torch release makes abort() close the sockets, this fails: switch abort() to it.
+    """
+    hold = 8.0
+    result = run_mpi(mpiexec, 2, "gloo_abort.py", {"HOLD_S": str(hold), "TACO_ABORT_ON_EXCEPTION": "0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ABORTED" in result.stdout, result.stdout + result.stderr
+    found = re.search(r"RELEASED-AFTER ([\d.]+)", result.stdout)
+    assert found, result.stdout + result.stderr
+    assert float(found.group(1)) >= hold - 1.5, result.stdout  # blocked ~1 s before the abort, then HOLD_S

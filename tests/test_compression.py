@@ -19,6 +19,16 @@ from taco_notebook.comm.compression import (
     compression_from_env,
     parse_compression,
 )
+from taco_notebook.comm.config import configure, settings
+from taco_notebook.comm.specs import (
+    CompressionSpec,
+    algorithm_from_env,
+    fusion_mb_from_env,
+    parse_compression_spec,
+    parse_flag,
+    shm_from_env,
+    timeout_from_env,
+)
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -431,3 +441,66 @@ def test_topk_large_tensor_selects_exact_top_k(layout: str) -> None:
     assert indices.numel() == 60_000
     assert torch.equal(indices.long().sort().values, expected.sort().values)
     torch.testing.assert_close(values, t[indices.long()], rtol=0, atol=0)
+
+
+# --- settings parsed in one place (comm/specs.py) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (None, None), ("", None), ("  ", None), ("1", True), ("Yes", True), (" on ", True), ("TRUE", True),
+    ("0", False), ("no", False), ("Off", False), ("false", False),
+])
+def test_parse_flag(raw: str | None, expected: bool | None) -> None:
+    assert parse_flag("SOME_FLAG", raw) is expected
+
+
+def test_parse_flag_names_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"LIGHT_2D_ALLREDUCE must be 1/true/yes/on or 0/false/no/off, got 'maybe'"):
+        algorithm_from_env({"LIGHT_2D_ALLREDUCE": "maybe"})
+
+
+@pytest.mark.parametrize(("env", "algorithm", "shm", "timeout"), [
+    ({}, "auto", True, 1800.0),
+    ({"LIGHT_2D_ALLREDUCE": "1", "TACO_SHM": "0", "TACO_COLLECTIVE_TIMEOUT": "45"}, "2d", False, 45.0),
+    ({"LIGHT_2D_ALLREDUCE": "off", "TACO_SHM": "yes", "TACO_COLLECTIVE_TIMEOUT": " "}, "flat", True, 1800.0),
+])
+def test_settings_from_env(env: dict[str, str], algorithm: str, shm: bool, timeout: float) -> None:
+    assert (algorithm_from_env(env), shm_from_env(env), timeout_from_env(env)) == (algorithm, shm, timeout)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"TACO_SHM": "maybe"}, "TACO_SHM must be 1/true/yes/on or 0/false/no/off, got 'maybe'"),
+    ({"TACO_COLLECTIVE_TIMEOUT": "soon"}, "TACO_COLLECTIVE_TIMEOUT must be a number of seconds > 0, got 'soon'"),
+    ({"TACO_COLLECTIVE_TIMEOUT": "-3"}, "TACO_COLLECTIVE_TIMEOUT must be a number of seconds > 0, got -3.0"),
+    ({"TACO_FUSION_MB": "lots"}, "TACO_FUSION_MB must be a number of megabytes >= 0, got 'lots'"),
+])
+def test_settings_env_bad_values(env: dict[str, str], message: str) -> None:
+    readers = (shm_from_env, timeout_from_env, fusion_mb_from_env)
+    with pytest.raises(ValueError) as info:
+        for read in readers:
+            read(env)
+    assert message in str(info.value)
+
+
+def test_configure_shm_and_timeout_default_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TACO_SHM", "off")
+    monkeypatch.setenv("TACO_COLLECTIVE_TIMEOUT", "90")
+    try:
+        s = configure(reset=True)  # read when used: the environment set after import counts
+        assert (s.shm, s.collective_timeout) == (False, 90.0)
+        s = configure(shm=True, collective_timeout=12.5)
+        assert (s.shm, s.collective_timeout, settings().shm) == (True, 12.5, True)
+        with pytest.raises(ValueError, match="collective timeout must be a number of seconds > 0, got 0"):
+            configure(collective_timeout=0)
+        with pytest.raises(TypeError, match="shm must be True or False, got 'no'"):
+            configure(shm="no")  # type: ignore[arg-type]
+    finally:
+        monkeypatch.delenv("TACO_SHM")
+        monkeypatch.delenv("TACO_COLLECTIVE_TIMEOUT")
+        configure(reset=True)
+
+
+def test_compression_spec_parses_without_torch_objects() -> None:
+    assert parse_compression_spec("TopK:0.05:threshold=7") == CompressionSpec("topk", 0.05, 7)
+    assert parse_compression_spec(None) == CompressionSpec("none")
+    assert parse_compression("topk:0.05:threshold=7").name == "topk:0.05:threshold=7"

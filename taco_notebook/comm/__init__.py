@@ -58,7 +58,7 @@ _rendezvous.keep_mpi_local()  # a one-host plain mpiexec job's MPI opens no list
 
 def topology() -> Topology:
     """This rank's placement (from MPI; does not need the process group)."""
-    from .bootstrap import state
+    from .state import state
 
     return state.ensure_topology()
 

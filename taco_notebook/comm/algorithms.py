@@ -9,86 +9,36 @@
 3. allgather inside the node.
 
 ``flat`` is the backend's own allreduce over all ranks (gloo's ring on CPU, NCCL's on GPU), compressed as a
-whole if asked. All collectives of this module run on one background thread per process, in the order they
-were submitted, so gradient buckets can be reduced while backward still runs, and the order of collectives
-is the same on every rank.
+whole if asked. The compressed step is the compressor's own :meth:`.compression.Compressor.reduce` (a dense
+allreduce of the cast payload, TopK's sparse allgather): this module never looks at which compressor it has.
+All collectives of this module run on one background thread per process (``state.comm_thread``), in the
+order they were submitted, so gradient buckets can be reduced while backward still runs, and the order of
+collectives is the same on every rank. The 2D groups are cached per group generation in the process state
+(:mod:`.state`), and dropped by the teardown callback :func:`forget_groups` when the group goes away.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import bootstrap, metrics, streams
-from .compression import Compressor, NoneCompressor, TopKCompressor
+from .compression import Compressor, NoneCompressor
 from .config import check_algorithm, compressor_for, settings
+from .reduction import all_gather, merge_sends, reduce_scatter, spread
 from .shm import NodeSegment, new_tag
+from .state import state
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "forget_groups", "comm_thread"]
 
-T = TypeVar("T")
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _CommThread:
-    """One daemon worker thread per process that runs every collective of this module, in submission order.
-
-    :meth:`abandon` (the process group is going away) hands later work to a fresh thread: a collective of the
-    old group can stay blocked forever after a peer failed or was interrupted, and nothing queued behind it
-    would ever run. The abandoned thread is a daemon, so it cannot hold the process at exit either.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] | None = None
-        self._ident: int | None = None
-        self._lock = threading.Lock()
-
-    def _work(self, work: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
-        self._ident = threading.get_ident()
-        while (item := work.get()) is not None:
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-            del item, fn, future  # the finished work must not keep its tensors or groups alive
-
-    def submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
-        future = Future() if future is None else future
-        with self._lock:
-            if self._queue is None:
-                self._queue = queue.SimpleQueue()
-                threading.Thread(target=self._work, args=(self._queue,), name="taco-comm", daemon=True).start()
-            self._queue.put((fn, future))
-        return future
-
-    def run(self, fn: Callable[[], T], future: Future[T] | None = None) -> T:
-        if threading.get_ident() == self._ident:
-            return fn()
-        return self.submit(fn, future).result()
-
-    def abandon(self) -> None:
-        """Later collectives run on a new thread; the current one ends once its queue is done (if ever)."""
-        with self._lock:
-            if self._queue is not None:
-                self._queue.put(None)
-            self._queue = None
-
-
-comm_thread = _CommThread()
+comm_thread = state.comm_thread  # the name cluster/, collectives and tests use
 
 
 @dataclass(frozen=True)
@@ -100,23 +50,23 @@ class _Hierarchy:
     segment: NodeSegment | None  # shared memory for the intra-node steps of CPU tensors
 
 
-_hierarchy: dict[int, _Hierarchy | None] = {}
+_hierarchy = state.hierarchy  # generation -> this rank's 2D groups, dropped on teardown
 
 
 def _build_hierarchy() -> _Hierarchy | None:
     """Node and cross-node groups (collective: every rank builds every group, in the same order)."""
-    topo = bootstrap.state.topology
+    topo = state.topology
     assert topo is not None
     sizes = {len(ranks) for ranks in topo.node_ranks}
     if len(sizes) != 1 or topo.num_nodes == 1 or topo.local_size == 1:
         return None
-    backend = bootstrap.state.backend  # the same per-device backends as the world ("cpu:gloo,cuda:nccl")
+    backend = state.backend  # the same per-device backends as the world ("cpu:gloo,cuda:nccl")
     locals_ = [dist.new_group(list(ranks), backend=backend) for ranks in topo.node_ranks]
     crosses = [dist.new_group([ranks[i] for ranks in topo.node_ranks], backend=backend)
                for i in range(topo.local_size)]
     local = locals_[topo.node]
     segment = None
-    if os.environ.get("TACO_SHM", "1") != "0":  # TACO_SHM=0 keeps the intra-node steps on the process group
+    if settings().shm:  # configure(shm=False) / TACO_SHM=0 keeps the intra-node steps on the process group
         segment = NodeSegment(local, topo.local_rank, topo.local_size, new_tag(local))
     return _Hierarchy(local, crosses[topo.local_rank], topo.node_ranks[topo.node],
                       tuple(ranks[topo.local_rank] for ranks in topo.node_ranks), segment)
@@ -124,15 +74,20 @@ def _build_hierarchy() -> _Hierarchy | None:
 
 def hierarchy() -> _Hierarchy | None:
     """This rank's groups for the 2D algorithm, or None when the job is one node or uneven."""
-    generation = bootstrap.state.generation
+    generation = state.generation
     if generation not in _hierarchy:
         _hierarchy.clear()
         _hierarchy[generation] = _build_hierarchy()
     return _hierarchy[generation]
 
 
+@state.on_teardown
 def forget_groups() -> None:
-    """Drop the 2D groups and unmap the node's segment (the process group is going away)."""
+    """Drop the 2D groups and unmap the node's segment, and leave the comm thread (the group is going away).
+
+    Registered with :meth:`.state.ProcessState.on_teardown`: ``bootstrap.shutdown()`` runs it without
+    importing this module.
+    """
     comm_thread.abandon()
     for tiers in _hierarchy.values():
         if tiers is not None and tiers.segment is not None:
@@ -153,53 +108,6 @@ def resolve_algorithm(algorithm: str | None) -> str:
     return "2d"
 
 
-def _ring_sends(group_ranks: tuple[int, ...], me: int, nbytes: float) -> dict[int, int]:
-    """What a ring allreduce over ``group_ranks`` sends to the next rank: 2(g-1)/g of the payload."""
-    g = len(group_ranks)
-    if g == 1:
-        return {}
-    nxt = group_ranks[(group_ranks.index(me) + 1) % g]
-    return {nxt: int(2 * (g - 1) / g * nbytes)}
-
-
-def _spread(peers: tuple[int, ...], me: int, nbytes: float) -> dict[int, int]:
-    return {p: int(nbytes) for p in peers if p != me}
-
-
-def _merge(*sends: dict[int, int]) -> dict[int, int]:
-    total: dict[int, int] = {}
-    for sent in sends:
-        for peer, nbytes in sent.items():
-            total[peer] = total.get(peer, 0) + nbytes
-    return total
-
-
-def _compressed_allreduce(shard: torch.Tensor, compressor: Compressor, key: Hashable, group: Any,
-                          peers: tuple[int, ...], me: int) -> tuple[int, int, dict[int, int]]:
-    """Sum ``shard`` over ``group`` in place, sending it compressed; returns raw, wire bytes and sends."""
-    raw = shard.numel() * shard.element_size()
-    payload, ctx = compressor.compress(shard, key)
-    if isinstance(compressor, TopKCompressor) and isinstance(payload, list):
-        values, indices = payload
-        g = len(peers)
-        all_values = values.new_empty(g * values.numel())
-        all_indices = indices.new_empty(g * indices.numel())
-        _all_gather(all_values, values, group=group)
-        _all_gather(all_indices, indices, group=group)
-        shard.copy_(TopKCompressor.merge([[all_values, all_indices]], ctx).view_as(shard))
-        wire = values.numel() * values.element_size() + indices.numel() * indices.element_size()
-        return (g - 1) * raw, (g - 1) * wire, _spread(peers, me, wire)
-    assert isinstance(payload, torch.Tensor)
-    dist.all_reduce(payload, group=group)
-    reduced = compressor.decompress(payload, ctx)
-    if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
-        shard.copy_(reduced.view_as(shard))
-    wire = payload.numel() * payload.element_size()
-    sends = _ring_sends(peers, me, wire)
-    factor = sum(sends.values()) / wire if wire else 0.0
-    return int(factor * raw), sum(sends.values()), sends
-
-
 def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: _Hierarchy,
                me: int) -> tuple[int, int, dict[int, int]]:
     local_size = len(tiers.local_peers)
@@ -207,21 +115,19 @@ def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: 
     shard = buf.new_empty(chunk)
     if tiers.segment is not None and buf.device.type == "cpu":
         tiers.segment.reduce_scatter(buf, shard)
-        raw, wire, cross_sends = _compressed_allreduce(shard, compressor, (key, "2d"), tiers.cross,
-                                                       tiers.cross_peers, me)
+        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
         tiers.segment.all_gather(buf, shard)
     else:
         padded = buf if buf.numel() == chunk * local_size else torch.cat(
             [buf, buf.new_zeros(chunk * local_size - buf.numel())])
-        _reduce_scatter(shard, padded, group=tiers.local)
-        raw, wire, cross_sends = _compressed_allreduce(shard, compressor, (key, "2d"), tiers.cross,
-                                                       tiers.cross_peers, me)
-        _all_gather(padded, shard, group=tiers.local)
+        reduce_scatter(shard, padded, group=tiers.local)
+        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
+        all_gather(padded, shard, group=tiers.local)
         if padded is not buf:
             buf.copy_(padded[: buf.numel()])
     shard_bytes = chunk * buf.element_size()
-    local = _spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
-    return raw, wire, _merge(local, cross_sends)
+    local = spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
+    return raw, wire, merge_sends(local, cross_sends)
 
 
 def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: Hashable) -> None:
@@ -231,15 +137,14 @@ def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: 
     (all of it for flat, what crosses nodes for 2d): their ratio is the compression ratio.
     """
     began = time.perf_counter()
-    topo = bootstrap.state.topology
+    topo = state.topology
     assert topo is not None
     me = topo.rank
     tiers = hierarchy() if algorithm == "2d" else None
     if tiers is not None:
         raw, wire, sends = _reduce_2d(buf, compressor, key, tiers, me)
     else:
-        raw, wire, sends = _compressed_allreduce(buf, compressor, (key, "flat"), None,
-                                                 tuple(range(topo.size)), me)
+        raw, wire, sends = compressor.reduce(buf, (key, "flat"), None, tuple(range(topo.size)), me)
     metrics.record(time.perf_counter() - began, raw, wire, sends)
 
 

@@ -3,7 +3,10 @@
 The ranks meet through :mod:`.rendezvous` (a FileStore in a private directory on one host, a TCPStore bound to
 the job's interface across hosts; its name or address agreed over MPI), so nothing is hard-coded and two jobs on
 one machine never collide. The process group can be destroyed and built again without restarting the processes
-(after an interrupted cell, or when membership changes).
+(after an interrupted cell, or when membership changes): the process's state is :data:`.state.state`, and
+``shutdown()`` runs the teardown callbacks that modules building on the group registered there. The collective
+timeout is ``taco.configure(collective_timeout=...)`` (default ``TACO_COLLECTIVE_TIMEOUT``, 1800 s), read at
+``init()``.
 
 Works under ``%%taco_run`` and under plain ``mpiexec -n 4 python train.py`` alike; imports no IPython.
 """
@@ -12,27 +15,20 @@ from __future__ import annotations
 
 import atexit
 import os
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from . import excepthook, rendezvous
-from .topology import Topology, intra_size_from_env, node_name
+from .state import ProcessState, state
+from .topology import Topology
 
 __all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend",
            "device"]
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("TACO_COLLECTIVE_TIMEOUT", 1800))
 
-
-def _mpi_world() -> Any:
-    """MPI's world, checked against the launcher's rank count (a wrong MPI library fails here, at once)."""
-    from mpi4py import MPI
-
-    from .mpicheck import check_world
-
-    check_world(MPI.COMM_WORLD)
-    return MPI.COMM_WORLD
+# How long shutdown()'s rendezvous creator waits for its peers to let go of the FileStore before removing its
+# directory (all ranks shut down together: milliseconds; a peer that is gone costs this much once).
+_PEERS_CLOSE_S = 2.0
 
 
 def default_backend() -> str:
@@ -46,28 +42,7 @@ def default_backend() -> str:
     return backend_for(mode, mode != "none" and torch.cuda.is_available())
 
 
-@dataclass
-class CommState:
-    """Everything this process knows about the job: MPI communicator, topology, torch process group."""
-
-    mpi: Any = None
-    topology: Topology | None = None
-    backend: str | None = None
-    device: Any = None
-    generation: int = 0
-    store: Any = field(default=None, repr=False)
-    rendezvous: rendezvous.Rendezvous | None = field(default=None, repr=False)
-
-    def ensure_topology(self, intra_size: int | None = None) -> Topology:
-        if self.topology is None or intra_size is not None:
-            self.mpi = self.mpi or _mpi_world()
-            names = self.mpi.allgather(node_name())
-            chosen = intra_size if intra_size is not None else intra_size_from_env()
-            self.topology = Topology.from_hostnames(self.mpi.Get_rank(), names, chosen)
-        return self.topology
-
-
-state = CommState()
+CommState = ProcessState  # the old name, kept for code that imported it
 
 
 def is_initialized() -> bool:
@@ -118,12 +93,14 @@ def init(
     """
     import torch.distributed as dist
 
+    from .config import settings
+
     topology = state.ensure_topology(intra_size)
     if is_initialized():
         return topology
     placed = _placed_backend(topology)  # before the group: pins the GPU, or fails naming the node
     backend = backend or os.environ.get("TACO_BACKEND") or placed
-    seconds = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    seconds = settings().collective_timeout if timeout is None else timeout  # TACO_COLLECTIVE_TIMEOUT
     meeting = rendezvous.create(state.mpi, seconds)
     try:
         dist.init_process_group(backend, store=meeting.store, rank=topology.rank, world_size=topology.size,
@@ -144,19 +121,16 @@ def init(
 
 
 def shutdown() -> None:
-    """Destroy the process group (collective). Safe to call when none exists."""
+    """Destroy the process group (collective) and run the state's teardown callbacks. Safe when none exists."""
+    _shutdown(_PEERS_CLOSE_S)
+
+
+def _shutdown(rendezvous_wait_s: float) -> None:
     import torch.distributed as dist
 
     if is_initialized():
         dist.destroy_process_group()  # every group, the 2D algorithm's subgroups included
-    from .algorithms import forget_groups
-
-    forget_groups()
-    state.store = None
-    if state.rendezvous is not None:
-        state.rendezvous.close()  # its private directory goes with the group; reinit() makes a new one
-        state.rendezvous = None
-    state.backend = None
+    state.teardown(rendezvous_wait_s)  # what was built on the group (algorithms' groups and thread) goes too
 
 
 _HOLD_GROUPS = ("torch/distributed", "taco_notebook/comm")  # code whose frames hold process groups
@@ -168,6 +142,18 @@ def abort() -> None:
     Not collective: called on ranks that already stopped while their peers may still be blocked. A group's
     sockets close only when its last reference goes, and the frames of a failed collective, kept by the
     traceback of the error, hold it as a local: those frames are cleared first.
+
+    Why walk the garbage collector instead of asking torch to abort: in torch 2.13 a gloo group's
+    ``ProcessGroup.abort()``, its backend's ``abort()`` and ``shutdown()``, and ``_abort_process_group()``
+    (documented as NCCL only) all return at once but leave gloo's pair sockets open, so a peer blocked in a
+    collective stays blocked until this process drops its last reference to the group or exits. Measured:
+    the peer was released when the aborting rank dropped its reference, 8 s after the abort, not at it
+    (tests/mpi/gloo_abort.py; ``test_torch_abort_does_not_release_a_gloo_peer`` fails the day torch closes
+    them, and this walk can then go). Only the C++ destructor closes the sockets, and the references that
+    keep it alive are in frames we do not own (the traceback kept by IPython, ipyparallel or the comm
+    thread's future): we cannot know every holder, but we know which code holds groups, so frames of that
+    code are cleared. Generators and coroutines are skipped (clearing a suspended one closes it), and frames
+    still executing cannot be cleared (the comm thread, if blocked, is abandoned on teardown instead).
     """
     import gc
     import inspect
@@ -181,7 +167,7 @@ def abort() -> None:
                 obj.clear()
             except RuntimeError:  # still executing
                 pass
-    shutdown()
+    _shutdown(0.0)  # peers are blocked or failing: do not wait for them to let go of the store
     gc.collect()
 
 

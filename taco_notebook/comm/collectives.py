@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import bootstrap, streams
+from .state import state
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +56,6 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = N
     import torch.distributed as dist
 
     from .algorithms import allreduce as accelerated
-    from .algorithms import comm_thread
 
     _check_tensor(tensor, "allreduce")
     if op not in REDUCE_OPS:
@@ -70,17 +70,15 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = N
         _ready()
         return _in_place(tensor, lambda buf: dist.all_reduce(buf, op=reduce_op))
 
-    return comm_thread.run(*streams.on_comm_stream(tensor, work))
+    return state.comm_thread.run(*streams.on_comm_stream(tensor, work))
 
 
 def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
     """Copy ``root``'s ``tensor`` into every rank's ``tensor`` in place."""
     import torch.distributed as dist
 
-    from .algorithms import comm_thread
-
     _check_tensor(tensor, "broadcast")
-    size = bootstrap.state.ensure_topology().size
+    size = state.ensure_topology().size
     if not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, got {root}")
 
@@ -88,20 +86,18 @@ def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         _ready()
         return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
 
-    return comm_thread.run(*streams.on_comm_stream(tensor, work))
+    return state.comm_thread.run(*streams.on_comm_stream(tensor, work))
 
 
 def barrier() -> None:
     """Wait until every rank reaches this point."""
     import torch.distributed as dist
 
-    from .algorithms import comm_thread
-
     def work() -> None:
         _ready()
         dist.barrier()
 
-    comm_thread.run(work)
+    state.comm_thread.run(work)
 
 
 def broadcast_parameters(params: Any, root: int = 0) -> None:

@@ -6,7 +6,8 @@ rebuilds a dense tensor of the original shape and dtype. ``key`` names a gradien
 steps so that TopK can keep a residual per tensor (error feedback), in a slotted state object as PyTorch's
 ``PowerSGDState`` does. Every compressor counts raw and wire bytes in :class:`CompressionStats`.
 
-Imports only torch and the standard library: this module runs on every rank.
+Imports only torch and the standard library: this module runs on every rank. Specs are parsed in
+:mod:`.specs`; each compressor also owns how its payload is reduced across ranks (:meth:`Compressor.reduce`).
 
 >>> c = parse_compression("topk:0.01:threshold=0")
 >>> payload, ctx = c.compress(grad, key="fc.weight")   # payload = [values, int32/int64 indices]
@@ -16,42 +17,31 @@ Imports only torch and the standard library: this module runs on every rank.
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = [
-    "Compressor",
-    "NoneCompressor",
-    "FP16Compressor",
-    "BF16Compressor",
-    "TopKCompressor",
-    "TopKState",
-    "TopKContext",
-    "CompressionStats",
-    "Payload",
-    "DEFAULT_TOPK_THRESHOLD",
-    "DEFAULT_TOPK_RATIO",
-    "parse_compression",
-    "compression_from_env",
-]
+from .reduction import Reduced, all_gather, ring_sends, spread
+from .specs import (
+    DEFAULT_TOPK_RATIO,
+    DEFAULT_TOPK_THRESHOLD,
+    CompressionSpec,
+    compression_spec_from_env,
+    parse_compression_spec,
+)
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor", "TopKState",
+           "TopKContext", "CompressionStats", "Payload", "DEFAULT_TOPK_THRESHOLD", "DEFAULT_TOPK_RATIO",
+           "parse_compression", "compression_from_env", "build"]
 
 Payload = list[torch.Tensor] | torch.Tensor
 
-# LightCC's LIGHT_TOPK_THRESHOLD default: below 2M elements the index overhead and the selection cost
-# outweigh the bandwidth saved, so small tensors travel dense.
-DEFAULT_TOPK_THRESHOLD = 2_097_152
-DEFAULT_TOPK_RATIO = 0.01
-
 # Entries sampled to estimate the top-k threshold of a large tensor (see _top_indices).
 _SAMPLE_SIZE = 1 << 17
-_ACCEPTED = "use none, fp16, bf16 or topk:RATIO (e.g. topk:0.01)"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 
 def _nbytes(payload: Payload) -> int:
@@ -117,6 +107,32 @@ class Compressor(ABC):
     @abstractmethod
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Rebuild a dense tensor with the shape and dtype ``compress`` saw."""
+
+    def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
+               me: int) -> Reduced:
+        """Sum ``shard`` over ``group`` (ranks ``peers``, this one ``me``) in place, sending it compressed.
+
+        The default suits dense payloads (none, fp16, bf16): an allreduce of the payload, then decompress.
+        A compressor whose payloads cannot be summed on the wire (TopK's values and indices, a low-rank
+        factorisation) overrides it; the allreduce algorithm only ever calls this method.
+        """
+        payload, ctx = self.compress(shard, key)
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} makes multi-tensor payloads; it must override reduce()")
+        return self._reduce_dense(shard, payload, ctx, group, peers, me)
+
+    def _reduce_dense(self, shard: torch.Tensor, payload: torch.Tensor, ctx: Any, group: Any,
+                      peers: tuple[int, ...], me: int) -> Reduced:
+        """Allreduce a dense ``payload`` of ``shard`` and write the decompressed sum back into ``shard``."""
+        raw = shard.numel() * shard.element_size()
+        dist.all_reduce(payload, group=group)
+        reduced = self.decompress(payload, ctx)
+        if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
+            shard.copy_(reduced.view_as(shard))
+        wire = payload.numel() * payload.element_size()
+        sends = ring_sends(peers, me, wire)
+        factor = sum(sends.values()) / wire if wire else 0.0
+        return Reduced(int(factor * raw), sum(sends.values()), sends)
 
     def wire_bytes(self, payload: Payload) -> int:
         """Bytes ``payload`` occupies on the wire."""
@@ -280,6 +296,26 @@ class TopKCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         return self.merge([payload], ctx)
 
+    def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
+               me: int) -> Reduced:
+        """A sparse allreduce: allgather every rank's ``k`` values and indices, then :meth:`merge`.
+
+        Tensors TopK leaves dense (below the threshold) take the dense allreduce of the base class.
+        """
+        raw = shard.numel() * shard.element_size()
+        payload, ctx = self.compress(shard, key)
+        if isinstance(payload, torch.Tensor):
+            return self._reduce_dense(shard, payload, ctx, group, peers, me)
+        values, indices = payload
+        g = len(peers)
+        all_values = values.new_empty(g * values.numel())
+        all_indices = indices.new_empty(g * indices.numel())
+        all_gather(all_values, values, group=group)
+        all_gather(all_indices, indices, group=group)
+        shard.copy_(self.merge([[all_values, all_indices]], ctx).view_as(shard))
+        wire = values.numel() * values.element_size() + indices.numel() * indices.element_size()
+        return Reduced((g - 1) * raw, (g - 1) * wire, spread(peers, me, wire))
+
     @staticmethod
     def merge(payloads: Sequence[Payload], ctx: TopKContext) -> torch.Tensor:
         """Sum several ranks' payloads for one tensor into a dense tensor of ``ctx.shape``.
@@ -330,74 +366,27 @@ def _top_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
 
 
+def build(spec: CompressionSpec) -> Compressor:
+    """The compressor a parsed spec names (the one place that maps spec kinds to classes)."""
+    if spec.kind == "topk":
+        assert spec.ratio is not None and spec.threshold is not None
+        return TopKCompressor(spec.ratio, spec.threshold)
+    simple: dict[str, type[Compressor]] = {"none": NoneCompressor, "fp16": FP16Compressor,
+                                           "bf16": BF16Compressor}
+    return simple[spec.kind]()
+
+
 def parse_compression(spec: str | None) -> Compressor:
     """Build a compressor from a spec: ``None``/``"none"``, ``"fp16"``, ``"bf16"``, ``"topk:RATIO"`` or
-    ``"topk:RATIO:threshold=N"`` (the ``--compression`` option of ``%%taco_run``).
+    ``"topk:RATIO:threshold=N"`` (the ``--compression`` option of ``%%taco_run``; grammar in :mod:`.specs`).
 
     >>> parse_compression("topk:0.01:threshold=1000").name
     'topk:0.01:threshold=1000'
     """
-    if spec is None:
-        return NoneCompressor()
-    if not isinstance(spec, str):
-        raise TypeError(f"compression spec must be a string or None, got {type(spec).__name__}")
-    text = spec.strip().lower()
-    simple: dict[str, type[Compressor]] = {"none": NoneCompressor, "fp16": FP16Compressor,
-                                           "bf16": BF16Compressor}
-    if text in simple:
-        return simple[text]()
-    name, _, rest = text.partition(":")
-    if name != "topk":
-        raise ValueError(f"unknown compression {spec!r}; {_ACCEPTED}")
-    if not rest:
-        raise ValueError(f"topk needs a ratio in (0, 1], got {spec!r}; use topk:RATIO (e.g. topk:0.01)")
-    ratio_text, *options = rest.split(":")
-    ratio = _parse_ratio(ratio_text, f"topk ratio in {spec!r}")
-    threshold = DEFAULT_TOPK_THRESHOLD
-    for option in options:
-        opt_name, eq, value = option.partition("=")
-        if opt_name.strip() != "threshold" or not eq:
-            raise ValueError(f"unknown topk option {option!r} in {spec!r}; "
-                             "use topk:RATIO or topk:RATIO:threshold=N")
-        threshold = _parse_threshold(value, f"topk threshold in {spec!r}")
-    return TopKCompressor(ratio, threshold)
-
-
-def _parse_ratio(text: str, what: str) -> float:
-    try:
-        ratio = float(text)
-    except ValueError:
-        raise ValueError(f"{what} must be a number in (0, 1], got {text!r}") from None
-    if not 0 < ratio <= 1:
-        raise ValueError(f"{what} must be a number in (0, 1], got {text!r}")
-    return ratio
-
-
-def _parse_threshold(text: str, what: str) -> int:
-    try:
-        threshold = int(text.strip())
-    except ValueError:
-        raise ValueError(f"{what} must be a non-negative integer (elements), got {text!r}") from None
-    if threshold < 0:
-        raise ValueError(f"{what} must be a non-negative integer (elements), got {text!r}")
-    return threshold
+    return build(parse_compression_spec(spec))
 
 
 def compression_from_env(environ: Mapping[str, str] | None = None) -> Compressor:
-    """The compressor TACO-Training's LightCC flags ask for (``environ`` defaults to ``os.environ``).
-
-    ``LIGHT_TOPK_ALLREDUCE=1`` (or true/yes/on) selects TopK with ``LIGHT_TOPK_RATIO`` (default 0.01) and
-    ``LIGHT_TOPK_THRESHOLD`` (default 2,097,152 elements); unset or 0/false/no/off gives no compression,
-    and the other two variables are then not read.
-    """
-    env = os.environ if environ is None else environ
-    flag = env.get("LIGHT_TOPK_ALLREDUCE", "").strip().lower()
-    if flag in _FALSE:
-        return NoneCompressor()
-    if flag not in _TRUE:
-        raise ValueError(f"LIGHT_TOPK_ALLREDUCE must be 1/true/yes/on or 0/false/no/off, "
-                         f"got {env['LIGHT_TOPK_ALLREDUCE']!r}")
-    ratio = _parse_ratio(env.get("LIGHT_TOPK_RATIO", str(DEFAULT_TOPK_RATIO)), "LIGHT_TOPK_RATIO")
-    threshold = _parse_threshold(env.get("LIGHT_TOPK_THRESHOLD", str(DEFAULT_TOPK_THRESHOLD)),
-                                 "LIGHT_TOPK_THRESHOLD")
-    return TopKCompressor(ratio, threshold)
+    """The compressor TACO-Training's LightCC flags ask for (``environ`` defaults to ``os.environ``;
+    see :func:`.specs.compression_spec_from_env`)."""
+    return build(compression_spec_from_env(environ))

@@ -1,51 +1,34 @@
-"""Per-process defaults for the accelerated allreduce: algorithm, compression, fusion threshold.
+"""Per-process defaults of comm/: algorithm, compression, fusion threshold, shared memory, collective timeout.
 
-Defaults come from TACO-Training's LightCC flags, so jobs tuned for it behave the same here:
-``LIGHT_2D_ALLREDUCE`` (1 = hierarchical, 0 = flat; unset = hierarchical when the job spans several nodes
-with several ranks each), ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` / ``LIGHT_TOPK_THRESHOLD`` (TopK
-compression) and ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by default). ``configure()``,
-``%%taco_run --algorithm/--compression/--fusion-mb`` and each call's arguments override them.
+Defaults come from the environment (parsed in :mod:`.specs`): TACO-Training's LightCC flags, so jobs tuned
+for it behave the same here (``LIGHT_2D_ALLREDUCE``: 1 = hierarchical, 0 = flat, unset = hierarchical when
+the job spans several nodes with several ranks each; ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` /
+``LIGHT_TOPK_THRESHOLD``: TopK compression), ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by
+default), ``TACO_SHM`` (0 keeps the 2D algorithm's intra-node steps on the process group) and
+``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default). ``configure()``, ``%%taco_run
+--algorithm/--compression/--fusion-mb`` and each call's arguments override them. The environment is read
+when a setting is first used, not at import.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 from .compression import Compressor, compression_from_env, parse_compression
+from .specs import (
+    ALGORITHMS,
+    DEFAULT_FUSION_MB,
+    algorithm_from_env,
+    check_algorithm,
+    check_fusion_mb,
+    check_timeout,
+    fusion_mb_from_env,
+    shm_from_env,
+    timeout_from_env,
+)
 
-__all__ = ["ALGORITHMS", "Settings", "settings", "configure", "compressor_for", "algorithm_from_env"]
-
-ALGORITHMS = ("auto", "flat", "2d")
-DEFAULT_FUSION_MB = 64.0
-
-
-def algorithm_from_env() -> str:
-    raw = os.environ.get("LIGHT_2D_ALLREDUCE", "").strip().lower()
-    if raw == "":
-        return "auto"
-    if raw in ("1", "true", "yes", "on"):
-        return "2d"
-    if raw in ("0", "false", "no", "off"):
-        return "flat"
-    raise ValueError(f"LIGHT_2D_ALLREDUCE must be 0 or 1, got {raw!r}")
-
-
-def _fusion_from_env() -> float:
-    raw = os.environ.get("TACO_FUSION_MB", "").strip()
-    return check_fusion_mb(float(raw) if raw else DEFAULT_FUSION_MB)
-
-
-def check_algorithm(name: str) -> str:
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; use {', '.join(ALGORITHMS)}")
-    return name
-
-
-def check_fusion_mb(value: float) -> float:
-    if not value >= 0:
-        raise ValueError(f"fusion threshold must be >= 0 MB (0 = no fusion), got {value!r}")
-    return float(value)
+__all__ = ["ALGORITHMS", "DEFAULT_FUSION_MB", "Settings", "settings", "configure", "compressor_for",
+           "algorithm_from_env", "check_algorithm", "check_fusion_mb"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +36,13 @@ class Settings:
     algorithm: str  # "auto" picks 2d when the job spans several nodes of several ranks each
     compression: str  # a parse_compression spec: "none", "fp16", "bf16", "topk:0.01[:threshold=N]"
     fusion_mb: float  # gradients are packed into buckets up to this size before each allreduce
+    shm: bool = True  # 2D's intra-node steps through a shared-memory segment (CPU tensors), not the group
+    collective_timeout: float = 1800.0  # seconds a collective (and the rendezvous) of the next init() waits
 
 
 def _from_env() -> Settings:
-    return Settings(algorithm_from_env(), compression_from_env().name, _fusion_from_env())
+    return Settings(algorithm_from_env(), compression_from_env().name, fusion_mb_from_env(), shm_from_env(),
+                    timeout_from_env())
 
 
 _current: Settings | None = None
@@ -73,8 +59,13 @@ def settings() -> Settings:
 
 
 def configure(algorithm: str | None = None, compression: str | None = None, fusion_mb: float | None = None,
-              reset: bool = False) -> Settings:
-    """Change this rank's defaults (``reset=True`` goes back to the environment's). Returns the new ones."""
+              reset: bool = False, *, shm: bool | None = None,
+              collective_timeout: float | None = None) -> Settings:
+    """Change this rank's defaults (``reset=True`` goes back to the environment's). Returns the new ones.
+
+    ``shm`` applies to the 2D groups built next (after ``reinit()``), ``collective_timeout`` to the next
+    ``init()``/``reinit()``: both are fixed when the groups are made.
+    """
     global _current
     base = _from_env() if reset else settings()
     changes: dict[str, object] = {}
@@ -84,6 +75,12 @@ def configure(algorithm: str | None = None, compression: str | None = None, fusi
         changes["compression"] = parse_compression(compression).name
     if fusion_mb is not None:
         changes["fusion_mb"] = check_fusion_mb(fusion_mb)
+    if shm is not None:
+        if not isinstance(shm, bool):
+            raise TypeError(f"shm must be True or False, got {shm!r}")
+        changes["shm"] = shm
+    if collective_timeout is not None:
+        changes["collective_timeout"] = check_timeout(collective_timeout)
     _current = replace(base, **changes)  # type: ignore[arg-type]
     return _current
 

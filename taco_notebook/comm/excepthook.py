@@ -9,7 +9,7 @@ Installed by ``import taco_notebook.comm`` (so a rank that fails before ``init()
 ends the job) and again by ``init()`` after torch's own ``init_process_group`` wrapped ``sys.excepthook`` (so
 ours stays outermost and torch's ``[rankN]:`` prefixed traceback is printed before the abort). Only when the
 process was started by an MPI launcher and is not an IPython kernel / ipyparallel engine: under ``%%taco_run``
-an exception fails the cell and the engines stay up. ``TACO_ABORT_ON_EXCEPTION=0`` turns it off.
+an exception fails the cell and the engines stay up. ``TACO_ABORT_ON_EXCEPTION=0`` (or false/no/off) turns it off.
 
 ``threading.excepthook`` is left alone: taco's communication thread hands every exception to the future its
 caller waits on, so it reaches the main thread; other threads' errors keep Python's behaviour.
@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+from .specs import parse_flag
 
 __all__ = ["install", "should_install", "under_mpi_launcher", "in_engine", "is_installed"]
 
@@ -47,8 +49,8 @@ def in_engine() -> bool:
 
 
 def should_install() -> bool:
-    return (under_mpi_launcher() and not in_engine()
-            and os.environ.get("TACO_ABORT_ON_EXCEPTION", "1").strip() not in ("0", "false", "no"))
+    wanted = parse_flag("TACO_ABORT_ON_EXCEPTION", os.environ.get("TACO_ABORT_ON_EXCEPTION"))
+    return under_mpi_launcher() and not in_engine() and wanted is not False
 
 
 def is_installed() -> bool:
@@ -92,9 +94,9 @@ def _abort_job(etype: type[BaseException]) -> None:
     mpi = sys.modules.get("mpi4py.MPI")  # never import it here: MPI_Init could wait for peers
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
-    bootstrap = sys.modules.get("taco_notebook.comm.bootstrap")
-    if bootstrap is not None and bootstrap.state.rendezvous is not None:
-        bootstrap.state.rendezvous.close()  # Abort skips atexit: remove the private rendezvous directory now
+    comm_state = sys.modules.get("taco_notebook.comm.state")
+    if comm_state is not None and comm_state.state.rendezvous is not None:
+        comm_state.state.rendezvous.close()  # Abort skips atexit: remove the private rendezvous directory now
     _unlink_mpi_segments()
     print(f"[taco] rank {_rank()}: uncaught {etype.__name__}: aborting the MPI job (every rank). "
           "Set TACO_ABORT_ON_EXCEPTION=0 to let the other ranks go on.", file=sys.stderr)

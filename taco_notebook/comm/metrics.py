@@ -126,7 +126,7 @@ def step(samples: int = 0, tokens: int = 0) -> None:
 
 def snapshot() -> dict[str, Any]:
     """Everything recorded since ``reset()``, as plain data (JSON-serialisable but for int dict keys)."""
-    from .bootstrap import state
+    from .state import state
 
     with _metrics.lock:
         total = _Counters()

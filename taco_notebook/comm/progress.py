@@ -84,6 +84,6 @@ class progress(Generic[T]):  # noqa: N801 - named like tqdm, used like a functio
 
 
 def _is_rank_zero() -> bool:
-    from .bootstrap import state
+    from .state import state
 
     return state.topology is None or state.topology.rank == 0

@@ -36,6 +36,7 @@ import socket
 import stat
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -56,13 +57,21 @@ class Rendezvous:
     directory: str | None = None  # the private directory this rank created (rank 0, file kind), removed at close
     pinned_ifname: bool = False  # this rank set GLOO_SOCKET_IFNAME and unsets it at close
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
         """Forget the store, remove the private directory (its creator only), undo the loopback pin.
 
-        Not collective: peers that still hold the FileStore open keep working on their open file; torch's
-        FileStore destructor skips a file already gone.
+        Not collective. torch's FileStore destructor checks the file exists and then opens it to count itself
+        out (the last rank's removes the file): a directory removed between the two aborts that rank
+        (``terminate called after throwing c10::DistStoreError``; seen at a job's exit). So the creator first
+        waits up to ``wait_s`` for the peers' destructors to have removed the file (``shutdown()``: every
+        rank is closing at the same time, milliseconds), then removes the directory anyway (``abort()``
+        passes 0: its peers are failing, and a directory must not outlive the group).
         """
         self.store = None
+        if self.directory is not None and self.kind == "file" and wait_s > 0:
+            deadline = time.monotonic() + wait_s
+            while os.path.exists(self.address) and time.monotonic() < deadline:
+                time.sleep(0.005)
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None

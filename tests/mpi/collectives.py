@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 
 import taco_notebook.comm as taco
+from taco_notebook.comm import algorithms
+from taco_notebook.comm.state import state as comm_state
 
 r, n = taco.rank(), taco.size()
+topology = taco.topology()
 
 # sum, in place, same result on every rank
 t = torch.full((3,), float(r))
@@ -67,8 +72,18 @@ assert torch.allclose(flat, gathered), "parameters differ after broadcast_parame
 
 # the process group can be rebuilt without restarting the processes
 generation = taco.bootstrap.state.generation
+tiers = algorithms.hierarchy()  # 2D groups (and a shm segment) when LIGHT_INTRA_SIZE splits the job
+assert (tiers is not None) == (topology.num_nodes > 1 and topology.local_size > 1), (tiers, topology)
+del tiers  # the groups die with the old generation
+torn_down: list[int] = []
+comm_state.on_teardown(lambda: torn_down.append(comm_state.generation))
+taco.configure(collective_timeout=77)  # configure() reaches the next init()'s store and group
 taco.reinit()
 assert taco.bootstrap.state.generation == generation + 1
+assert torn_down == [generation], torn_down  # shutdown ran the registered teardown callbacks
+assert generation not in algorithms._hierarchy  # ... algorithms' among them: the old 2D groups are gone
+assert comm_state.store.timeout == timedelta(seconds=77), comm_state.store.timeout
+taco.configure(reset=True)
 taco.barrier()
 again = torch.ones(2)
 taco.allreduce(again)
