@@ -35,6 +35,17 @@ COMPRESSIONS = (None, "fp16", "bf16", "topk:0.01")
 RESULT = "GPUCHECK "
 
 
+def _results(text: str) -> list[Any]:
+    """Every rank's result in ``text``: mpiexec may put two ranks' lines on one line, so find each marker."""
+    decoder, found = json.JSONDecoder(), []
+    start = text.find(RESULT)
+    while start != -1:
+        value, end = decoder.raw_decode(text, start + len(RESULT))
+        found.append(value)
+        start = text.find(RESULT, end)
+    return found
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
@@ -207,7 +218,7 @@ def launch(n: int, args: list[str], env: dict[str, str], timeout: float = 600) -
 
 
 def results_of(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
-    return [json.loads(line[len(RESULT):]) for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    return _results(done.stdout)
 
 
 def table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> str:

@@ -52,7 +52,7 @@ def test_segment_uses_huge_pages_and_leaves_nothing(mpiexec, hugetlbfs, tmp_path
     script.write_text(SCRIPT)
     result = run_mpi(mpiexec, 4, str(script), {"LIGHT_INTRA_SIZE": "2"})
     assert result.returncode == 0, result.stdout + result.stderr
-    locations = dict(re.findall(r"LOCATION (\d) (\S+)", result.stdout))
+    locations = dict(re.findall(r"LOCATION (\d) (\S+?)(?=LOCATION|\s|$)", result.stdout))
     assert sorted(locations) == ["0", "1", "2", "3"], result.stdout
     assert set(locations.values()) == {hugetlbfs}
     assert os.listdir(hugetlbfs) == []  # unlinked once mapped
@@ -65,4 +65,4 @@ def test_segment_falls_back_to_dev_shm_without_huge_pages(mpiexec, tmp_path):
     script.write_text(SCRIPT)
     result = run_mpi(mpiexec, 4, str(script), {"LIGHT_INTRA_SIZE": "2"})
     assert result.returncode == 0, result.stdout + result.stderr
-    assert set(re.findall(r"LOCATION \d (\S+)", result.stdout)) == {"/dev/shm"}, result.stdout
+    assert set(re.findall(r"LOCATION \d (\S+?)(?=LOCATION|\s|$)", result.stdout)) == {"/dev/shm"}, result.stdout
