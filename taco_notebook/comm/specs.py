@@ -18,13 +18,14 @@ False
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["ALGORITHMS", "DEFAULT_FUSION_MB", "DEFAULT_TIMEOUT_S", "DEFAULT_TOPK_RATIO", "DEFAULT_TOPK_THRESHOLD",
            "CompressionSpec", "parse_flag", "parse_compression_spec", "parse_ratio", "parse_threshold",
            "check_algorithm", "check_fusion_mb", "check_timeout", "compression_spec_from_env",
-           "algorithm_from_env", "fusion_mb_from_env", "shm_from_env", "timeout_from_env"]
+           "algorithm_from_env", "fusion_mb_from_env", "shm_from_env", "timeout_from_env", "number_from_env"]
 
 ALGORITHMS = ("auto", "flat", "2d")
 DEFAULT_FUSION_MB = 64.0
@@ -144,17 +145,22 @@ def algorithm_from_env(environ: Mapping[str, str] | None = None) -> str:
     return "auto" if flag is None else "2d" if flag else "flat"
 
 
+def number_from_env(env: Mapping[str, str], name: str, convert: Callable[[str], Any], what: str) -> Any:
+    """``env[name]`` converted (``int``/``float``), None when unset or blank; a ValueError naming it otherwise."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return convert(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+
+
 def fusion_mb_from_env(environ: Mapping[str, str] | None = None) -> float:
     """``TACO_FUSION_MB``: the fusion threshold in MB (64 by default, 0 = no fusion)."""
     env = os.environ if environ is None else environ
-    raw = env.get("TACO_FUSION_MB", "").strip()
-    if not raw:
-        return DEFAULT_FUSION_MB
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"TACO_FUSION_MB must be a number of megabytes >= 0, got {raw!r}") from None
-    return check_fusion_mb(value)
+    value = number_from_env(env, "TACO_FUSION_MB", float, "a number of megabytes >= 0")
+    return DEFAULT_FUSION_MB if value is None else check_fusion_mb(value)
 
 
 def shm_from_env(environ: Mapping[str, str] | None = None) -> bool:
@@ -166,11 +172,5 @@ def shm_from_env(environ: Mapping[str, str] | None = None) -> bool:
 def timeout_from_env(environ: Mapping[str, str] | None = None) -> float:
     """``TACO_COLLECTIVE_TIMEOUT``: seconds a collective waits for its peers (default 1800)."""
     env = os.environ if environ is None else environ
-    raw = env.get("TACO_COLLECTIVE_TIMEOUT", "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"TACO_COLLECTIVE_TIMEOUT must be a number of seconds > 0, got {raw!r}") from None
-    return check_timeout(value, "TACO_COLLECTIVE_TIMEOUT")
+    value = number_from_env(env, "TACO_COLLECTIVE_TIMEOUT", float, "a number of seconds > 0")
+    return DEFAULT_TIMEOUT_S if value is None else check_timeout(value, "TACO_COLLECTIVE_TIMEOUT")

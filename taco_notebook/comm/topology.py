@@ -11,6 +11,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from .specs import number_from_env
+
 __all__ = ["Topology", "node_name", "intra_size_from_env"]
 
 
@@ -21,16 +23,10 @@ def node_name() -> str:
 
 def intra_size_from_env() -> int | None:
     """``LIGHT_INTRA_SIZE`` as a positive int, or None when unset or empty."""
-    raw = os.environ.get("LIGHT_INTRA_SIZE", "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"LIGHT_INTRA_SIZE must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"LIGHT_INTRA_SIZE must be a positive integer, got {raw!r}")
-    return value
+    value = number_from_env(os.environ, "LIGHT_INTRA_SIZE", int, "a positive integer")
+    if value is not None and value <= 0:
+        raise ValueError(f"LIGHT_INTRA_SIZE must be a positive integer, got {os.environ['LIGHT_INTRA_SIZE'].strip()!r}")
+    return value  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
