@@ -30,7 +30,7 @@ from taco_notebook.cluster.limits import max_ranks
 from taco_notebook.cluster.private import UnsafeDirectoryError, check_private_dir
 from taco_notebook.cluster.session import TacoCluster, clusters
 from taco_notebook.server.manager import ClusterManager, UnsafeRegistry
-from taco_notebook.server.models import MAX_BODY_BYTES
+from taco_notebook.server.requests import MAX_BODY_BYTES
 
 from . import test_server
 from .conftest import cluster_pids

@@ -14,7 +14,7 @@ import pytest
 
 from taco_notebook.cluster import registry
 from taco_notebook.server.manager import BadRequest, ClusterManager, Conflict, NotFound
-from taco_notebook.server.models import parse_scale_request, parse_start_request
+from taco_notebook.server.requests import parse_scale_request, parse_start_request
 
 from . import test_registry
 from .test_registry import dead_pid, make_entry
@@ -146,9 +146,10 @@ def test_openapi_spec_matches_the_models() -> None:
 
     import yaml
 
-    from taco_notebook.server import models
+    import taco_notebook.server
+    from taco_notebook import model as models
 
-    spec = yaml.safe_load((Path(models.__file__).parent / "openapi.yaml").read_text())
+    spec = yaml.safe_load((Path(taco_notebook.server.__file__).parent / "openapi.yaml").read_text())
     schemas = spec["components"]["schemas"]
     cluster = schemas["ClusterModel"]
     assert cluster["required"] == list(models.ClusterModel.__annotations__)

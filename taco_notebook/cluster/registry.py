@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..server.models import ClusterModel, NodeModel, Owner, OwnerKind, PendingModel, RunModel, State
+from ..model import ClusterModel, NodeModel, Owner, OwnerKind, PendingModel, RunModel, State
 from .limits import SizeLimitError, check_size
 from .registry_files import (
     ENV_VAR,

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
-from ..server.models import Action, ClusterModel, PendingModel
+from ..model import Action, ClusterModel, PendingModel
 from .private import check_private_dir, read_private_json, write_private_json
 from .processes import proven_processes
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from . import registry
 
 if TYPE_CHECKING:
-    from ..server.models import RunModel
+    from ..model import RunModel
     from .session import TacoCluster
 
 __all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds"]

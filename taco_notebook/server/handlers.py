@@ -5,7 +5,7 @@
 ``GET  version``   → {"version", "max_ranks"}           ``DELETE clusters/{id}`` → 202 ClusterModel
 
 Errors are ``{"message", "reason"}`` (APIHandler.write_error) with 400, 404 or 409 from the manager's errors,
-and 413 for a body over :data:`~taco_notebook.server.models.MAX_BODY_BYTES`: the handlers stream the body
+and 413 for a body over :data:`~taco_notebook.server.requests.MAX_BODY_BYTES`: the handlers stream the body
 (``stream_request_body``), so a declared ``Content-Length`` over the cap is refused before the body is read, and
 a chunked body is cut off by tornado as soon as it passes the cap.
 """
@@ -23,7 +23,7 @@ from jupyter_server.utils import url_path_join
 
 from . import API_PATH, MANAGER_SETTING
 from .manager import ClusterManager
-from .models import MAX_BODY_BYTES, ManagerError, TooLarge
+from .requests import MAX_BODY_BYTES, ManagerError, TooLarge
 
 __all__ = ["VersionHandler", "ClustersHandler", "ClusterHandler", "setup_handlers"]
 

@@ -35,15 +35,12 @@ from ..cluster import registry
 from ..cluster.limits import SizeLimitError, max_ranks
 from ..cluster.private import UnsafeDirectoryError
 from ..cluster.session import TacoCluster
-from .models import (
+from ..model import ClusterList, ClusterModel, PendingModel, State
+from .requests import (
     BadRequest,
-    ClusterList,
-    ClusterModel,
     Conflict,
     ManagerError,
     NotFound,
-    PendingModel,
-    State,
     check_cluster_id,
     parse_scale_request,
     parse_start_request,

@@ -1,8 +1,7 @@
-"""The cluster state model: one typed structure for the registry files, the REST API and the sidebar.
+"""REST request bodies parsed into the cluster model's request types, and the errors the manager raises.
 
-``labextension/src/models.ts`` mirrors these TypedDicts field for field; change both together. Request bodies
-are parsed here too, so that every 400 names the field at fault whatever calls the manager. No tornado import:
-the kernel's registry writes these models.
+Parsed here, whatever calls the manager, so that every 400 names the field at fault. No tornado import. The
+model itself (what a cluster is) lives in :mod:`taco_notebook.model`.
 """
 
 from __future__ import annotations
@@ -10,121 +9,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, TypedDict
+from typing import Any
 
 from ..cluster.limits import SizeLimitError, check_size
+from ..model import ScaleRequest, StartRequest
 
 __all__ = [
-    "State", "OwnerKind", "Action", "Owner", "NodeModel", "HugePagesModel", "RunModel", "PendingModel",
-    "ClusterModel", "ClusterList", "ErrorModel", "StartRequest", "ScaleRequest",
-    "ManagerError", "BadRequest", "NotFound", "Conflict",
-    "parse_start_request", "parse_scale_request", "check_cluster_id", "NAME_PATTERN", "MAX_BODY_BYTES",
-    "TooLarge", "shorten",
+    "ManagerError", "BadRequest", "NotFound", "Conflict", "TooLarge",
+    "parse_start_request", "parse_scale_request", "check_cluster_id", "NAME_PATTERN", "MAX_BODY_BYTES", "shorten",
 ]
 
 MAX_BODY_BYTES = 64 * 1024  # a request body is a few dozen bytes; larger ones are refused (413) before parsing
-
-State = Literal["starting", "running", "stopping", "broken", "stopped", "stale"]
-OwnerKind = Literal["kernel", "server"]
-Action = Literal["stop", "scale"]
-
-
-class Owner(TypedDict):
-    """The process that owns a cluster: a notebook kernel, or the Jupyter server (clusters started via REST).
-
-    ``notebook``: the kernel's session path (``JPY_SESSION_NAME``), None when unknown or server-owned;
-    ``server_pid``: the Jupyter server the kernel belongs to (``JPY_PARENT_PID``), or the owning server itself.
-    """
-
-    kind: OwnerKind
-    pid: int
-    notebook: str | None
-    server_pid: int | None
-
-
-class NodeModel(TypedDict):
-    """One node of a cluster: its index, host name, the MPI ranks on it and the GPUs they can see."""
-
-    node: int
-    host: str
-    ranks: list[int]
-    gpus: int
-    gpu_names: list[str]  # models of those GPUs (from the driver's /proc files), one per GPU
-
-
-class HugePagesModel(TypedDict):
-    """Huge pages of the rank-0 host (``/proc/meminfo``); HARP-style network stacks need them on every node."""
-
-    total: int
-    free: int
-    page_kb: int
-
-
-class RunModel(TypedDict):
-    """The cell running on a cluster, as the kernel's cell runner last reported it."""
-
-    cell: str
-    started_at: float
-    step: int
-    total: int | None
-    samples_per_s: float | None
-
-
-class PendingModel(TypedDict):
-    """A stop or scale asked for but not yet carried out (a kernel acts only when no cell runs)."""
-
-    action: Action
-    size: int | None
-    requested_at: float
-
-
-class ClusterModel(TypedDict):
-    """One cluster as the sidebar shows it. ``id`` is the ipyparallel cluster_id; ``stale``: its owner is dead.
-
-    ``this_server``: owned by the Jupyter server answering, or by one of its kernels (computed when served).
-    """
-
-    id: str
-    name: str
-    profile: str
-    owner: Owner
-    this_server: bool
-    state: State
-    size: int
-    engines_up: int
-    mpi: str
-    nodes: list[NodeModel]
-    gpus: int
-    hugepages: HugePagesModel | None
-    started_at: float | None
-    updated_at: float
-    run: RunModel | None
-    pending: PendingModel | None
-    error: str | None
-
-
-class ClusterList(TypedDict):
-    clusters: list[ClusterModel]
-
-
-class ErrorModel(TypedDict):
-    """Body of every 4xx/5xx reply (written by jupyter_server's ``APIHandler.write_error``)."""
-
-    message: str
-    reason: str
-
-
-class StartRequest(TypedDict, total=False):
-    """``POST /taco-notebook/api/clusters``: ``size`` is required."""
-
-    size: int
-    name: str
-
-
-class ScaleRequest(TypedDict):
-    """``PATCH /taco-notebook/api/clusters/{id}``."""
-
-    size: int
 
 
 class ManagerError(Exception):
