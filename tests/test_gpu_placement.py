@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from taco_notebook.cluster import preflight
+from taco_notebook.comm import hardware
 from taco_notebook.comm import placement
 from taco_notebook.comm.mpicheck import launcher_size, mismatch_message
 from taco_notebook.comm.placement import PlacementError, backend_for, check_gpus, decide, launcher_local
@@ -36,7 +36,7 @@ def node_with(tmp_path, monkeypatch):
             bus.mkdir(parents=True)
             (bus / "information").write_text(f"Model: \t\t {model} #{i}\nIRQ:   \t\t 42\n")
         root.mkdir(exist_ok=True)
-        monkeypatch.setattr(preflight, "_NVIDIA_GPUS", str(root))
+        monkeypatch.setattr(hardware, "_NVIDIA_GPUS", str(root))
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         monkeypatch.delenv("TACO_GPUS", raising=False)
 
@@ -100,21 +100,21 @@ def test_local_rank_from_each_launcher(env, expected):
 
 def test_visible_gpus_and_names_follow_cuda_visible_devices(node_with, monkeypatch):
     node_with(0)
-    assert preflight.visible_gpus() == 0 and preflight.gpu_names() == []
+    assert hardware.visible_gpus() == 0 and hardware.gpu_names() == []
     node_with(4)
-    assert preflight.visible_gpus() == 4
-    assert preflight.gpu_names()[0] == "NVIDIA H100 80GB HBM3 #0"
+    assert hardware.visible_gpus() == 4
+    assert hardware.gpu_names()[0] == "NVIDIA H100 80GB HBM3 #0"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    assert preflight.visible_gpus() == 2
-    assert preflight.gpu_names() == ["NVIDIA H100 80GB HBM3 #2", "NVIDIA H100 80GB HBM3 #0"]
+    assert hardware.visible_gpus() == 2
+    assert hardware.gpu_names() == ["NVIDIA H100 80GB HBM3 #2", "NVIDIA H100 80GB HBM3 #0"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,-1,3")  # CUDA stops at the first invalid entry
-    assert preflight.visible_gpus() == 1
+    assert hardware.visible_gpus() == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert preflight.visible_gpus() == 0 and preflight.gpu_names() == []
+    assert hardware.visible_gpus() == 0 and hardware.gpu_names() == []
     # the decision then sees what CUDA_VISIBLE_DEVICES leaves: 1 GPU for 2 ranks is too few for auto
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(PlacementError, match="has 1 GPU but 2 ranks"):
-        decide("auto", 0, 2, preflight.visible_gpus())
+        decide("auto", 0, 2, hardware.visible_gpus())
 
 
 def test_import_time_placement_defers_a_too_few_gpus_error_to_init(node_with, monkeypatch):

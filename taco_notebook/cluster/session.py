@@ -97,7 +97,7 @@ def _engine_info() -> dict[str, Any]:
     import os as _os
 
     import taco_notebook.comm as _taco
-    from taco_notebook.cluster.preflight import gpu_names, hugepages, visible_gpus
+    from taco_notebook.comm.hardware import gpu_names, hugepages, visible_gpus
 
     topo = _taco.topology()
     return {"rank": topo.rank, "host": topo.hostname, "pid": _os.getpid(),

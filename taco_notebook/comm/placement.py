@@ -123,7 +123,7 @@ def launcher_local(env: dict[str, str] | os._Environ[str] | None = None) -> tupl
 
 def node_gpu_count(allow_cuda: bool = False) -> int:
     """GPUs this rank sees: from /proc (no CUDA init); with ``allow_cuda``, torch's count where /proc has none."""
-    from ..cluster.preflight import visible_gpus
+    from .hardware import visible_gpus
 
     found = visible_gpus()
     if found == 0 and allow_cuda and os.environ.get("CUDA_VISIBLE_DEVICES", None) != "":

@@ -176,7 +176,7 @@ def gpu_option(value: str | None, size: int) -> str | None:
     Local clusters run every rank on this machine, so ``auto`` with fewer GPUs than ranks is refused here,
     with the ways out; the GPUs are counted from /proc, without initialising CUDA in the kernel.
     """
-    from ..cluster.preflight import visible_gpus
+    from ..comm.hardware import visible_gpus
     from ..comm.placement import PlacementError, check_gpus, decide, too_few_message
 
     if value is None and not os.environ.get("TACO_GPUS"):

@@ -1,6 +1,7 @@
 """What a node offers a training job, read without importing torch: GPUs the rank can see, huge pages.
 
-Runs on every rank at cluster start; the registry (and the sidebar) show it per node.
+Lives in comm/ because a rank reads it about its own node: at cluster start (the registry and the sidebar show
+it per node) and in placement (``--gpus auto`` counts the GPUs before CUDA is initialised).
 """
 
 from __future__ import annotations
