@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..cluster import registry
 from ..cluster.limits import SizeLimitError, max_ranks
 from ..cluster.private import UnsafeDirectoryError
