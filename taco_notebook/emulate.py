@@ -85,8 +85,9 @@ def _print_usage_hints(hosts: EmulatedHosts) -> None:
     first = hosts.nodes.nodes[0]
     print(f"hosts:   {hosts.hosts_string}")
     print(f"ssh:     ssh -F {config} {first} hostname")
+    genv = [word for key, value in hosts.mpiexec_env({}).items() for word in ("-genv", key, value)]
     print(f"mpiexec: mpiexec {shlex.join(hosts.mpiexec_args())} -n {hosts.slots * len(hosts.nodes.nodes)} "
-          f"-genv GLOO_SOCKET_IFNAME {hosts.nodes.interface} python train.py")
+          f"{shlex.join(genv)} python train.py")
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -18,12 +18,16 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+from taco_notebook.cluster.emulated import EmulatedNodes
 from taco_notebook.cluster.emulated_hosts import EmulatedHosts
-from taco_notebook.cluster.emulated_sshd import find_sshd
+from taco_notebook.cluster.emulated_sshd import SshdProcess, find_sshd
+from taco_notebook.cluster.emulated_state import nodes_from_state
+from taco_notebook.cluster.private import write_private_json
 from taco_notebook.emulate import parse_spec
 
 from .test_emulated import MPIEXEC, NETNS_SKIP
@@ -92,6 +96,23 @@ def _traces(prefix: str, state_dir: Path) -> list[str]:
 # ---- no root needed ----------------------------------------------------------------------------------------
 def test_parse_spec() -> None:
     assert parse_spec("2x2") == (2, 2) and parse_spec("3X8") == (3, 8)
+
+
+def test_a_state_file_cannot_name_what_is_not_the_sets(tmp_path: Path) -> None:
+    """``down`` deletes what the state names: a link or namespace without the set's prefix is refused."""
+    state = {"version": 1, "prefix": "taco-1a2b3", "num_nodes": 2, "rate_bits_per_s": None, "interface": "taco0",
+             "subnet": "10.213.7.0/24", "workdir": str(tmp_path / "netns"),
+             "made": [["link", "taco-1a2b3-br"], ["netns", "taco-1a2b3-n0"]]}
+    nodes = nodes_from_state(state)
+    assert (nodes.prefix, nodes.bridge, nodes.address_of("n1")) == ("taco-1a2b3", "taco-1a2b3-br", "10.213.7.2")
+    for bad in ({"made": [["link", "eth0"]]}, {"made": [["route", "taco-1a2b3-x"]]}, {"prefix": "eth"},
+                {"version": 9}, {"subnet": "nonsense"}):
+        with pytest.raises(ValueError, match="not a state file of emulated nodes"):
+            nodes_from_state({**state, **bad})
+    path = tmp_path / "nodes.json"
+    write_private_json(path, state)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert EmulatedNodes.load(path).nodes == ["n0", "n1"]
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -212,7 +233,7 @@ def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -
     # hydra's ssh is the generated `ssh -F config "$@"`; the ranks' environment travels from mpiexec, which
     # must carry the node interface and no per-node identity (mpiexec_env drops the caller's)
     hosts = EmulatedHosts.load(Path(status["state_dir"]))
-    assert hosts is not None
+    assert hosts is not None and MPIEXEC is not None
     assert Path(status["launcher"]).read_text().endswith(f"-F '{status['ssh_config']}' \"$@\"\n")
     env = hosts.mpiexec_env({**os.environ, "GLOO_SOCKET_IFNAME": "lo", "TACO_NODE_NAME": "wrong"})
     argv = [MPIEXEC, *hosts.mpiexec_args(), "-n", "4", sys.executable, str(REPO / "tests/mpi/node_identity.py"),
@@ -239,3 +260,27 @@ def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -
     # the 4 MiB allreduce crossed each node's shaped link (its veth), at least 1x the payload
     crossed = [_link_bytes(v) - b for v, b in zip(veths, before, strict=True)]
     assert all(c >= 4 << 20 for c in crossed), crossed
+
+
+@needs_sshd
+@pytest.mark.timeout(120, method="signal")
+def test_failed_up_removes_what_it_made(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n0's sshd really starts; starting n1's fails: n0's sshd, the namespaces, links and files all go."""
+    from taco_notebook.cluster import emulated_hosts
+
+    real_start = emulated_hosts.start_sshd
+    started: list[tuple[str, SshdProcess]] = []
+
+    def fail_on_second(sshd: str, namespace: str, *args: Any, **kwargs: Any) -> SshdProcess:
+        if started:
+            raise RuntimeError("injected sshd failure")
+        started.append((namespace, real_start(sshd, namespace, *args, **kwargs)))
+        return started[-1][1]
+
+    monkeypatch.setattr(emulated_hosts, "start_sshd", fail_on_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        EmulatedHosts.up(2, 1, "1gbit", state_dir)
+    assert len(started) == 1
+    namespace, sshd = started[0]
+    assert not psutil.pid_exists(sshd.pid) or psutil.Process(sshd.pid).status() == psutil.STATUS_ZOMBIE
+    assert _traces(namespace.rsplit("-", 1)[0], state_dir) == []

@@ -198,7 +198,7 @@ class EmulatedHosts:
                 hosts._start_sshd(sshd, host)
             hosts._check_ssh()
         except BaseException:
-            hosts._remove()
+            hosts.remove()
             raise
         return hosts
 
@@ -273,16 +273,15 @@ class EmulatedHosts:
             record = self.sshd.get(host)
             alive = record is not None and record.proven(self.sshd_config_of(host)) is not None
             rows.append(NodeStatus(host, self.nodes.address_of(host), self.nodes.namespace_of(host),
-                                   self.nodes.namespace_of(host) in listed, record and record.pid, alive))
+                                   self.nodes.namespace_of(host) in listed, record.pid if record else None, alive))
         return rows
 
     # ---- down -------------------------------------------------------------------------------------------------
-    def _remove(self) -> None:
+    def remove(self) -> None:
         """Stop our sshds (proven by pid and start time), then the nodes (what else runs in them, links,
         namespaces, /etc/netns files), then delete the state directory with its keys."""
         try:
-            for host, record in self.sshd.items():
-                stop_sshd(record, self.sshd_config_of(host))
+            stop_sshd({record: self.sshd_config_of(host) for host, record in self.sshd.items()})
             self.nodes.stop()
         finally:
             shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -309,5 +308,5 @@ def down(state_dir: Path | None = None) -> EmulatedHosts | None:
     hosts = EmulatedHosts.load(state_dir) if (state_dir / _HOSTS_FILE).exists() else None
     if hosts is None:
         hosts = EmulatedHosts(state_dir, EmulatedNodes.load(state_dir / _NODES_FILE), 0)
-    hosts._remove()
+    hosts.remove()
     return hosts

@@ -168,18 +168,27 @@ def _accepts(address: str) -> bool:
         return False
 
 
-def stop_sshd(record: SshdProcess, config: Path, grace_s: float = 3.0) -> bool:
-    """SIGTERM (then SIGKILL) the recorded sshd if it proves to be ours; True if it was running."""
-    proc = record.proven(config)
-    if proc is None:
-        return False
+def stop_sshd(records: Mapping[SshdProcess, Path], grace_s: float = 3.0) -> int:
+    """SIGTERM (then SIGKILL after ``grace_s``) each recorded sshd (-> its config) that proves to be ours.
+
+    Returns how many were running. They are signalled together and counted gone once dead or a zombie (the
+    caller that started them has exited, so their parent is init, which may reap them late).
+    """
+    procs = [proc for record, config in records.items() if (proc := record.proven(config)) is not None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            proc.send_signal(sig)
-            proc.wait(grace_s)
-            return True
-        except psutil.NoSuchProcess:
-            return True
-        except psutil.TimeoutExpired:
-            continue
-    return True
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_running(proc) for proc in procs):
+            time.sleep(0.02)
+    return len(procs)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
