@@ -12,6 +12,8 @@ MPI ranks are placed on the nodes by mpich's hydra with :mod:`taco_notebook.clus
                        env=cluster.mpiexec_env(), check=True)
 
 Only private addresses inside the namespaces created here are used; the bridge has no route to anywhere else.
+:meth:`EmulatedNodes.save` / :meth:`EmulatedNodes.load` let a set outlive its maker: ``python -m
+taco_notebook.emulate`` (:mod:`taco_notebook.cluster.emulated_hosts`) runs a real sshd on each node that way.
 """
 
 from __future__ import annotations
