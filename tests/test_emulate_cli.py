@@ -25,7 +25,7 @@ import pytest
 
 from taco_notebook.cluster.emulated import EmulatedNodes
 from taco_notebook.cluster.emulated_hosts import EmulatedHosts
-from taco_notebook.cluster.emulated_sshd import SshdProcess, find_sshd
+from taco_notebook.cluster.emulated_sshd import PRIVSEP_DIR, SshdProcess, find_sshd
 from taco_notebook.cluster.emulated_state import nodes_from_state
 from taco_notebook.cluster.private import write_private_json
 from taco_notebook.emulate import parse_spec
@@ -174,8 +174,10 @@ def test_state_dir_below_a_world_writable_dir_is_refused(tmp_path: Path) -> None
 @needs_sshd
 @pytest.mark.timeout(120, method="signal")
 def test_up_ssh_status_down_leaves_no_trace(cli: Cli, state_dir: Path) -> None:
+    privsep_before = PRIVSEP_DIR.exists()
     up = cli("up", "2x2", "--link", "1gbit")
     assert up.returncode == 0, up
+    assert PRIVSEP_DIR.is_dir()
     assert "hosts:   n0:2,n1:2" in up.stdout and "1 Gbit/s each way" in up.stdout, up.stdout
     status = _status(cli)
     assert status["rc"] == 0 and status["healthy"] and status["hosts"] == "n0:2,n1:2", status
@@ -210,6 +212,8 @@ def test_up_ssh_status_down_leaves_no_trace(cli: Cli, state_dir: Path) -> None:
     down = cli("down")
     assert down.returncode == 0 and "removed 2 emulated nodes" in down.stdout, down
     assert _traces(prefix, state_dir) == []
+    if not privsep_before and not any(p.info["name"] == "sshd" for p in psutil.process_iter(["name"])):
+        assert not PRIVSEP_DIR.exists(), "down left sshd's /run/sshd that up made"
     assert cli("down").returncode == 0
     assert cli("status").returncode == 3
 

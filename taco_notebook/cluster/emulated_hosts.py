@@ -35,9 +35,11 @@ from .emulated_sshd import (
     SSH_TOOLS,
     SshdProcess,
     client_config,
+    ensure_privsep_dir,
     find_sshd,
     generate_key,
     known_hosts,
+    remove_privsep_dir,
     sshd_config,
     start_sshd,
     stop_sshd,
@@ -128,6 +130,7 @@ class EmulatedHosts:
         self.slots = slots
         self.sshd: dict[str, SshdProcess] = dict(sshd or {})
         self.made_parents = list(made_parents or [])  # directories above state_dir that up made: down removes them
+        self.made_privsep_dir = False  # /run/sshd made by up: down removes it when no sshd is left
 
     # ---- where things are ---------------------------------------------------------------------------------
     @property
@@ -194,6 +197,7 @@ class EmulatedHosts:
             nodes.save(state_dir / _NODES_FILE)  # from here on `down` can undo it, even if this process dies
             hosts._save()
             hosts._write_keys_and_configs()
+            hosts.made_privsep_dir = ensure_privsep_dir()
             for host in nodes.nodes:
                 hosts._start_sshd(sshd, host)
             hosts._check_ssh()
@@ -246,6 +250,7 @@ class EmulatedHosts:
     def _save(self) -> None:
         write_private_json(self.state_dir / _HOSTS_FILE, {
             "version": 1, "slots": self.slots, "made_parents": [str(p) for p in self.made_parents],
+            "made_privsep_dir": self.made_privsep_dir,
             "sshd": {h: {"pid": p.pid, "create_time": p.create_time} for h, p in self.sshd.items()}},
             what="emulated nodes' state directory")
 
@@ -261,7 +266,9 @@ class EmulatedHosts:
         try:
             sshd = {str(h): SshdProcess(int(p["pid"]), float(p["create_time"])) for h, p in data["sshd"].items()}
             made_parents = [Path(p) for p in data["made_parents"] if state_dir.is_relative_to(p)]
-            return cls(state_dir, nodes, int(data["slots"]), sshd, made_parents)
+            hosts = cls(state_dir, nodes, int(data["slots"]), sshd, made_parents)
+            hosts.made_privsep_dir = bool(data["made_privsep_dir"])
+            return hosts
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{state_dir / _HOSTS_FILE}: not a state file of emulated hosts ({err})") from None
 
@@ -285,6 +292,8 @@ class EmulatedHosts:
             self.nodes.stop()
         finally:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+            if self.made_privsep_dir:
+                remove_privsep_dir()
             for parent in reversed(self.made_parents):
                 try:
                     parent.rmdir()  # only when empty

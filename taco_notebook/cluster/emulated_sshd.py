@@ -35,12 +35,13 @@ from pathlib import Path
 import psutil
 
 __all__ = ["SSH_TOOLS", "SshdProcess", "find_sshd", "generate_key", "write_private_text", "sshd_config",
-           "client_config", "known_hosts", "start_sshd", "stop_sshd", "SEND_ENV"]
+           "client_config", "known_hosts", "start_sshd", "stop_sshd", "SEND_ENV", "PRIVSEP_DIR",
+           "ensure_privsep_dir", "remove_privsep_dir"]
 
 SSH_TOOLS = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client"}
 SEND_ENV = ("PYTHONPATH", "TACO_*", "LIGHT_*", "MPI4PY_*", "OMP_NUM_THREADS")
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_PRIVSEP_DIR = Path("/run/sshd")  # Debian's sshd refuses to start without it (its systemd unit makes it)
+PRIVSEP_DIR = Path("/run/sshd")  # Debian's sshd refuses to start without it (its systemd unit makes it)
 # Sets the node's hostname in the fresh UTS namespace, then becomes sshd (same pid: recorded by Popen).
 _INNER_SCRIPT = 'hostname "$0" || exit 255; exec "$1" -D -f "$2" -E "$3"'
 
@@ -125,11 +126,27 @@ def client_config(addresses: Mapping[str, str], user: str, identity: Path, known
     return "\n\n".join(blocks) + "\n"
 
 
-def _ensure_privsep_dir() -> None:
-    """Make sshd's privilege-separation directory if missing (root-owned 0755, as Debian's unit makes it)."""
+def ensure_privsep_dir() -> bool:
+    """Make sshd's privilege-separation directory if missing (root's, 0755, empty: as Debian's unit makes it).
+
+    True if this call made it: whoever made it removes it with :func:`remove_privsep_dir`.
+    """
     try:
-        os.mkdir(_PRIVSEP_DIR, 0o755)
+        os.mkdir(PRIVSEP_DIR, 0o755)
     except FileExistsError:
+        return False
+    return True
+
+
+def remove_privsep_dir() -> None:
+    """Remove the privilege-separation directory if it is empty and no sshd at all runs any more (another set's,
+    or the system's, would need it for its next login)."""
+    for proc in psutil.process_iter(["name", "status"]):
+        if proc.info["name"] == "sshd" and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            return
+    try:
+        PRIVSEP_DIR.rmdir()
+    except OSError:
         pass
 
 
@@ -140,7 +157,6 @@ def start_sshd(sshd: str, namespace: str, host: str, address: str, config: Path,
     It runs in a new session (it must outlive the caller) with no terminal. If it exits or does not listen in
     time it is stopped and a RuntimeError quotes its log.
     """
-    _ensure_privsep_dir()
     argv = ["ip", "netns", "exec", namespace, "unshare", "--uts", "--", "/bin/sh", "-c", _INNER_SCRIPT,
             host, sshd, str(config), str(log)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
