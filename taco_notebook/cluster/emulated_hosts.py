@@ -121,7 +121,11 @@ def _check_sshd_trusts(directory: Path) -> None:
 
 
 class EmulatedHosts:
-    """Started emulated nodes with an sshd each, as hosts ``n0``… for ``--hosts n0:SLOTS,…``."""
+    """Started emulated nodes with an sshd each, as hosts ``n0``… for ``--hosts n0:SLOTS,…``.
+
+    Made by :meth:`up`, found again by :meth:`load`, removed by :meth:`remove` (or :func:`down`); in-process
+    it is also a context manager: ``with EmulatedHosts.up(2, 2, "1gbit", state_dir) as hosts: …``.
+    """
 
     def __init__(self, state_dir: Path, nodes: EmulatedNodes, slots: int,
                  sshd: Mapping[str, SshdProcess] | None = None, made_parents: list[Path] | None = None) -> None:
@@ -131,6 +135,12 @@ class EmulatedHosts:
         self.sshd: dict[str, SshdProcess] = dict(sshd or {})
         self.made_parents = list(made_parents or [])  # directories above state_dir that up made: down removes them
         self.made_privsep_dir = False  # /run/sshd made by up: down removes it when no sshd is left
+
+    def __enter__(self) -> EmulatedHosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
     # ---- where things are ---------------------------------------------------------------------------------
     @property
