@@ -263,6 +263,7 @@ def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -
     assert ranks[0]["uts"] != ranks[2]["uts"] and ranks[0]["num_nodes"] == 2
     # the 4 MiB allreduce crossed each node's shaped link (its veth), at least 1x the payload
     crossed = [_link_bytes(v) - b for v, b in zip(veths, before, strict=True)]
+    print(f"bytes through each node's link during the job: {crossed}")
     assert all(c >= 4 << 20 for c in crossed), crossed
 
 
