@@ -12,6 +12,8 @@ MPI ranks are placed on the nodes by mpich's hydra with :mod:`taco_notebook.clus
                        env=cluster.mpiexec_env(), check=True)
 
 Only private addresses inside the namespaces created here are used; the bridge has no route to anywhere else.
+:meth:`EmulatedNodes.save` / :meth:`EmulatedNodes.load` let a set outlive its maker: ``python -m
+taco_notebook.emulate`` (:mod:`taco_notebook.cluster.emulated_hosts`) runs a real sshd on each node that way.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class EmulatedNodes:
     """
 
     def __init__(self, num_nodes: int = 2, rate: str | int | None = "1gbit", *, interface: str = "taco0",
-                 subnet: str | None = None) -> None:
+                 subnet: str | None = None, workdir: str | os.PathLike[str] | None = None) -> None:
         net = ipaddress.IPv4Network(subnet) if subnet else None
         if not 1 <= num_nodes <= 253 or (net is not None and net.num_addresses - 2 < num_nodes + 1):
             raise ValueError(f"num_nodes must be 1..253 and fit the subnet with the bridge, got {num_nodes}")
@@ -119,6 +121,7 @@ class EmulatedNodes:
         self._requested_subnet = net
         self._subnet: ipaddress.IPv4Network | None = None
         self._workdir: Path | None = None
+        self._requested_workdir = None if workdir is None else Path(workdir).absolute()
         self._started = False
         self._made: list[tuple[str, str]] = []  # ("link" | "netns", name) in creation order, to undo
 
@@ -220,7 +223,7 @@ class EmulatedNodes:
         atexit.register(self.stop)
         try:
             self._subnet = self._requested_subnet or _pick_subnet()
-            self._workdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+            self._workdir = self._make_workdir()
             self._create_bridge()
             for host in self.nodes:
                 self._create_node(host)
@@ -229,6 +232,13 @@ class EmulatedNodes:
             self.stop()
             raise
         return self
+
+    def _make_workdir(self) -> Path:
+        """A new private (0700) directory for the launcher and map: ``workdir=`` if given, else a temporary one."""
+        if self._requested_workdir is None:
+            return Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+        os.mkdir(self._requested_workdir, 0o700)  # FileExistsError: never take over an existing directory
+        return self._requested_workdir
 
     def _create_bridge(self) -> None:
         prefixlen = self.subnet.prefixlen
@@ -279,14 +289,11 @@ class EmulatedNodes:
         mapping = {"interface": self.interface, "env": {k: v for k, v in self.launcher_env().items()
                                                          if k.startswith("UCX_")},
                    "hosts": {host: self.namespace_of(host) for host in self.nodes}}
-        Path(self.map_file).write_text(json.dumps(mapping, indent=1), encoding="utf-8")
-        script = Path(self.launcher)
-        script.write_text(
-            "#!/bin/sh\n# ssh stand-in for mpich hydra: runs the command in an emulated node's namespace\n"
-            f"export {netns_launch.MAP_ENV}={shlex.quote(self.map_file)}\n"
-            f"exec {shlex.quote(sys.executable)} {shlex.quote(netns_launch.__file__)} \"$@\"\n",
-            encoding="utf-8")
-        script.chmod(0o755)
+        _write_new(self.map_file, json.dumps(mapping, indent=1), 0o600)
+        _write_new(self.launcher,
+                   "#!/bin/sh\n# ssh stand-in for mpich hydra: runs the command in an emulated node's namespace\n"
+                   f"export {netns_launch.MAP_ENV}={shlex.quote(self.map_file)}\n"
+                   f"exec {shlex.quote(sys.executable)} {shlex.quote(netns_launch.__file__)} \"$@\"\n", 0o700)
 
     def stop(self) -> None:
         """Kill what still runs in our namespaces; delete the namespaces, veths and bridge made. Idempotent.
@@ -320,10 +327,34 @@ class EmulatedNodes:
         if errors:
             raise RuntimeError("could not remove all of the emulated cluster: " + "; ".join(errors))
 
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write this started set's state to ``path`` (0600) and let it outlive this process (no stop at exit).
+
+        :meth:`load` finds it again from another process, e.g. to :meth:`stop` it (``python -m
+        taco_notebook.emulate down``). See :mod:`taco_notebook.cluster.emulated_state`.
+        """
+        from .emulated_state import save_nodes
+
+        save_nodes(self, Path(path))
+        atexit.unregister(self.stop)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> EmulatedNodes:
+        """The started set whose state :meth:`save` wrote to ``path``; its :meth:`stop` removes it."""
+        from .emulated_state import load_nodes
+
+        return load_nodes(Path(path))
+
     def __repr__(self) -> str:
         rate = "unlimited" if self.rate_bits_per_s is None else f"{self.rate_bits_per_s / 1e9:g} Gbit/s"
         state = f"subnet {self._subnet}" if self._started else "stopped"
         return f"<EmulatedNodes {self.prefix}: {self._num_nodes} nodes, {rate}, {state}>"
+
+
+def _write_new(path: str, text: str, mode: int) -> None:
+    """Create ``path`` with ``mode`` from the start (private to this user: never chmod-ed after)."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode), "w") as f:
+        f.write(text)
 
 
 def _check_prerequisites() -> None:
