@@ -9,25 +9,34 @@ option and the fix.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from taco_notebook.cluster.mpi import find_mpi, single_host_env
 from taco_notebook.cluster.mpijob import (
     _CONTROLLER_CHECK,
+    ENGINE_DIR,
     ENGINE_FILE,
     MPIJobSpec,
     MPIJobSpecError,
     build_manifest,
     launcher_script,
     parse_hugepages,
+    rank_env,
+    rank_shell_command,
     to_yaml,
 )
 
@@ -141,6 +150,51 @@ def test_launcher_checks_the_controller_is_reachable() -> None:
     assert f"the notebook controller at 127.0.0.1:{port} is unreachable from this pod" in closed.stderr
 
 
+def _rank_info() -> tuple[int, str]:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), os.environ["TACO_CLUSTER_NAME"]
+
+
+@pytest.mark.cluster
+def test_the_ranks_command_registers_engines_with_the_notebooks_controller(tmp_path: Path) -> None:
+    """What every worker slot runs, for real here: mpiexec starts the manifest's engine command, which reads the
+    connection file from where the Secret is mounted (here a private copy) and registers with a controller,
+    engine id = MPI rank, the TACO_* variables in its environment. Only Kubernetes itself is left out."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=0, profile_dir=str(tmp_path / "profile"), controller_ip="127.0.0.1", log_level=40)
+    cluster.start_controller_sync()
+    proc = None
+    try:
+        engine_file = tmp_path / "profile" / "security" / f"ipcontroller-{cluster.cluster_id}-engine.json"
+        deadline = time.monotonic() + 60
+        while not engine_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        secret = tmp_path / "secret"
+        secret.mkdir(mode=0o700)
+        shutil.copy(engine_file, secret / ENGINE_FILE)
+        spec = MPIJobSpec(np=2, gpus_per_node=1, controller_address="127.0.0.1",
+                          controller_port=json.loads(engine_file.read_text())["registration"])
+        info = find_mpi(single_host=True)
+        ranks = rank_shell_command(spec).replace(f"{ENGINE_DIR}/{ENGINE_FILE}", str(secret / ENGINE_FILE))
+        line = f"exec {shlex.join([info.mpiexec, *info.extra_args])} -n 2 {ranks}"
+        env = {**os.environ, **info.environment, **single_host_env(info), **rank_env(spec)}
+        proc = subprocess.Popen(["sh", "-c", line], env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = cluster.connect_client_sync()
+        client.wait_for_engines(2, timeout=120)
+        assert sorted(client[:].apply_sync(_rank_info)) == [(0, "taco"), (1, "taco")]
+        client.shutdown(hub=False, block=True)
+        client.close()
+        proc.wait(timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what this test started
+            proc.wait(timeout=30)
+        cluster.stop_controller_sync()
+
+
 def broken(job: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     """A copy of ``job`` with ``value`` at the dotted ``path`` (``[n]`` indexes lists; ``None`` deletes)."""
     job = copy.deepcopy(job)
@@ -245,6 +299,8 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"controller_port": 0}, "--controller-port", "registration port (1-65535), got 0"),
     ({"memory_per_worker": "lots"}, "--memory-per-worker", "expected a Kubernetes quantity"),
     ({"mpi_implementation": "MPICH"}, "--mpi", "runs OpenMPI or Intel"),
+    ({"command": "python train.py"}, "command", "a non-empty list of words, for example ['python', 'train.py']"),
+    ({"command": ()}, "command", "got ()"),
 ]
 
 

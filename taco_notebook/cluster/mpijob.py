@@ -28,7 +28,8 @@ from typing import Any
 import yaml
 
 __all__ = ["MPIJobSpec", "MPIJobSpecError", "HugePages", "build_manifest", "to_yaml", "parse_hugepages",
-           "rank_env", "rank_command", "launcher_script", "PULL_POLICIES", "MPI_IMPLEMENTATIONS", "ENGINE_FILE"]
+           "rank_env", "rank_command", "rank_shell_command", "launcher_script",
+           "PULL_POLICIES", "MPI_IMPLEMENTATIONS", "ENGINE_DIR", "ENGINE_FILE"]
 
 API_VERSION = "kubeflow.org/v2beta1"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -127,8 +128,10 @@ class MPIJobSpec:
         if self.mpi_implementation not in MPI_IMPLEMENTATIONS:
             raise MPIJobSpecError("--mpi", f"the MPI Operator runs {' or '.join(MPI_IMPLEMENTATIONS)}, "
                                            f"got {self.mpi_implementation!r}")
-        if self.command is not None and (not self.command or not all(isinstance(a, str) for a in self.command)):
-            raise MPIJobSpecError("command", f"expected a non-empty list of strings, got {self.command!r}")
+        if self.command is not None and (isinstance(self.command, str) or not self.command
+                                         or not all(isinstance(a, str) for a in self.command)):
+            raise MPIJobSpecError("command", f"expected the rank's command as a non-empty list of words, "
+                                             f"for example ['python', 'train.py'], got {self.command!r}")
 
     @property
     def workers(self) -> int:
@@ -235,9 +238,13 @@ def launcher_script(spec: MPIJobSpec) -> str:
         mpirun = ["mpirun", "-np", str(spec.np), "--bind-to", "none", *forward]
     else:  # Intel MPI's hydra forwards the whole environment with -genvall
         mpirun = ["mpirun", "-np", str(spec.np), "-ppn", str(spec.gpus_per_node), "-genvall"]
-    command = " ".join(_shell_word(arg) for arg in rank_command(spec))
     return (f"set -e\npython -c {shlex.quote(_CONTROLLER_CHECK)}\n"
-            f"exec {shlex.join(mpirun)} {command}\n")
+            f"exec {shlex.join(mpirun)} {rank_shell_command(spec)}\n")
+
+
+def rank_shell_command(spec: MPIJobSpec) -> str:
+    """:func:`rank_command` as ``sh`` words, ``${TACO_*}`` left for the launcher's shell to expand."""
+    return " ".join(_shell_word(arg) for arg in rank_command(spec))
 
 
 def _shell_word(arg: str) -> str:
