@@ -292,7 +292,7 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"name": "taco_run"}, "--name", "is not a DNS-1123 label"),
     ({"name": "run-"}, "--name", "is not a DNS-1123 label"),
     ({"name": "1run"}, "--name", "must start with a letter"),
-    ({"name": "t" * 60}, "--name", "at most 48 characters"),
+    ({"name": "t" * 51}, "--name", "at most 50 characters"),
     ({"namespace": "Team A"}, "--namespace", "is not a DNS-1123 label"),
     ({"controller_address": ""}, "--controller-address", "expected the host name or IP address"),
     ({"controller_address": "tcp://10.0.0.5"}, "--controller-address", "got 'tcp://10.0.0.5'"),

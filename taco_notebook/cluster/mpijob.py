@@ -41,7 +41,7 @@ DEFAULT_IMAGE = "taco-notebook:0.1.0"
 WORKER_SSHD = ("/usr/sbin/sshd", "-De")  # MPI Operator v2: workers run sshd, the launcher's mpirun ssh-es in
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([KMGTPE]i|[numkMGTPE])?")
-_LONGEST_SUFFIX = len("-launcher")  # pod names: <name>-launcher, <name>-worker-<i>; DNS labels hold 63
+_POD_SUFFIX_ROOM = len("-worker-99999")  # the operator names pods <name>-launcher, <name>-worker-<i>: 63 in all
 
 
 class MPIJobSpecError(ValueError):
@@ -164,7 +164,7 @@ def _check_counts(np: object, gpus_per_node: object) -> None:
 
 
 def _check_names(name: object, namespace: object) -> None:
-    for option, value, room in (("--name", name, _LONGEST_SUFFIX + 6), ("--namespace", namespace, 0)):
+    for option, value, room in (("--name", name, _POD_SUFFIX_ROOM), ("--namespace", namespace, 0)):
         if not isinstance(value, str) or not _DNS1123_LABEL.fullmatch(value) or len(value) > 63 - room:
             raise MPIJobSpecError(option, f"{value!r} is not a DNS-1123 label of at most {63 - room} characters "
                                           "(lowercase letters, digits and '-', starting and ending with a letter "
@@ -201,13 +201,12 @@ def _labels(spec: MPIJobSpec, role: str | None = None) -> dict[str, str]:
 def rank_env(spec: MPIJobSpec) -> dict[str, str]:
     """The ``TACO_*`` variables every rank gets (forwarded by ``mpirun``, since ranks started over ssh do not
     inherit the pod's environment): the cluster's name, GPU placement, and where the controller is."""
-    env = {
+    return {
         "TACO_CLUSTER_NAME": spec.name,
         "TACO_GPUS": "auto",  # one GPU per local rank (comm/placement.py)
         "TACO_CONTROLLER_ADDR": spec.controller_address,
         "TACO_CONTROLLER_PORT": str(spec.controller_port),
     }
-    return env
 
 
 def rank_command(spec: MPIJobSpec) -> list[str]:
