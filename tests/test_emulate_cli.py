@@ -23,10 +23,9 @@ from typing import Any
 import psutil
 import pytest
 
-from taco_notebook.cluster.emulated import EmulatedNodes
 from taco_notebook.cluster.emulated_hosts import EmulatedHosts
 from taco_notebook.cluster.emulated_sshd import PRIVSEP_DIR, SshdProcess, find_sshd
-from taco_notebook.cluster.emulated_state import nodes_from_state
+from taco_notebook.cluster.emulated_state import load_nodes, nodes_from_state
 from taco_notebook.cluster.private import write_private_json
 from taco_notebook.emulate import parse_spec
 
@@ -112,7 +111,7 @@ def test_a_state_file_cannot_name_what_is_not_the_sets(tmp_path: Path) -> None:
     path = tmp_path / "nodes.json"
     write_private_json(path, state)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert EmulatedNodes.load(path).nodes == ["n0", "n1"]
+    assert load_nodes(path).nodes == ["n0", "n1"]
 
 
 @pytest.mark.parametrize(("args", "message"), [

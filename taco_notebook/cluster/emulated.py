@@ -12,7 +12,7 @@ MPI ranks are placed on the nodes by mpich's hydra with :mod:`taco_notebook.clus
                        env=cluster.mpiexec_env(), check=True)
 
 Only private addresses inside the namespaces created here are used; the bridge has no route to anywhere else.
-:meth:`EmulatedNodes.save` / :meth:`EmulatedNodes.load` let a set outlive its maker: ``python -m
+cluster/emulated_state.py saves and loads a set so it can outlive its maker: ``python -m
 taco_notebook.emulate`` (:mod:`taco_notebook.cluster.emulated_hosts`) runs a real sshd on each node that way.
 """
 
@@ -327,23 +327,25 @@ class EmulatedNodes:
         if errors:
             raise RuntimeError("could not remove all of the emulated cluster: " + "; ".join(errors))
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write this started set's state to ``path`` (0600) and let it outlive this process (no stop at exit).
+    @property
+    def made(self) -> list[tuple[str, str]]:
+        """What :meth:`start` created and :meth:`stop` removes: ``("link" | "netns", name)`` in creation order."""
+        return list(self._made)
 
-        :meth:`load` finds it again from another process, e.g. to :meth:`stop` it (``python -m
-        taco_notebook.emulate down``). See :mod:`taco_notebook.cluster.emulated_state`.
-        """
-        from .emulated_state import save_nodes
-
-        save_nodes(self, Path(path))
+    def detach(self) -> None:
+        """Let this started set outlive this process (no stop at exit): its state was saved (see
+        :mod:`~taco_notebook.cluster.emulated_state`), and whoever loads it calls :meth:`stop`."""
         atexit.unregister(self.stop)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> EmulatedNodes:
-        """The started set whose state :meth:`save` wrote to ``path``; its :meth:`stop` removes it."""
-        from .emulated_state import load_nodes
-
-        return load_nodes(Path(path))
+    def restore(cls, num_nodes: int, rate: int | None, interface: str, *, prefix: str,
+                subnet: ipaddress.IPv4Network, workdir: Path, made: list[tuple[str, str]]) -> EmulatedNodes:
+        """A started set rebuilt from saved state (checked by the caller); not stopped when this process exits."""
+        nodes = cls(num_nodes, rate=rate, interface=interface, subnet=str(subnet))
+        nodes.prefix, nodes.bridge = prefix, f"{prefix}-br"
+        nodes._subnet, nodes._workdir, nodes._made = subnet, workdir, list(made)
+        nodes._started = True
+        return nodes
 
     def __repr__(self) -> str:
         rate = "unlimited" if self.rate_bits_per_s is None else f"{self.rate_bits_per_s / 1e9:g} Gbit/s"

@@ -5,7 +5,7 @@ shaped bridge) with a real ``sshd`` on every node (:mod:`~taco_notebook.cluster.
 recorded in one private state directory (0700, files 0600) so that ``status`` and ``down`` find it again from
 other processes::
 
-    STATE/nodes.json            the namespaces, links, subnet (EmulatedNodes.save)
+    STATE/nodes.json            the namespaces, links, subnet (emulated_state.save_nodes)
     STATE/hosts.json            slots per node, each sshd's pid and start time
     STATE/netns/                EmulatedNodes' work directory
     STATE/ssh/config            ssh -F STATE/ssh/config n0 hostname   (prints n0)
@@ -45,6 +45,7 @@ from .emulated_sshd import (
     stop_sshd,
     write_private_text,
 )
+from .emulated_state import load_nodes, save_nodes
 from .private import make_private_dirs, read_private_json, write_private_json
 
 __all__ = ["EmulatedHosts", "EmulateError", "NodeStatus", "default_state_dir", "check_prerequisites", "down"]
@@ -204,7 +205,7 @@ class EmulatedHosts:
         hosts = cls(state_dir, nodes, slots, made_parents=made_parents)
         try:
             nodes.start()
-            nodes.save(state_dir / _NODES_FILE)  # from here on `down` can undo it, even if this process dies
+            save_nodes(nodes, state_dir / _NODES_FILE)  # from here on `down` can undo it, even if this process dies
             hosts._save()
             hosts._write_keys_and_configs()
             hosts.made_privsep_dir = ensure_privsep_dir()
@@ -271,7 +272,7 @@ class EmulatedHosts:
         state_dir = (state_dir or default_state_dir()).absolute()
         if not state_dir.exists():
             return None
-        nodes = EmulatedNodes.load(state_dir / _NODES_FILE)
+        nodes = load_nodes(state_dir / _NODES_FILE)
         data: Any = read_private_json(state_dir / _HOSTS_FILE, os.geteuid(), 1 << 20)
         try:
             sshd = {str(h): SshdProcess(int(p["pid"]), float(p["create_time"])) for h, p in data["sshd"].items()}
@@ -326,6 +327,6 @@ def down(state_dir: Path | None = None) -> EmulatedHosts | None:
         return None
     hosts = EmulatedHosts.load(state_dir) if (state_dir / _HOSTS_FILE).exists() else None
     if hosts is None:
-        hosts = EmulatedHosts(state_dir, EmulatedNodes.load(state_dir / _NODES_FILE), 0)
+        hosts = EmulatedHosts(state_dir, load_nodes(state_dir / _NODES_FILE), 0)
     hosts.remove()
     return hosts

@@ -32,12 +32,13 @@ def nodes_state(nodes: EmulatedNodes) -> dict[str, Any]:
     return {"version": STATE_VERSION, "prefix": nodes.prefix, "num_nodes": len(nodes.nodes),
             "rate_bits_per_s": nodes.rate_bits_per_s, "interface": nodes.interface,
             "subnet": str(nodes.subnet), "workdir": str(workdir),
-            "made": [list(item) for item in nodes._made]}
+            "made": [list(item) for item in nodes.made]}
 
 
 def save_nodes(nodes: EmulatedNodes, path: Path) -> None:
     """Write ``nodes``' state to ``path`` (0600, atomically; its directory is made 0700 when missing)."""
     write_private_json(path, nodes_state(nodes), what="emulated nodes' state directory")
+    nodes.detach()  # from here on the file is how it is found and stopped
 
 
 def load_nodes(path: Path) -> EmulatedNodes:
@@ -59,16 +60,10 @@ def nodes_from_state(state: Any, where: str = "state") -> EmulatedNodes:
             if kind not in ("link", "netns") or not name.startswith(prefix + "-"):
                 raise ValueError(f"{kind} {name!r} is not one of the set's own")
         rate = state["rate_bits_per_s"]
-        nodes = EmulatedNodes(int(state["num_nodes"]), rate=None if rate is None else int(rate),
-                              interface=str(state["interface"]), subnet=str(state["subnet"]))
-        subnet = ipaddress.IPv4Network(state["subnet"])
-        workdir = Path(state["workdir"])
+        nodes = EmulatedNodes.restore(int(state["num_nodes"]), None if rate is None else int(rate),
+                                      str(state["interface"]), prefix=prefix,
+                                      subnet=ipaddress.IPv4Network(state["subnet"]), workdir=Path(state["workdir"]),
+                                      made=made)
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{where}: not a state file of emulated nodes ({err}); remove it if nothing runs") from None
-    nodes.prefix = prefix
-    nodes.bridge = f"{prefix}-br"
-    nodes._subnet = subnet
-    nodes._workdir = workdir
-    nodes._made = made
-    nodes._started = True  # loaded sets are not stopped when this process exits: their owner calls stop()
     return nodes
