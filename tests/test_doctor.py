@@ -27,7 +27,6 @@ from taco_notebook.cluster.doctor import (
     HugePagesError,
     diagnose,
     diagnose_nodes,
-    local_report,
     report_from_facts,
     require_hugepages,
 )
@@ -91,7 +90,7 @@ def test_single_node_report_renders_as_text_and_html(facts: dict[str, Any]) -> N
     assert text.count(facts["hostname"]) >= 1 and "huge pages 2 MB" in text
     assert page.count("<tr>") == 2  # header and one node
     for finding in report.nodes[0].findings:  # every problem is shown with its remedy, in both
-        assert finding.problem in text and f"fix: {finding.remedy}" in text
+        assert f"{facts['node']}: {finding.problem}" in text and f"fix: {finding.remedy}" in text
         assert re.sub(r"[<>&'\"]", "", finding.remedy)[:40] in re.sub(r"&\w+;|&#x27;", "", page)
 
 
@@ -153,6 +152,81 @@ def test_reserved_and_mounted_huge_pages_change_the_report(restore_hugepages: st
         require_hugepages(report, granted + 1, "2M")
 
 
+def test_mpi4py_on_another_mpi_than_mpiexec_is_found_with_the_fix() -> None:
+    """The GPU machine's trap for real: mpi4py made to load a (private, unpacked) Open MPI beside mpich's mpiexec."""
+    from tests.openmpi import prepare_openmpi
+
+    try:
+        ompi = prepare_openmpi()
+    except RuntimeError as exc:
+        pytest.skip(f"no Open MPI to load: {exc}")
+    env = ompi.environment(_env(MPI4PY_MPIABI="openmpi"))
+    probe = "import json; from taco_notebook.comm.nodefacts import mpi_facts; print(json.dumps(mpi_facts()))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    mpi = json.loads(done.stdout)
+    assert (mpi["implementation"], mpi["mpi4py"]["implementation"]) == ("mpich", "openmpi")
+    assert mpi["mpi4py_with_ranks_env"]["implementation"] == "mpich"  # what taco gives its ranks fixes it
+    [finding] = [f for f in diagnose({"mpi": mpi}) if "mpi4py" in f.problem]
+    assert finding.severity == "warning" and "would run every rank alone" in finding.problem
+    assert finding.remedy.startswith("`export MPI4PY_MPIABI=mpich LD_LIBRARY_PATH=")
+    broken = {**mpi, "mpi4py_with_ranks_env": mpi["mpi4py"]}  # had taco's environment not helped either
+    [error] = [f for f in diagnose({"mpi": broken}) if "mpi4py" in f.problem]
+    assert error.severity == "error" and "--mpiexec PATH" in error.remedy
+
+
+def test_mpi_versions_are_read_from_the_mpis_own_words() -> None:
+    info = find_mpi()
+    said = subprocess.run([info.mpiexec, "--version"], capture_output=True, text=True, timeout=60).stdout
+    assert library_identity(said) == (info.implementation, info.version)
+    from mpi4py import MPI
+
+    assert library_identity(MPI.Get_library_version()) == (info.implementation, info.version)
+    assert library_identity("mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/") == \
+        ("openmpi", "4.1.4")
+
+
+def test_gpu_and_nic_findings_from_a_gpu_node_s_facts(facts: dict[str, Any]) -> None:
+    """No GPU here: nvidia-smi's documented CSV (its --query-gpu=...,nounits form) stands in for one, on top of
+    this machine's real facts. The parser and the count against NICs are what is checked, not nvidia-smi."""
+    csv = "\n".join(f"{i}, NVIDIA H100 80GB HBM3, 81559, 00000000:{0x18 + i:02X}:00.0" for i in range(8))
+    gpus = _parse_gpu_csv(csv + "\n")
+    assert len(gpus) == 8 and gpus[3] == {"index": 3, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
+                                          "bus_id": "00000000:1B:00.0"}
+    node = {**facts, "gpus": {"tool": "ok", "driver_gpus": 8, "visible": 8, "gpus": gpus, "topology": "GPU0 X"}}
+    problems = _problems(node)
+    up = [n for n in facts["nics"] if n["up"]]
+    if 0 < len(up) < 8:
+        assert any(p.startswith(f"8 GPUs share {len([n for n in up if n['hardware']]) or len(up)} NIC") for p in
+                   problems), problems
+    assert any("CPU build on a node with 8 GPU(s)" in p for p in problems)  # torch here is the CPU build
+    assert "8 × NVIDIA H100 80GB HBM3, 80 GiB" in str(report_from_facts([node]))
+    no_tool = {**node, "gpus": {**node["gpus"], "tool": "missing"}}
+    assert any(p.startswith("nvidia-smi missing: the driver lists 8 GPU(s)") for p in _problems(no_tool))
+
+
+def test_node_facts_on_real_mpi_engines(mpiexec: str, tmp_path: Path) -> None:
+    """Applied on ipyparallel engines launched by mpiexec: each sees the MPI it runs on, in process."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(engines="mpi", n=2, profile_dir=str(tmp_path / "profile"), controller_ip="127.0.0.1",
+                          log_level=40)
+    cluster.config.MPILauncher.mpi_cmd = [mpiexec]
+    try:
+        client = cluster.start_and_connect_sync()
+        client.wait_for_engines(2, timeout=120)
+        on_engines = client[:].apply_sync(node_facts)
+        client.close()
+    finally:
+        cluster.stop_cluster_sync()
+    info = find_mpi()
+    for engine in on_engines:
+        assert engine["mpi"]["mpi4py_in_process"] == {"implementation": info.implementation,
+                                                      "version": info.version}
+        assert not [f for f in diagnose(engine) if f.severity == "error"]
+    assert report_from_facts(on_engines[:1]).nodes[0].name == socket.gethostname()
+
+
 def test_require_hugepages_refuses_bad_input(facts: dict[str, Any]) -> None:
     report = report_from_facts([facts])
     for bad in (0, -1, "8", True):
@@ -202,3 +276,59 @@ def test_missing_nvidia_smi_and_mpiexec_are_reported_not_raised(tmp_path: Path) 
     assert "pip install mpich mpi4py" in findings["no mpiexec beside this Python or on PATH"].remedy
     assert any("nvidia-smi" in p for p in findings)
     assert "mpiexec missing" in str(report_from_facts([facts]))
+
+
+# ---- bandwidth between nodes -----------------------------------------------------------------------------------
+def _netns_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return f"emulated nodes need root (running as uid {os.geteuid()})"
+    missing = [tool for tool in ("ip", "tc", "unshare", "hostname") if shutil.which(tool) is None]
+    return f"emulated nodes need {', '.join(missing)} on PATH" if missing else None
+
+
+NETNS_SKIP = _netns_skip_reason()
+
+
+def test_receiver_listens_only_on_the_address_given() -> None:
+    ports: list[int] = []
+    ready = threading.Event()
+    results: list[dict[str, Any]] = []
+
+    def serve() -> None:
+        results.append(receive("127.0.0.1", "t0ken", ready=lambda port: (ports.append(port), ready.set())))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        listening = [c.laddr for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == ports[0]]
+        assert [addr.ip for addr in listening] == ["127.0.0.1"]
+    finally:
+        sent = send("127.0.0.1", ports[0], "t0ken", seconds=0.2)
+        thread.join(10)
+    assert results == [sent] and sent["bytes"] > 0 and sent["from"] == "127.0.0.1"
+
+
+def test_loopback_is_much_faster_than_a_1gbit_link() -> None:
+    result = measure_link([sys.executable], [sys.executable], "127.0.0.1")
+    assert 0.9 <= result["seconds"] <= 1.2
+    assert result["gbit_per_s"] > 3, result
+
+
+@pytest.mark.skipif(NETNS_SKIP is not None, reason=NETNS_SKIP or "")
+def test_two_emulated_nodes_report_their_own_nics_and_a_1gbit_link() -> None:
+    from taco_notebook.cluster.emulated import EmulatedNodes
+
+    with EmulatedNodes(2, rate="1gbit") as cluster:
+        runners = {h: ["ip", "netns", "exec", cluster.namespace_of(h), sys.executable] for h in cluster.nodes}
+        report = diagnose_nodes(runners, {h: cluster.address_of(h) for h in cluster.nodes})
+    assert isinstance(report, DoctorReport) and [n.name for n in report.nodes] == ["n0", "n1"]
+    for node in report.nodes:  # each node sees its own namespace: the shaped veth, not the machine's NICs
+        assert [(n["name"], n["up"], n["hardware"]) for n in node.facts["nics"]] == [("taco0", True, False)]
+    [link] = report.links
+    assert (link["from"], link["to"]) == ("n0", "n1")
+    assert 0.85 <= link["gbit_per_s"] <= 1.0, link  # TCP over a 1 Gbit/s htb: ~94 % of nominal
+    text = str(report)
+    assert f"→ n1: {link['gbit_per_s']:.2f} Gbit/s" in text and "taco0" in text
+    assert "<td style='text-align:left;vertical-align:top'>n0" in report._repr_html_()

@@ -8,6 +8,7 @@ another MPI), ``warning`` (it runs, slower or without a TACO feature: no huge pa
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -153,12 +154,13 @@ def _mpi_findings(facts: dict[str, Any]) -> list[Finding]:
                         "start the cluster with the mpiexec of that MPI (--mpiexec PATH)")]
     if (loaded.get("implementation"), loaded.get("version")) == mine:
         return []
-    env = " ".join(f"{k}={v}" for k, v in mpi.get("ranks_env", {}).items())
+    env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in mpi.get("ranks_env", {}).items())
     fixed = mpi.get("mpi4py_with_ranks_env", {})
     said = f"mpi4py loads {loaded.get('implementation')} {loaded.get('version')} but mpiexec is {mine[0]} {mine[1]}"
     if env and (fixed.get("implementation"), fixed.get("version")) == mine:
-        return [Finding("warning", f"{said}: taco's ranks are given {env} and agree, but a plain `mpiexec "
-                                   "python train.py` would run every rank alone (world size 1)",
+        return [Finding("warning", f"{said}: taco's ranks get MPI4PY_MPIABI={mine[0]} and its library path, so "
+                                   "they agree, but a plain `mpiexec python train.py` would run every rank alone "
+                                   "(world size 1)",
                         f"`export {env}` in the shell (or the job script) that runs mpiexec")]
     return [Finding("error", f"{said}: every rank would run alone (world size 1)",
                     f"launch with the mpiexec of the MPI mpi4py loads (--mpiexec PATH), or "

@@ -1,5 +1,5 @@
-"""The doctor's table: a row per node, then each node's problems and remedies; text for a terminal, HTML for a
-notebook. Both come from the same cells (:func:`rows`), so they always say the same thing."""
+"""The doctor's table: a row per node, then the problems, each with its remedy and the nodes that have it; text
+for a terminal, HTML for a notebook. Both come from the same cells (:func:`rows`), so they say the same thing."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .doctor import DoctorReport, NodeReport
+    from .doctor_findings import Finding
 
-__all__ = ["COLUMNS", "rows", "render_text", "render_html"]
+__all__ = ["COLUMNS", "rows", "grouped_findings", "render_text", "render_html"]
 
 COLUMNS = ("node", "huge pages 2 MB", "huge pages 1 GB", "GPUs", "NICs", "CPUs / NUMA", "MPI", "torch / NCCL",
            "link (1 s TCP)")
@@ -106,6 +107,15 @@ def rows(report: DoctorReport) -> list[list[list[str]]]:
     return table
 
 
+def grouped_findings(report: DoctorReport) -> list[tuple[Finding, list[str]]]:
+    """Each distinct finding once, with the nodes that have it, errors first: 100 nodes missing the same pages
+    read as one line, not 100."""
+    groups: dict[Finding, list[str]] = {}
+    for name, finding in report.findings:
+        groups.setdefault(finding, []).append(name)
+    return list(groups.items())
+
+
 def render_text(report: DoctorReport) -> str:
     """The table with aligned, multi-line cells, then per node its problems (✗ error, ! warning, · info)."""
     table = [[[c] for c in COLUMNS], *rows(report)]
@@ -117,15 +127,16 @@ def render_text(report: DoctorReport) -> str:
             out.append(" | ".join((cell[k] if k < len(cell) else "").ljust(w)
                                   for cell, w in zip(row, widths, strict=True)).rstrip())
         out.append(rule)
+    healthy = [node.name for node in report.nodes if not node.findings]
+    if healthy:
+        out.append(f"{', '.join(healthy)}: no problems found")
+    for finding, names in grouped_findings(report):
+        out.append(f"{_MARK.get(finding.severity, '?')} [{finding.severity}] {', '.join(names)}: {finding.problem}")
+        out.append(f"    fix: {finding.remedy}")
     for node in report.nodes:
-        out.append(f"{node.name}: " + ("no problems found" if not node.findings else
-                                       f"{len(node.findings)} finding{'s' if len(node.findings) != 1 else ''}"))
-        for f in node.findings:
-            out.append(f"  {_MARK.get(f.severity, '?')} [{f.severity}] {f.problem}")
-            out.append(f"      fix: {f.remedy}")
         topology = node.facts.get("gpus", {}).get("topology")
         if topology:
-            out.append("  GPU topology (nvidia-smi topo -m):")
+            out.append(f"GPU topology of {node.name} (nvidia-smi topo -m):")
             out.extend(f"    {line}" for line in topology.splitlines())
     for link in report.links:
         if link.get("error"):
@@ -144,12 +155,16 @@ def render_html(report: DoctorReport) -> str:
     body = "".join("<tr>" + "".join(f"<td style='text-align:left;vertical-align:top'>{_cell_html(cell)}</td>"
                                     for cell in row) + "</tr>" for row in rows(report))
     parts = [f"<table class='taco-doctor'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"]
+    healthy = [node.name for node in report.nodes if not node.findings]
+    if healthy:
+        parts.append(f"<p><b>{html.escape(', '.join(healthy))}</b>: no problems found</p>")
+    items = "".join(
+        f"<li><span style='color:{colour.get(f.severity, '#000')}'>[{html.escape(f.severity)}]</span> "
+        f"<b>{html.escape(', '.join(names))}</b>: {html.escape(f.problem)}<br><small>fix: "
+        f"{html.escape(f.remedy)}</small></li>" for f, names in grouped_findings(report))
+    if items:
+        parts.append(f"<ul>{items}</ul>")
     for node in report.nodes:
-        items = "".join(
-            f"<li><span style='color:{colour.get(f.severity, '#000')}'>[{html.escape(f.severity)}]</span> "
-            f"{html.escape(f.problem)}<br><small>fix: {html.escape(f.remedy)}</small></li>" for f in node.findings)
-        summary = "no problems found" if not node.findings else f"{len(node.findings)} finding(s)"
-        parts.append(f"<p><b>{html.escape(node.name)}</b>: {summary}</p>" + (f"<ul>{items}</ul>" if items else ""))
         topology = node.facts.get("gpus", {}).get("topology")
         if topology:
             parts.append(f"<details><summary>GPU topology of {html.escape(node.name)}</summary>"
