@@ -227,6 +227,17 @@ def test_node_facts_on_real_mpi_engines(mpiexec: str, tmp_path: Path) -> None:
     assert report_from_facts(on_engines[:1]).nodes[0].name == socket.gethostname()
 
 
+def test_a_node_that_cannot_be_read_is_an_error_not_a_crash(facts: dict[str, Any]) -> None:
+    report = diagnose_nodes({"ghost": ["/nonexistent/python3"]})
+    assert not report.ok and report.nodes[0].facts["node"] == "ghost"
+    [(name, finding)] = report.findings
+    assert name == "ghost" and finding.severity == "error" and "/nonexistent/python3" in finding.problem
+    assert "unreadable" in str(report) and "n/a (one node)" in str(report)
+    both = report_from_facts([facts, report.nodes[0].facts])
+    with pytest.raises(HugePagesError, match=r"ghost \(could not be read: "):
+        require_hugepages(both, 1)
+
+
 def test_require_hugepages_refuses_bad_input(facts: dict[str, Any]) -> None:
     report = report_from_facts([facts])
     for bad in (0, -1, "8", True):
@@ -331,4 +342,4 @@ def test_two_emulated_nodes_report_their_own_nics_and_a_1gbit_link() -> None:
     assert 0.85 <= link["gbit_per_s"] <= 1.0, link  # TCP over a 1 Gbit/s htb: ~94 % of nominal
     text = str(report)
     assert f"→ n1: {link['gbit_per_s']:.2f} Gbit/s" in text and "taco0" in text
-    assert "<td style='text-align:left;vertical-align:top'>n0" in report._repr_html_()
+    assert "vertical-align:top;padding:2px 8px'>n0" in report._repr_html_()

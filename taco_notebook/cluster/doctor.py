@@ -134,7 +134,8 @@ def measure_links(runners: Mapping[str, Sequence[str]], addresses: Mapping[str, 
     names = list(runners)
     if len(names) < 2:
         return []
-    pairs = list(zip(names, names[1:] + names[:1], strict=True))[: len(names) if len(names) > 2 else 1]
+    receivers = names[1:] + names[:1]
+    pairs = list(zip(names, receivers, strict=True)) if len(names) > 2 else [(names[0], names[1])]
     links = []
     for sender, receiver in pairs:
         try:
@@ -166,11 +167,12 @@ def require_hugepages(reports: Sequence[NodeReport] | DoctorReport, n: int, page
     wanted = None if page_size == "default" else parse_page_size(page_size)
     short = []
     for node in nodes:
-        size = wanted or node.facts.get("hugepages", {}).get("default_kb") or 2048
-        pool = node.hugepages(size)
         if "error" in node.facts:
             short.append(f"{node.name} (could not be read: {node.facts['error']})")
-        elif pool is None:
+            continue
+        size = wanted or node.facts.get("hugepages", {}).get("default_kb") or 2048
+        pool = node.hugepages(size)
+        if pool is None:
             short.append(f"{node.name} (offers no {page_label(size)} pages)")
         elif pool["free"] < n:
             short.append(f"{node.name} ({pool['free']} free of {pool['total']} {page_label(size)} pages)")

@@ -14,6 +14,7 @@ __all__ = ["COLUMNS", "rows", "grouped_findings", "render_text", "render_html"]
 
 COLUMNS = ("node", "huge pages 2 MB", "huge pages 1 GB", "GPUs", "NICs", "CPUs / NUMA", "MPI", "torch / NCCL",
            "link (1 s TCP)")
+_CELL_STYLE = "text-align:left;vertical-align:top;padding:2px 8px"
 _MARK = {"error": "✗", "warning": "!", "info": "·"}
 
 
@@ -151,9 +152,9 @@ def _cell_html(lines: list[str]) -> str:
 def render_html(report: DoctorReport) -> str:
     """The same table as HTML, each node's problems in a list under it, topology in a collapsed block."""
     colour = {"error": "#b00020", "warning": "#a15c00", "info": "#555"}
-    head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td style='text-align:left;vertical-align:top'>{_cell_html(cell)}</td>"
-                                    for cell in row) + "</tr>" for row in rows(report))
+    head = "".join(f"<th style='{_CELL_STYLE}'>{html.escape(c)}</th>" for c in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td style='{_CELL_STYLE}'>{_cell_html(cell)}</td>" for cell in row) + "</tr>"
+                   for row in rows(report))
     parts = [f"<table class='taco-doctor'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"]
     healthy = [node.name for node in report.nodes if not node.findings]
     if healthy:
