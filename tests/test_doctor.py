@@ -27,12 +27,13 @@ from taco_notebook.cluster.doctor import (
     HugePagesError,
     diagnose,
     diagnose_nodes,
+    measure_links,
     report_from_facts,
     require_hugepages,
 )
 from taco_notebook.cluster.mpi import find_mpi
 from taco_notebook.comm import hardware
-from taco_notebook.comm.linkspeed import measure_link, receive, send
+from taco_notebook.comm.linkspeed import measure_link, receive, send, start_receiver
 from taco_notebook.comm.nodefacts import _parse_gpu_csv, library_identity, node_facts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,6 +176,35 @@ def test_mpi4py_on_another_mpi_than_mpiexec_is_found_with_the_fix() -> None:
     assert error.severity == "error" and "--mpiexec PATH" in error.remedy
 
 
+def test_nodes_on_different_mpis_and_an_unmeasurable_link_are_cluster_problems(
+        facts: dict[str, Any], bare_python: str, tmp_path: Path) -> None:
+    from tests.openmpi import prepare_openmpi
+
+    try:
+        ompi = prepare_openmpi()
+    except RuntimeError as exc:
+        pytest.skip(f"no Open MPI: {exc}")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "mpiexec").symlink_to(ompi.mpiexec)  # what Debian's alternatives link would be
+    env = ompi.environment(_env(MPI4PY_MPIABI="openmpi"))
+    other = _facts_from(bare_python, {**env, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}",
+                                      "TACO_NODE_NAME": "ompi-node"})
+    assert (other["node"], other["mpi"]["implementation"], other["mpi"]["mpi4py"]["implementation"]) == \
+        ("ompi-node", "openmpi", "openmpi")
+    assert not [f for f in diagnose(other) if "mpi" in f.problem.lower()]  # that node on its own is consistent
+    links = measure_links({"here": [sys.executable], "ompi-node": [sys.executable]},
+                          {"here": "127.0.0.1", "ompi-node": "192.0.2.1"})  # TEST-NET-1: not an address here
+    assert links[0]["gbit_per_s"] is None and "Cannot assign requested address" in links[0]["error"]
+    report = report_from_facts([{**facts, "node": "here"}, other], links)
+    problems = {f.problem.split(" (")[0]: f for f in report.cluster_findings}
+    assert problems["the nodes run different MPIs"].severity == "error"
+    assert f"here {facts['mpi']['implementation']} {facts['mpi']['version']}; ompi-node openmpi " in \
+        problems["the nodes run different MPIs"].problem
+    assert any(p.startswith("the link here → ompi-node could not be measured") for p in problems)
+    assert not report.ok and "cluster: the nodes run different MPIs" in str(report)
+    assert "→ ompi-node: failed" in str(report)
+
+
 def test_mpi_versions_are_read_from_the_mpis_own_words() -> None:
     info = find_mpi()
     said = subprocess.run([info.mpiexec, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -216,6 +246,8 @@ def test_node_facts_on_real_mpi_engines(mpiexec: str, tmp_path: Path) -> None:
         client = cluster.start_and_connect_sync()
         client.wait_for_engines(2, timeout=120)
         on_engines = client[:].apply_sync(node_facts)
+        receiver = client[0].apply_sync(start_receiver, "127.0.0.1")  # the link, engine 1 → engine 0
+        link = client[1].apply_sync(send, "127.0.0.1", receiver["port"], receiver["token"], 0.5)
         client.close()
     finally:
         cluster.stop_cluster_sync()
@@ -225,6 +257,7 @@ def test_node_facts_on_real_mpi_engines(mpiexec: str, tmp_path: Path) -> None:
                                                       "version": info.version}
         assert not [f for f in diagnose(engine) if f.severity == "error"]
     assert report_from_facts(on_engines[:1]).nodes[0].name == socket.gethostname()
+    assert link["to"] == "127.0.0.1" and link["bytes"] > 0 and link["gbit_per_s"] > 0
 
 
 def test_a_node_that_cannot_be_read_is_an_error_not_a_crash(facts: dict[str, Any]) -> None:
@@ -268,19 +301,31 @@ def test_cli_prints_this_machines_report() -> None:
     assert bad.returncode == 2 and "--require-hugepages must be a positive integer, got 0" in bad.stderr
 
 
-def test_missing_nvidia_smi_and_mpiexec_are_reported_not_raised(tmp_path: Path) -> None:
-    """A Python with the project's packages but no mpiexec beside it, and a PATH with neither tool."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
-    site = next((tmp_path / "bare" / "lib").glob("python*/site-packages"))
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Python with the project's packages (torch, mpi4py, ...) but no mpiexec beside it."""
+    bare = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    site = next((bare / "lib").glob("python*/site-packages"))
     import torch
 
     (site / "project.pth").write_text(str(Path(torch.__file__).parent.parent) + "\n")
+    return str(bare / "bin" / "python")
+
+
+def _facts_from(python: str, env: dict[str, str]) -> dict[str, Any]:
+    done = subprocess.run([python, "-m", "taco_notebook.comm.nodefacts"], capture_output=True, text=True, env=env,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    facts: dict[str, Any] = json.loads(done.stdout)
+    return facts
+
+
+def test_missing_nvidia_smi_and_mpiexec_are_reported_not_raised(bare_python: str) -> None:
+    """No mpiexec beside the Python, and a PATH with neither mpiexec nor nvidia-smi."""
     path = os.pathsep.join(d for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
                            if not any(os.access(os.path.join(d, t), os.X_OK) for t in ("mpiexec", "nvidia-smi")))
-    done = subprocess.run([str(tmp_path / "bare" / "bin" / "python"), "-m", "taco_notebook.comm.nodefacts"],
-                          capture_output=True, text=True, env=_env(PATH=path), timeout=180)
-    assert done.returncode == 0, done.stderr
-    facts = json.loads(done.stdout)
+    facts = _facts_from(bare_python, _env(PATH=path))
     assert facts["mpi"]["mpiexec"] == "missing" and facts["gpus"]["tool"] == "missing"
     findings = {f.problem: f for f in diagnose(facts)}
     assert findings["no mpiexec beside this Python or on PATH"].severity == "error"

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..comm.linkspeed import LinkSpeedError, measure_link
 from ..errors import TacoError
-from .doctor_findings import Finding, diagnose, page_label, parse_page_size
+from .doctor_findings import Finding, diagnose, diagnose_cluster, page_label, parse_page_size
 
 __all__ = ["Finding", "NodeReport", "DoctorReport", "HugePagesError", "diagnose", "local_report",
            "diagnose_nodes", "read_node_facts", "measure_links", "report_from_facts", "require_hugepages"]
@@ -64,12 +64,15 @@ class DoctorReport:
 
     nodes: list[NodeReport]
     links: list[dict[str, Any]] = field(default_factory=list)
+    # problems between nodes (different MPIs, a link that failed), from diagnose_cluster
+    cluster_findings: list[Finding] = field(default_factory=list)
 
     @property
     def findings(self) -> list[tuple[str, Finding]]:
-        """(node, finding) for every node, errors first."""
+        """(node, finding) for every node, and ("cluster", finding) for those between them; errors first."""
         order = {"error": 0, "warning": 1, "info": 2}
         pairs = [(node.name, f) for node in self.nodes for f in node.findings]
+        pairs += [("cluster", f) for f in self.cluster_findings]
         return sorted(pairs, key=lambda pair: order.get(pair[1].severity, 3))
 
     @property
@@ -79,7 +82,7 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"nodes": [{"facts": n.facts, "findings": [asdict(f) for f in n.findings]} for n in self.nodes],
-                "links": self.links}
+                "links": self.links, "cluster_findings": [asdict(f) for f in self.cluster_findings]}
 
     def __str__(self) -> str:
         from .doctor_render import render_text
@@ -94,7 +97,8 @@ class DoctorReport:
 
 def report_from_facts(facts: Sequence[dict[str, Any]], links: Sequence[dict[str, Any]] = ()) -> DoctorReport:
     """A report from facts gathered elsewhere (e.g. ``node_facts`` applied on one engine per node)."""
-    return DoctorReport([NodeReport.from_facts(dict(f)) for f in facts], list(links))
+    facts = [dict(f) for f in facts]
+    return DoctorReport([NodeReport.from_facts(f) for f in facts], list(links), diagnose_cluster(facts, list(links)))
 
 
 def local_report() -> DoctorReport:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Finding", "diagnose", "page_label", "parse_page_size", "SUGGESTED_2M_PAGES", "ONE_GB_CMDLINE"]
+__all__ = ["Finding", "diagnose", "diagnose_cluster", "page_label", "parse_page_size", "SUGGESTED_2M_PAGES",
+           "ONE_GB_CMDLINE"]
 
 SUGGESTED_2M_PAGES = 1024  # 2 GiB: room for the 2D allreduce's intra-node buffer of a few 100 MB per rank
 ONE_GB_CMDLINE = "default_hugepagesz=1GB hugepagesz=1GB hugepages=50"  # what TACO-Training's GPU nodes boot with
@@ -191,3 +192,32 @@ def diagnose(facts: dict[str, Any]) -> list[Finding]:
         return [Finding("error", f"could not read the node: {facts['error']}",
                         "check that the node is reachable and has taco_notebook and torch installed")]
     return [finding for check in _CHECKS for finding in check(facts)]
+
+
+def _differs(facts: list[dict[str, Any]], what: Callable[[dict[str, Any]], str]) -> str | None:
+    """``"n0 a; n1 b"`` when the nodes' ``what`` differ, else None."""
+    seen = {str(f.get("node")): what(f) for f in facts}
+    return "; ".join(f"{node} {value}" for node, value in seen.items()) if len(set(seen.values())) > 1 else None
+
+
+def diagnose_cluster(facts: list[dict[str, Any]], links: list[dict[str, Any]]) -> list[Finding]:
+    """What is wrong between nodes: different MPIs or torch versions, a link that could not be measured."""
+    readable = [f for f in facts if "error" not in f]
+    found = []
+    mpis = _differs(readable, lambda f: f"{f.get('mpi', {}).get('implementation')} "
+                                        f"{f.get('mpi', {}).get('version')}")
+    if mpis:
+        found.append(Finding("error", f"the nodes run different MPIs ({mpis}): one mpiexec cannot start them all",
+                             "install the same MPI (implementation and version) on every node"))
+    torches = _differs(readable, lambda f: str(f.get("torch", {}).get("version")))
+    if torches:
+        found.append(Finding("warning", f"the nodes run different torch versions ({torches})",
+                             "install the same torch build on every node: collectives of different versions "
+                             "are not guaranteed to interoperate"))
+    for link in links:
+        if link.get("error"):
+            found.append(Finding("warning", f"the link {link['from']} → {link['to']} could not be measured: "
+                                            f"{link['error']}",
+                                 f"check that {link['to']} accepts TCP connections from {link['from']} (a "
+                                 "firewall on ephemeral ports stops MPI and gloo too)"))
+    return found

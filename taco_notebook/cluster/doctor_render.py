@@ -139,9 +139,6 @@ def render_text(report: DoctorReport) -> str:
         if topology:
             out.append(f"GPU topology of {node.name} (nvidia-smi topo -m):")
             out.extend(f"    {line}" for line in topology.splitlines())
-    for link in report.links:
-        if link.get("error"):
-            out.append(f"link {link['from']} → {link['to']} not measured: {link['error']}")
     return "\n".join(out)
 
 
@@ -170,8 +167,4 @@ def render_html(report: DoctorReport) -> str:
         if topology:
             parts.append(f"<details><summary>GPU topology of {html.escape(node.name)}</summary>"
                          f"<pre>{html.escape(topology)}</pre></details>")
-    for link in report.links:
-        if link.get("error"):
-            parts.append(f"<p>link {html.escape(str(link['from']))} → {html.escape(str(link['to']))} not "
-                         f"measured: {html.escape(str(link['error']))}</p>")
     return "<div class='taco-doctor-report'>" + "".join(parts) + "</div>"

@@ -24,12 +24,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["receive", "send", "measure_link", "LinkSpeedError", "main"]
+__all__ = ["receive", "start_receiver", "send", "measure_link", "LinkSpeedError", "main"]
 
 _CHUNK = 1 << 20
 
@@ -91,6 +92,30 @@ def receive(address: str, token: str, port: int = 0, timeout: float = 20.0,
                           "gbit_per_s": round(received * 8 / seconds / 1e9, 4) if seconds > 0 else 0.0}
                 conn.sendall(json.dumps(result).encode() + b"\n")
                 return result
+
+
+def start_receiver(address: str, timeout: float = 20.0) -> dict[str, Any]:
+    """Start :func:`receive` on ``address`` in a daemon thread; ``{"port", "token"}`` for the :func:`send` to it.
+
+    For engines (``view.apply``): apply this on the receiving node's engine, then :func:`send` on the sender's,
+    which returns the receiver's figures. The thread ends after one measurement or ``timeout``.
+    """
+    token, ready, ports = secrets.token_hex(8), threading.Event(), list[int]()
+
+    def listening(port: int) -> None:
+        ports.append(port)
+        ready.set()
+
+    def serve() -> None:
+        try:
+            receive(address, token, timeout=timeout, ready=listening)
+        except (OSError, LinkSpeedError):
+            ready.set()  # the sender will find nothing listening and say so
+
+    threading.Thread(target=serve, name=f"taco-linkspeed-{address}", daemon=True).start()
+    if not ready.wait(timeout) or not ports:
+        raise LinkSpeedError(f"could not listen on {address} (is it an address of this node?)")
+    return {"port": ports[0], "token": token}
 
 
 def send(address: str, port: int, token: str, seconds: float = 1.0, timeout: float = 20.0) -> dict[str, Any]:
