@@ -388,3 +388,35 @@ def test_two_emulated_nodes_report_their_own_nics_and_a_1gbit_link() -> None:
     text = str(report)
     assert f"→ n1: {link['gbit_per_s']:.2f} Gbit/s" in text and "taco0" in text
     assert "vertical-align:top;padding:2px 8px'>n0" in report._repr_html_()
+
+
+def _ssh_skip_reason() -> str | None:
+    if NETNS_SKIP is not None:
+        return NETNS_SKIP
+    from taco_notebook.cluster.emulated_sshd import find_sshd
+
+    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None or find_sshd() is None:
+        return "needs OpenSSH client and server (apt-get install -y openssh-server)"
+    return None
+
+
+SSH_SKIP = _ssh_skip_reason()
+
+
+@pytest.mark.skipif(SSH_SKIP is not None, reason=SSH_SKIP or "")
+def test_doctor_over_real_ssh_to_emulated_hosts() -> None:
+    """What ``%taco_doctor --hosts n0,n1`` does: facts and the link through ``ssh HOST python``, each node its own."""
+    from taco_notebook.cluster.emulated_hosts import EmulatedHosts
+
+    home = Path(tempfile.mkdtemp(prefix="taco-doctor-ssh-", dir=Path.home()))  # sshd refuses keys under /tmp
+    try:
+        with EmulatedHosts.up(2, 1, "1gbit", state_dir=home / "state") as hosts:
+            runners = {h: ["ssh", "-F", str(hosts.ssh_config), h, "env", f"PYTHONPATH={REPO}", sys.executable]
+                       for h in hosts.nodes.nodes}
+            report = diagnose_nodes(runners, {h: hosts.nodes.address_of(h) for h in hosts.nodes.nodes})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert [(n.name, n.facts.get("hostname")) for n in report.nodes] == [("n0", "n0"), ("n1", "n1")], report
+    [link] = report.links
+    assert 0.85 <= link["gbit_per_s"] <= 1.0, link
+    assert not report.cluster_findings and "→ n1: " in str(report)
