@@ -1,7 +1,8 @@
 """What a node offers a training job, read without importing torch: GPUs the rank can see, huge pages.
 
 Lives in comm/ because a rank reads it about its own node: at cluster start (the registry and the sidebar show
-it per node) and in placement (``--gpus auto`` counts the GPUs before CUDA is initialised).
+it per node), in placement (``--gpus auto`` counts the GPUs before CUDA is initialised), and for ``%taco_doctor``
+(huge page pools and hugetlbfs mounts, NICs, CPUs and NUMA nodes; gathered by ``comm/nodefacts.py``).
 """
 
 from __future__ import annotations
