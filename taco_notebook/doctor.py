@@ -13,8 +13,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .cluster.doctor import HugePagesError, local_report, require_hugepages
-
 __all__ = ["main"]
 
 HUGEPAGES_MISSING = 3
@@ -32,6 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.require_hugepages is not None and args.require_hugepages < 1:
         parser.error(f"--require-hugepages must be a positive integer, got {args.require_hugepages}")
+    from .cluster.doctor import HugePagesError, local_report, require_hugepages  # imports torch: after the checks
+
     report = local_report()
     print(json.dumps(report.to_dict(), indent=1) if args.json else report)
     if args.require_hugepages is not None:
