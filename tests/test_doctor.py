@@ -34,7 +34,7 @@ from taco_notebook.cluster.doctor import (
 from taco_notebook.cluster.mpi import find_mpi
 from taco_notebook.comm import hardware
 from taco_notebook.comm.linkspeed import measure_link, receive, send, start_receiver
-from taco_notebook.comm.nodefacts import _parse_gpu_csv, library_identity, node_facts
+from taco_notebook.cluster.nodefacts import _parse_gpu_csv, library_identity, node_facts
 
 REPO = Path(__file__).resolve().parent.parent
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
@@ -162,7 +162,7 @@ def test_mpi4py_on_another_mpi_than_mpiexec_is_found_with_the_fix() -> None:
     except RuntimeError as exc:
         pytest.skip(f"no Open MPI to load: {exc}")
     env = ompi.environment(_env(MPI4PY_MPIABI="openmpi"))
-    probe = "import json; from taco_notebook.comm.nodefacts import mpi_facts; print(json.dumps(mpi_facts()))"
+    probe = "import json; from taco_notebook.cluster.nodefacts import mpi_facts; print(json.dumps(mpi_facts()))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr
     mpi = json.loads(done.stdout)
@@ -314,7 +314,7 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _facts_from(python: str, env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run([python, "-m", "taco_notebook.comm.nodefacts"], capture_output=True, text=True, env=env,
+    done = subprocess.run([python, "-m", "taco_notebook.cluster.nodefacts"], capture_output=True, text=True, env=env,
                           timeout=180)
     assert done.returncode == 0, done.stderr
     facts: dict[str, Any] = json.loads(done.stdout)

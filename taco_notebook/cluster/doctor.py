@@ -1,7 +1,7 @@
 """The node report behind ``%taco_doctor``: facts from every node, their problems with remedies, the links.
 
-Facts come from :func:`taco_notebook.comm.nodefacts.node_facts`, run where each node is (an engine's
-``view.apply``, or ``python -m taco_notebook.comm.nodefacts`` through a command prefix: ``ssh HOST python3``,
+Facts come from :func:`taco_notebook.cluster.nodefacts.node_facts`, run where each node is (an engine's
+``view.apply``, or ``python -m taco_notebook.cluster.nodefacts`` through a command prefix: ``ssh HOST python3``,
 ``ip netns exec NS python``). :func:`diagnose` turns one node's facts into :class:`Finding` s, each with what to
 do; :class:`DoctorReport` shows them as one table (HTML in a notebook, text in a terminal)::
 
@@ -103,18 +103,18 @@ def report_from_facts(facts: Sequence[dict[str, Any]], links: Sequence[dict[str,
 
 def local_report() -> DoctorReport:
     """This machine alone: its facts read in this process, no link to measure."""
-    from ..comm.nodefacts import node_facts
+    from .nodefacts import node_facts
 
     return report_from_facts([node_facts()])
 
 
 def read_node_facts(name: str, runner: Sequence[str], timeout: float = _FACTS_TIMEOUT_S) -> dict[str, Any]:
-    """``python -m taco_notebook.comm.nodefacts`` through ``runner`` (a prefix ending in a Python interpreter).
+    """``python -m taco_notebook.cluster.nodefacts`` through ``runner`` (a prefix ending in a Python interpreter).
 
     Named ``name`` in the report whatever its hostname (namespace nodes share one). A node that cannot be read
     gives ``{"node": name, "error": why}``, which :func:`diagnose` reports as an error, instead of raising.
     """
-    argv = [*runner, "-m", "taco_notebook.comm.nodefacts"]
+    argv = [*runner, "-m", "taco_notebook.cluster.nodefacts"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:

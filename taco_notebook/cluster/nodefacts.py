@@ -1,7 +1,7 @@
 """Everything ``%taco_doctor`` reports about one node, as a JSON-able dict: :func:`node_facts`.
 
 Runs where the node is: on an engine (``view.apply(node_facts)``), under plain Python, or as
-``python -m taco_notebook.comm.nodefacts`` (prints the JSON) through ssh or ``ip netns exec``. No IPython, no
+``python -m taco_notebook.cluster.nodefacts`` (prints the JSON) through ssh or ``ip netns exec``. No IPython, no
 CUDA initialisation (placement may still choose the GPUs), and no crash when a tool is missing: a missing
 ``nvidia-smi`` or ``mpiexec`` is reported as ``"missing"``, a failing one with what it said.
 """
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from . import hardware
+from ..comm import hardware
 
 __all__ = ["node_facts", "gpu_facts", "mpi_facts", "torch_facts", "hugepage_facts", "library_identity",
            "SCHEMA", "main"]
@@ -124,7 +124,7 @@ def _mpi4py_library(env: dict[str, str] | None) -> dict[str, Any]:
 def mpi_facts() -> dict[str, Any]:
     """The ``mpiexec`` taco would pick (its implementation and version) and what mpi4py loads, as is and with
     the environment taco gives its ranks (``MPI4PY_MPIABI`` and the library path, see cluster/mpi.py)."""
-    from ..cluster import mpi
+    from . import mpi
 
     facts: dict[str, Any] = {"mpiexec": "missing", "implementation": None, "version": None}
     found = mpi._candidates(None)  # the interpreter's bin/ first, then PATH: the order find_mpi uses
@@ -179,7 +179,7 @@ def node_facts() -> dict[str, Any]:
 
 
 def main() -> int:
-    """``python -m taco_notebook.comm.nodefacts``: this node's facts as one line of JSON on stdout."""
+    """``python -m taco_notebook.cluster.nodefacts``: this node's facts as one line of JSON on stdout."""
     print(json.dumps(node_facts()))
     return 0
 
