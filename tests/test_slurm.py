@@ -34,15 +34,15 @@ def _engine_env() -> dict[str, str]:
     return {**find_mpi().environment, "UCX_TLS": "self,sm", "OMP_NUM_THREADS": "1"}
 
 
-def _cluster(tmp_path: Path, options: SlurmOptions, lines: list[str], n: int = 2) -> Any:
+def _cluster(tmp_path: Path, options: SlurmOptions, lines: list[str], engine_cmd: list[str]) -> Any:
     import ipyparallel as ipp
 
-    config = slurm_profile.configure(Config(), SlurmBatchEngineSetLauncher, options, ENGINE_CMD, _engine_env(),
+    config = slurm_profile.configure(Config(), SlurmBatchEngineSetLauncher, options, engine_cmd, _engine_env(),
                                      progress=lines.append)
     config.SlurmBatchEngineSetLauncher.poll_interval = 0.3
     profile = tmp_path / "profile"
     profile.mkdir(mode=0o700)
-    return ipp.Cluster(engines=SlurmBatchEngineSetLauncher, n=n, controller_ip="127.0.0.1", config=config,
+    return ipp.Cluster(engines=SlurmBatchEngineSetLauncher, n=2, controller_ip="127.0.0.1", config=config,
                        profile_dir=str(profile), log_level=logging.WARNING)
 
 
@@ -51,8 +51,9 @@ def controller(tmp_path: Path) -> Iterator[Any]:
     """A factory: an ipyparallel controller with Slurm engines, stopped (engines, then controller) at the end."""
     made: list[Any] = []
 
-    def make(options: SlurmOptions, lines: list[str], start_controller: bool = True) -> Any:
-        cluster = _cluster(tmp_path, options, lines)
+    def make(options: SlurmOptions, lines: list[str], start_controller: bool = True,
+             engine_cmd: list[str] = ENGINE_CMD) -> Any:
+        cluster = _cluster(tmp_path, options, lines, engine_cmd)
         made.append(cluster)
         if start_controller:
             cluster.start_controller_sync()
@@ -176,6 +177,45 @@ def test_queue_timeout_cancels_the_job(slurm: SlurmCluster, controller) -> None:
         client.close()
     assert slurm_profile.job_state(launcher.job_id).state == "CANCELLED"
     assert _active_jobs(slurm) == ""
+
+
+def test_job_whose_engines_fail_is_reported_with_its_output(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+    lines: list[str] = []
+    failing = [sys.executable, "-c", "import sys; print('engine cannot start: no GPU driver', file=sys.stderr); "
+               "sys.exit(3)"]
+    cluster = controller(SlurmOptions(), lines, engine_cmd=failing)
+    cluster.start_engines_sync()
+    launcher = next(iter(cluster.engines.values()))
+    client = cluster.connect_client_sync()
+    try:
+        with pytest.raises(SlurmError, match=rf"(?s)job {launcher.job_id} FAILED.* before the cluster was stopped "
+                                             r"\(an engine task failed.*engine cannot start: no GPU driver"):
+            wait_for_engines(client, launcher, 2, timeout=60)
+    finally:
+        client.close()
+    assert any(line.startswith(f"job {launcher.job_id} FAILED") for line in lines), lines
+    assert _active_jobs(slurm) == ""
+
+
+def test_running_job_without_engines_times_out(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+    lines: list[str] = []
+    silent = [sys.executable, "-c", "import time; time.sleep(600)"]  # runs, never registers
+    cluster = controller(SlurmOptions(), lines, engine_cmd=silent)
+    cluster.start_engines_sync()
+    launcher = next(iter(cluster.engines.values()))
+    client = cluster.connect_client_sync()
+    try:
+        with pytest.raises(SlurmError, match=f"job {launcher.job_id} RUNNING for 3 s but only 0 of 2 engines"):
+            wait_for_engines(client, launcher, 2, timeout=3)
+    finally:
+        client.close()
+    cluster.stop_engines_sync()
+    assert lines[-1] == f"job {launcher.job_id} CANCELLED"
+    assert _active_jobs(slurm) == ""
+    deadline = time.monotonic() + 15
+    while _job_processes(launcher.job_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _job_processes(launcher.job_id) == []
 
 
 INSIDE = """

@@ -38,6 +38,10 @@ from .slurm import SRUN_ARGS, JobState, SlurmError, in_allocation, job_state, re
 __all__ = ["SlurmBatchEngineSetLauncher", "SrunEngineSetLauncher", "wait_for_engines"]
 
 _ALREADY_OVER = ("already completing or completed", "Invalid job id")
+_WHY = {"CANCELLED": "cancelled outside taco: scancel, an administrator, or preemption",
+        "COMPLETED": "the engines exited by themselves", "FAILED": "an engine task failed: see the job's output",
+        "TIMEOUT": "the job reached its time limit: ask for a longer --time",
+        "NODE_FAIL": "a node of the job failed", "OUT_OF_MEMORY": "a task ran out of memory"}
 
 
 class SrunEngineSetLauncher(MPIEngineSetLauncher):
@@ -139,19 +143,21 @@ srun {srun_args} {program_and_args}
             if self._stopping.is_set():
                 return
             if state.finished:
-                self._ended(f"{state.describe()} before the cluster was stopped")
+                self._ended(f"{state.describe()} before the cluster was stopped ({_WHY.get(state.state, state.state)})")
                 return
             waited = time.monotonic() - submitted
             if state.state == "PENDING" and self.queue_timeout is not None and waited > self.queue_timeout:
                 self._cancel()
+                self._report(f"job {self.job_id} CANCELLED: queue timeout")
                 self._ended(f"{state.describe()} for {waited:.0f} s (queue timeout {self.queue_timeout:g} s): "
                             f"cancelled it; ask for fewer nodes or GPUs, another partition, or a longer timeout")
                 return
 
     def _ended(self, why: str) -> None:
         self.failure = why
-        self._report(why)
-        self.notify_stop({"job_id": self.job_id, "state": self.job.state if self.job else "", "failure": why})
+        state = self.job.state if self.job else ""
+        self.notify_stop({"job_id": self.job_id, "state": state, "failure": why,
+                          "exit_code": 0 if state == "COMPLETED" else 1})  # ipyparallel logs the output if != 0
 
     def _cancel(self) -> str:
         try:
@@ -184,12 +190,14 @@ srun {srun_args} {program_and_args}
 
 
 def _output_tail(launcher: Any, lines: int = 15) -> str:
-    path = getattr(launcher, "output_file", "")
+    """The job's output so far: its file while it runs; ipyparallel's copy once it has taken the file away
+    (notify_stop reads and removes it)."""
     try:
-        with open(path, errors="replace") as f:
-            return "\n".join(f.read().strip().splitlines()[-lines:])
+        with open(launcher.output_file, errors="replace") as f:
+            text = f.read()
     except OSError:
-        return ""
+        text = launcher.get_output(remove=False) or ""
+    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def wait_for_engines(client: Any, launcher: Any, n: int, timeout: float = 120.0) -> None:
