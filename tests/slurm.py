@@ -16,6 +16,7 @@ Client commands find this Slurm through ``SLURM_CONF`` (the fixture sets it in `
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -100,6 +101,10 @@ def _slurm_conf(root: Path, hostname: str, ports: tuple[int, int]) -> str:
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/backfill", "MpiDefault=none",
         "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        # Job ids start somewhere new each time: a restarted Slurm reusing ids 1, 2, ... gives a new job the PMI
+        # names of an old one, and mpich then attaches to the old job's /dev/shm segment if a killed rank left
+        # it (seen: the engines of a reused job id never came up).
+        f"FirstJobId={random.randrange(10_000, 1_000_000)}",
         "ReturnToService=2", "SlurmdTimeout=60", "InactiveLimit=0", "KillWait=5", "MinJobAge=2",
         "SlurmctldDebug=info", "SlurmdDebug=info",
         _node_line(hostname),
@@ -135,8 +140,31 @@ class SlurmCluster:
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def stepds(self) -> list[int]:
+        """slurmstepd processes of this Slurm (they daemonize away from slurmd; its SLURM_CONF proves them ours)."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if not f.read().startswith(b"slurmstepd"):
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"SLURM_CONF={self.conf}".encode() in f.read().split(b"\0"):
+                        found.append(int(pid))
+            except OSError:
+                continue
+        return found
+
     def stop(self) -> None:
-        """SIGTERM each daemon by PID (slurmd first, munged last), SIGKILL whatever is left after 10 s."""
+        """Cancel every job left (a failed test's), SIGTERM each daemon by PID (slurmd first, munged last),
+        SIGKILL what is left after 10 s, then any slurmstepd of this Slurm that outlived its slurmd."""
+        if self.processes.get("slurmctld") is not None and self.processes["slurmctld"].poll() is None:
+            jobs = self.run("squeue", "-h", "-o", "%i").stdout.split()
+            if jobs:
+                self.run("scancel", *jobs)
+                deadline = time.monotonic() + 20
+                while self.run("squeue", "-h", "-o", "%i").stdout.split() and time.monotonic() < deadline:
+                    time.sleep(0.25)
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self.processes.get(name)
             if proc is not None and proc.poll() is None:
@@ -147,6 +175,11 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait(timeout=10)
         self.processes.clear()
+        for pid in self.stepds():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _daemon_env() -> dict[str, str]:
