@@ -253,16 +253,22 @@ finally:
 """
 
 
-def test_inside_an_allocation_engines_are_a_job_step(slurm: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("kernel_in", [["salloc", "-n", "2"], ["salloc", "-n", "2", "srun", "-n", "1"]],
+                         ids=["allocation", "job-step"])
+def test_inside_an_allocation_engines_are_a_job_step(slurm: SlurmCluster, tmp_path: Path,  # noqa: F811
+                                                     kernel_in: list[str]) -> None:
+    """The kernel under salloc (engines: step 0), or itself in a step as `srun --pty jupyter` would be (engines:
+    step 1, which needs --overlap: without it the nested srun waits for CPUs its own step holds)."""
     profile = tmp_path / "profile"
     profile.mkdir(mode=0o700)
-    done = slurm.run("salloc", "-n", "2", sys.executable, "-c", INSIDE, json.dumps(ENGINE_CMD),
+    done = slurm.run(*kernel_in, sys.executable, "-c", INSIDE, json.dumps(ENGINE_CMD),
                      json.dumps(_engine_env()), str(profile), timeout=150)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["class"] == "SrunEngineSetLauncher"
     assert result["ids"] == [0, 1]
-    assert [tuple(i) for i in result["infos"]] == [(0, 0, result["job"], "0"), (1, 1, result["job"], "0")]
+    step = "1" if "srun" in kernel_in else "0"
+    assert [tuple(i) for i in result["infos"]] == [(0, 0, result["job"], step), (1, 1, result["job"], step)]
     assert _active_jobs(slurm) == ""
     assert _job_processes(result["job"]) == []
 
