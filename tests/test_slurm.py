@@ -21,9 +21,15 @@ import pytest
 from traitlets.config import Config
 
 from taco_notebook.cluster import slurm as slurm_profile
+from taco_notebook.cluster import slurm_launchers
 from taco_notebook.cluster.mpi import find_mpi
-from taco_notebook.cluster.slurm import SlurmError, SlurmOptions, engine_launcher
-from taco_notebook.cluster.slurm_launchers import SlurmBatchEngineSetLauncher, SrunEngineSetLauncher, wait_for_engines
+from taco_notebook.cluster.slurm import SlurmError, SlurmOptions
+from taco_notebook.cluster.slurm_launchers import (
+    SlurmBatchEngineSetLauncher,
+    SrunEngineSetLauncher,
+    engine_launcher,
+    wait_for_engines,
+)
 
 from .slurm import PARTITION, SlurmCluster, slurm  # noqa: F401 - the fixture
 
@@ -37,7 +43,7 @@ def _engine_env() -> dict[str, str]:
 def _cluster(tmp_path: Path, options: SlurmOptions, lines: list[str], engine_cmd: list[str]) -> Any:
     import ipyparallel as ipp
 
-    config = slurm_profile.configure(Config(), SlurmBatchEngineSetLauncher, options, engine_cmd, _engine_env(),
+    config = slurm_launchers.configure(Config(), SlurmBatchEngineSetLauncher, options, engine_cmd, _engine_env(),
                                      progress=lines.append)
     config.SlurmBatchEngineSetLauncher.poll_interval = 0.3
     profile = tmp_path / "profile"
@@ -222,9 +228,10 @@ INSIDE = """
 import json, logging, sys
 import ipyparallel as ipp
 from traitlets.config import Config
-from taco_notebook.cluster import slurm
-cls = slurm.engine_launcher()
-config = slurm.configure(Config(), cls, slurm.SlurmOptions(), json.loads(sys.argv[1]), json.loads(sys.argv[2]))
+from taco_notebook.cluster import slurm, slurm_launchers
+cls = slurm_launchers.engine_launcher()
+config = slurm_launchers.configure(Config(), cls, slurm.SlurmOptions(), json.loads(sys.argv[1]),
+                                   json.loads(sys.argv[2]))
 c = ipp.Cluster(engines=cls, n=2, controller_ip="127.0.0.1", config=config, profile_dir=sys.argv[3],
                 log_level=logging.WARNING)
 try:
@@ -281,7 +288,7 @@ def test_launcher_choice_follows_the_allocation() -> None:
 def test_gres_only_when_gpus_are_asked_for(tmp_path: Path) -> None:
     assert SlurmOptions(nodes=2, gpus_per_node=4).directives() == ["#SBATCH --nodes=2", "#SBATCH --gres=gpu:4"]
     assert SlurmOptions(gpus_per_node=0).directives() == []
-    config = slurm_profile.configure(Config(), SlurmBatchEngineSetLauncher, SlurmOptions(gpus_per_node=8, nodes=2))
+    config = slurm_launchers.configure(Config(), SlurmBatchEngineSetLauncher, SlurmOptions(gpus_per_node=8, nodes=2))
     launcher = SlurmBatchEngineSetLauncher(config=config, profile_dir=str(tmp_path), cluster_id="c1")
     launcher.write_batch_script(16)
     script = Path(launcher.batch_file).read_text()

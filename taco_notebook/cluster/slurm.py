@@ -13,7 +13,8 @@ The ``slurm`` profile needs two ways in, both through ipyparallel's own launcher
   state reported while waiting ("job 12 PENDING (Resources)"), a queue timeout that cancels the job, and
   ``scancel`` on stop that waits until the job has left the queue.
 
-:func:`engine_launcher` picks the class, :func:`configure` writes its traitlets config. Measured on the test
+:func:`~.slurm_launchers.engine_launcher` picks the class, :func:`~.slurm_launchers.configure` writes its
+traitlets config. Measured on the test
 Slurm (one node, 2 CPUs, tests/slurm.py): a 2-task job's engines registered a few seconds after submission.
 
 The launcher classes live in ``slurm_launchers`` (they subclass ipyparallel's, which imports IPython); this
@@ -25,14 +26,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import ClusterStartError
 
-__all__ = ["SlurmError", "SlurmOptions", "JobState", "in_allocation", "engine_launcher",
-           "configure", "job_state", "require_command", "run_slurm_command", "TERMINAL_STATES", "SRUN_ARGS"]
+__all__ = ["SlurmError", "SlurmOptions", "JobState", "in_allocation", "job_state", "require_command",
+           "run_slurm_command", "TERMINAL_STATES", "SRUN_ARGS"]
 
 JOB_ENV = "SLURM_JOB_ID"
 # mpich (the wheel, and most site MPICHs) takes its ranks from Slurm's PMI2 server; pmix is not built everywhere.
@@ -148,43 +148,3 @@ def job_state(job_id: str, env: Mapping[str, str] | None = None) -> JobState:
         return JobState(job_id, "GONE")
     state, reason, nodes = (line.split("|") + ["", ""])[:3]
     return JobState(job_id, state.strip(), reason.strip(), nodes.strip())
-
-
-def engine_launcher(environ: Mapping[str, str] | None = None) -> type:
-    """The engine launcher class for the ``slurm`` profile: srun inside an allocation, sbatch outside."""
-    from .slurm_launchers import SlurmBatchEngineSetLauncher, SrunEngineSetLauncher
-
-    return SrunEngineSetLauncher if in_allocation(environ) is not None else SlurmBatchEngineSetLauncher
-
-
-def configure(config: Any, launcher: type, options: SlurmOptions, engine_cmd: list[str] | None = None,
-              environment: Mapping[str, str] | None = None,
-              progress: Callable[[str], None] | None = None) -> Any:
-    """Write ``options`` (and the engine command, the engines' environment, the progress callback) into the
-    traitlets ``config`` section of ``launcher``; returns ``config``.
-
-    The section is the class's own, so it takes precedence over what a ``MPIEngineSetLauncher`` section
-    (today's local profile) says about ``mpi_cmd`` or ``environment``.
-    """
-    section = config[launcher.__name__]
-    if engine_cmd is not None:
-        section.engine_cmd = list(engine_cmd)
-    if environment is not None:
-        section.environment = dict(environment)
-    if launcher.__name__ == "SrunEngineSetLauncher":  # or a subclass named alike: srun options, no sbatch
-        extra = ["--overlap"] if os.environ.get("SLURM_STEP_ID") not in (None, "", "batch") else []
-        nodes = [f"--nodes={options.nodes}"] if options.nodes else []
-        gres = [f"--gres=gpu:{options.gpus_per_node}"] if options.gpus_per_node else []
-        section.mpi_args = [*SRUN_ARGS, *extra, *nodes, *gres]
-        return config
-    if options.partition:
-        section.queue = options.partition
-    if options.time:
-        section.timelimit = options.time
-    section.directives = options.directives()
-    if options.queue_timeout is not None:
-        section.queue_timeout = float(options.queue_timeout)
-    if progress is not None:
-        section.progress = progress
-    return config
-

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
@@ -33,9 +34,18 @@ from ipyparallel.util import shlex_join
 from traitlets import Any as AnyTrait
 from traitlets import Float, List, Unicode, default
 
-from .slurm import SRUN_ARGS, JobState, SlurmError, in_allocation, job_state, require_command, run_slurm_command
+from .slurm import (
+    SRUN_ARGS,
+    JobState,
+    SlurmError,
+    SlurmOptions,
+    in_allocation,
+    job_state,
+    require_command,
+    run_slurm_command,
+)
 
-__all__ = ["SlurmBatchEngineSetLauncher", "SrunEngineSetLauncher", "wait_for_engines"]
+__all__ = ["SlurmBatchEngineSetLauncher", "SrunEngineSetLauncher", "wait_for_engines", "engine_launcher", "configure"]
 
 _ALREADY_OVER = ("already completing or completed", "Invalid job id")
 _WHY = {"CANCELLED": "cancelled outside taco: scancel, an administrator, or preemption",
@@ -220,3 +230,41 @@ def wait_for_engines(client: Any, launcher: Any, n: int, timeout: float = 120.0)
             raise SlurmError(f"job {launcher.job_id} RUNNING for {timeout:.0f} s but only {len(client.ids)} of "
                              f"{n} engines registered" + (f"; its output:\n{tail}" if tail else ""))
         time.sleep(0.1)
+
+
+def engine_launcher(environ: Mapping[str, str] | None = None) -> type:
+    """The engine launcher class for the ``slurm`` profile: srun inside an allocation, sbatch outside."""
+    return SrunEngineSetLauncher if in_allocation(environ) is not None else SlurmBatchEngineSetLauncher
+
+
+def configure(config: Any, launcher: type, options: SlurmOptions, engine_cmd: list[str] | None = None,
+              environment: Mapping[str, str] | None = None,
+              progress: Callable[[str], None] | None = None) -> Any:
+    """Write ``options`` (and the engine command, the engines' environment, the progress callback) into the
+    traitlets ``config`` section of ``launcher``; returns ``config``.
+
+    The section is the class's own, so it takes precedence over what a ``MPIEngineSetLauncher`` section
+    (today's local profile) says about ``mpi_cmd`` or ``environment``.
+    """
+    section = config[launcher.__name__]
+    if engine_cmd is not None:
+        section.engine_cmd = list(engine_cmd)
+    if environment is not None:
+        section.environment = dict(environment)
+    if launcher.__name__ == "SrunEngineSetLauncher":  # or a subclass named alike: srun options, no sbatch
+        extra = ["--overlap"] if os.environ.get("SLURM_STEP_ID") not in (None, "", "batch") else []
+        nodes = [f"--nodes={options.nodes}"] if options.nodes else []
+        gres = [f"--gres=gpu:{options.gpus_per_node}"] if options.gpus_per_node else []
+        section.mpi_args = [*SRUN_ARGS, *extra, *nodes, *gres]
+        return config
+    if options.partition:
+        section.queue = options.partition
+    if options.time:
+        section.timelimit = options.time
+    section.directives = options.directives()
+    if options.queue_timeout is not None:
+        section.queue_timeout = float(options.queue_timeout)
+    if progress is not None:
+        section.progress = progress
+    return config
+
