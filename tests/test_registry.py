@@ -15,7 +15,8 @@ from typing import Any
 import psutil
 import pytest
 
-from taco_notebook.cluster import registry
+from taco_notebook.cluster import registry_files as registry
+from taco_notebook.cluster import registry_writer
 from taco_notebook.cluster.processes import CLUSTER_ID_ENV
 from taco_notebook.cluster.session import TacoCluster
 
@@ -50,7 +51,7 @@ def make_entry(directory: Path, cluster_id: str, owner_pid: int, owner_created: 
     }
     entry = {"model": model, "owner_create_time": owner_created, "processes": list(processes),
              "rank_pids": list(rank_pids)}
-    registry._write_atomic(directory / f"{cluster_id}.json", entry)
+    registry.write_atomic(directory / f"{cluster_id}.json", entry)
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_writes_are_atomic(tmp_path: Path) -> None:
     def writer() -> None:
         n = 0
         while not stop.is_set():
-            registry._write_atomic(path, {"n": n, "pad": "x" * 200_000})
+            registry.write_atomic(path, {"n": n, "pad": "x" * 200_000})
             n += 1
 
     thread = threading.Thread(target=writer)
@@ -156,7 +157,7 @@ def test_discard_stale_kills_only_recorded_processes(registry_dir: Path,
 @pytest.mark.cluster
 def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
     """The server's requests, carried out by the kernel's watcher between cells (never during one)."""
-    cluster = TacoCluster("regtest", 2)
+    cluster = registry_writer.track(TacoCluster("regtest", 2))
     try:
         cluster.start()
         cluster_id = cluster.cluster_id or ""
@@ -166,8 +167,7 @@ def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
             "kind": "kernel", "pid": os.getpid(), "notebook": None, "server_pid": None})  # pytest: no JPY_* env
         assert [n["ranks"] for n in model["nodes"]] == [[0, 1]]
         assert model["hugepages"] is None or set(model["hugepages"]) == {"total", "free", "page_kb"}
-        registry.set_run(cluster, {"cell": "x = 1", "started_at": 1.0, "step": 3, "total": None,
-                                   "samples_per_s": 2.5})
+        cluster.set_run({"cell": "x = 1", "started_at": 1.0, "step": 3, "total": None, "samples_per_s": 2.5})
         assert registry.read_model(registry_dir, cluster_id)["run"]["step"] == 3  # type: ignore[index]
 
         registry.write_request(registry_dir, cluster_id, "scale", 1)
@@ -178,14 +178,14 @@ def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
         with cluster.busy:  # a cell is running (and hangs, so the runner kills the engines): the stop waits
             cluster.kill_engines("killed by the test")
             registry.write_request(registry_dir, cluster_id, "stop", None)
-            time.sleep(3 * registry.POLL_INTERVAL)
+            time.sleep(3 * registry_writer.POLL_INTERVAL)
             model = registry.read_model(registry_dir, cluster_id)
             assert model is not None and model["pending"] is not None
             assert (model["state"], model["error"]) == ("broken", "killed by the test")
         wait_for(lambda: registry.read_model(registry_dir, cluster_id) is None, what="the stop")
         assert cluster.ipp_cluster is None
-        if not any(r.kind == "kernel" for r in registry._published.values()):  # the suite's shared cluster
-            wait_for(lambda: registry._watcher is None, 5, "the watcher to end with no cluster left")
+        if not any(c.owner_kind == "kernel" for c in registry_writer.tracked()):  # the suite's shared cluster
+            wait_for(lambda: registry_writer._watcher is None, 5, "the watcher to end with no cluster left")
     finally:
         cluster.stop()
     assert list(registry_dir.iterdir()) == []

@@ -22,8 +22,9 @@ from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
 import taco_notebook
-from taco_notebook.cluster import registry
+from taco_notebook.cluster import registry_files as registry
 from taco_notebook.cluster.limits import max_ranks
+from taco_notebook.cluster.registry_writer import track
 from taco_notebook.cluster.session import TacoCluster
 from taco_notebook.server import MANAGER_SETTING, handlers
 from taco_notebook.server.manager import ClusterManager
@@ -128,7 +129,7 @@ def test_every_handler_verb_is_authenticated() -> None:
 
 @pytest.mark.cluster
 def test_kernel_cluster_is_listed_and_stopped_through_its_kernel(api: Fetch) -> None:
-    cluster = TacoCluster("srvtest", 2)
+    cluster = track(TacoCluster("srvtest", 2))
     try:
         cluster.start()
         code, listing = api("GET", "clusters")
