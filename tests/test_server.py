@@ -185,3 +185,28 @@ def test_stale_entry_is_shown_and_deletable(api: Fetch, registry_dir: Path,
     assert api("DELETE", "clusters", "old-1")[0] == 202
     left.wait(10)
     assert api("GET", "clusters") == (200, {"clusters": []})
+
+
+@pytest.mark.cluster
+def test_extension_shutdown_stops_the_servers_cluster(api: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any,
+                                                      manager: ClusterManager, registry_dir: Path) -> None:
+    """Issue 12: a cluster started through the API is served as it models itself and as its registry file holds
+    it; the server's shutdown (jupyter_server's cleanup_extensions → the extension app's stop_extension, not
+    atexit) stops it: its processes are gone and its entry removed."""
+    code, model = api("POST", "clusters", body={"size": 2, "name": "unload"})
+    assert code == 202 and model["state"] == "starting"
+    cluster_id = model["id"]
+    running = wait_for(lambda: (m := api("GET", "clusters", cluster_id)[1])["state"] == "running" and m, 120,
+                       "the start")
+    cluster = manager._clusters[cluster_id]
+    on_file = registry.read_model(registry_dir, cluster_id)
+    assert on_file is not None and on_file["this_server"] is False and running["this_server"] is True
+    for other in (cluster.model(), on_file):
+        assert {**running, "updated_at": 0, "this_server": False} == {**other, "updated_at": 0}
+    pids = [p.pid for p in cluster.processes]
+    assert len(pids) >= 3  # controller, mpiexec, ranks
+
+    jp_asyncio_loop.run_until_complete(jp_serverapp.cleanup_extensions())
+    assert test_registry.wait_for_gone(pids) == []
+    assert cluster.state == "stopped" and manager._clusters == {}
+    assert not (registry_dir / f"{cluster_id}.json").exists()
