@@ -133,6 +133,7 @@ class TacoServerExtension(ExtensionApp):
     manager: ClusterManager | None = None
 
     def initialize_handlers(self) -> None:
+        assert self.serverapp is not None  # linked by jupyter_server before it initializes the handlers
         self.manager = setup_handlers(self.serverapp.web_app)
         self.log.info("taco_notebook server extension: REST API at %s%s/", self.serverapp.base_url, API_PATH)
 
