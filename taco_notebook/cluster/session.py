@@ -202,23 +202,22 @@ class TacoCluster:
     def start(self) -> TacoCluster:
         """Start controller and ``size`` engines, check them, and bring up the process group on every rank.
 
-        Emits ``starting``, then ``running`` (or, failing, ``stopping`` and ``stopped``, and raises).
-        ipyparallel's own exit hook is off for it (``shutdown_atexit=False``): this module's one hook stops it,
-        fast, and ipyparallel's (registered at its first start, so run before ours) would stop it slowly first.
+        Emits ``starting``, then ``running`` (failing: ``stopping``/``stopped``, and raises). ipyparallel's exit
+        hook is off for it (``shutdown_atexit=False``): this module's one hook stops it fast, where ipyparallel's
+        (registered at its first start, so run before ours) would first stop it slowly.
         """
         import ipyparallel as ipp
 
         explicit = self.mpiexec is not None  # --mpiexec PATH: exactly that program
         self.mpi = for_one_host(self.mpi, explicit) if self.mpi else find_mpi(self.mpiexec, single_host=True)
         cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
-        self.error, self._phase = None, "starting"
-        _live[cluster_id] = self
+        self.error, self._phase, _live[cluster_id] = None, "starting", self
         self._emit("starting")
-        private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
-        self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
-                                       controller_ip="127.0.0.1", log_level=logging.ERROR, shutdown_atexit=False,
-                                       config=self._ipp_config(self.mpi))
         try:
+            private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
+            self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
+                                           controller_ip="127.0.0.1", log_level=logging.ERROR,
+                                           shutdown_atexit=False, config=self._ipp_config(self.mpi))
             self.ipp_cluster.start_cluster_sync()
             self._engine_launchers = self._engine_sets()
             self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
@@ -234,11 +233,9 @@ class TacoCluster:
                 raise
             tail = "\n".join(output.strip().splitlines()[-15:])
             raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc}\n{tail}") from exc
-        self.started_at = time.time()
-        self.needs_reinit = False
+        self.started_at, self.needs_reinit, self._phase = time.time(), False, None
         self.processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
         self._shared_memory = shared_memory_files(self.ranks)
-        self._phase = None
         self._emit("running")
         return self
 

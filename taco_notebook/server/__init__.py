@@ -1,8 +1,9 @@
 """Jupyter server extension: the REST API under ``/taco-notebook/api/`` that the JupyterLab sidebar polls.
 
-Enabled on install (``jupyter-config/server-config/taco_notebook.json``). Imports stay lazy: the package
-``taco_notebook`` is imported on every MPI rank, so tornado and jupyter_server load only when the server
-loads the extension.
+Enabled on install (``jupyter-config/server-config/taco_notebook.json``); the extension point names
+:func:`extension_app`, whose app adds the handlers and stops the server's clusters when the server shuts down.
+Imports stay lazy: the package ``taco_notebook`` is imported on every MPI rank, so tornado and jupyter_server
+load only when the server makes the app.
 """
 
 from __future__ import annotations
