@@ -199,8 +199,10 @@ def test_extension_shutdown_stops_the_servers_cluster(api: Fetch, jp_serverapp: 
     running = wait_for(lambda: (m := api("GET", "clusters", cluster_id)[1])["state"] == "running" and m, 120,
                        "the start")
     cluster = manager._clusters[cluster_id]
-    on_file = registry.read_model(registry_dir, cluster_id)
-    assert on_file is not None and on_file["this_server"] is False and running["this_server"] is True
+    # the entry is written on the "running" event, a moment after the cluster says it runs
+    on_file = wait_for(lambda: (m := registry.read_model(registry_dir, cluster_id)) and m["state"] == "running"
+                       and m, 10, "the running entry")
+    assert on_file["this_server"] is False and running["this_server"] is True
     for other in (cluster.model(), on_file):
         assert {**running, "updated_at": 0, "this_server": False} == {**other, "updated_at": 0}
     pids = [p.pid for p in cluster.processes]

@@ -233,9 +233,9 @@ class TacoCluster:
                 raise
             tail = "\n".join(output.strip().splitlines()[-15:])
             raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc}\n{tail}") from exc
-        self.started_at, self.needs_reinit, self._phase = time.time(), False, None
+        self.started_at, self.needs_reinit = time.time(), False
         self.processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
-        self._shared_memory = shared_memory_files(self.ranks)
+        self._shared_memory, self._phase = shared_memory_files(self.ranks), None
         self._emit("running")
         return self
 
