@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -212,3 +218,57 @@ def test_extension_shutdown_stops_the_servers_cluster(api: Fetch, jp_serverapp: 
     assert test_registry.wait_for_gone(pids) == []
     assert cluster.state == "stopped" and manager._clusters == {}
     assert not (registry_dir / f"{cluster_id}.json").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.cluster
+def test_a_jupyter_server_stopped_by_sigterm_stops_its_cluster(tmp_path: Path) -> None:
+    """Issue 12, as a user's server goes: ``jupyter server`` (a real process, the extension loaded from its
+    config) starts a cluster for the sidebar; SIGTERM (what a service manager sends) ends the server, and on its
+    way out the extension app's stop_extension stops the cluster: no process of it left, no entry."""
+    port, token, directory = _free_port(), "t" + os.urandom(8).hex(), tmp_path / "registry"
+    env = {**os.environ, "TACO_REGISTRY_DIR": str(directory), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    log = tmp_path / "server.log"  # a file, not a pipe: a full pipe nobody reads would stall the server
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", f"--port={port}", "--ip=127.0.0.1", "--no-browser",
+             f"--IdentityProvider.token={token}", "--ServerApp.jpserver_extensions={'taco_notebook': True}",
+             f"--ServerApp.root_dir={tmp_path}", *(["--allow-root"] if os.geteuid() == 0 else [])],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/taco-notebook/api/clusters"
+
+    def call(method: str, url: str, body: Any = None) -> Any:
+        request = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
+                                         headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return json.loads(reply.read())
+
+    def answers() -> bool:
+        try:
+            return call("GET", base) is not None
+        except OSError:
+            return False
+
+    try:
+        wait_for(answers, 60, "the server to answer")
+        cluster_id = call("POST", base, {"size": 1, "name": "sigterm"})["id"]
+        wait_for(lambda: call("GET", f"{base}/{cluster_id}")["state"] == "running", 120, "the start")
+        entry = registry.read_entry(directory, cluster_id)
+        assert entry is not None and entry["model"]["owner"]["pid"] == server.pid
+        pids = [pid for pid, _ in entry["processes"]]
+        assert len(pids) >= 3
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(120) == 0, log.read_text()[-3000:]
+        assert test_registry.wait_for_gone(pids) == [], log.read_text()[-3000:]
+        assert not (directory / f"{cluster_id}.json").exists()
+        text = log.read_text()  # the cluster stopped within jupyter_server's cleanup of its extensions
+        assert 0 <= text.find(" extensions\n") < text.find("Stopping controller"), text[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
