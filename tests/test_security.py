@@ -211,7 +211,7 @@ def _unsafe_dirs(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 
 def test_a_registry_dir_others_control_is_refused(tmp_path: Path, sleep_process: psutil.Process) -> None:
     """World-writable, a symlink, or (as root) owned by nobody: the server reads nothing there and kills nothing,
-    the kernel publishes nothing there, and the message says how to fix it."""
+    the kernel writes nothing there, and the message says how to fix it."""
     owner, created = dead_pid()
     for directory, words in _unsafe_dirs(tmp_path):
         real = directory.resolve()
@@ -227,12 +227,12 @@ def test_a_registry_dir_others_control_is_refused(tmp_path: Path, sleep_process:
                 assert "TACO_REGISTRY_DIR" in str(info.value)
         finally:
             refusing.shutdown()
-        cluster = registry_writer.track(TacoCluster("unpublished", 1), directory)
-        cluster.owner_kind, cluster.cluster_id = "server", "unpublished-1"
+        cluster = registry_writer.track(TacoCluster("unwritten", 1), directory)
+        cluster.owner_kind, cluster.cluster_id = "server", "unwritten-1"
         cluster.announce_start()  # changed with issue 12: the writer answers the event, refusing the directory
         assert cluster not in registry_writer.tracked()  # (a logged warning; nothing written, nothing raised)
         cluster.stop()
-        assert not (real / "unpublished-1.json").exists()
+        assert not (real / "unwritten-1.json").exists()
         assert sleep_process.is_running()
 
 
