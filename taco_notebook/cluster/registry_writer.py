@@ -40,7 +40,7 @@ log = logging.getLogger("taco_notebook")
 POLL_INTERVAL = 0.5  # seconds between the watcher's looks for requests: a click feels immediate, a poll is cheap
 
 _lock = threading.RLock()
-_directories: weakref.WeakKeyDictionary[TacoCluster, Path] = weakref.WeakKeyDictionary()  # tracked: where to
+_directories: weakref.WeakKeyDictionary[TacoCluster, Path] = weakref.WeakKeyDictionary()  # tracked -> its dir
 _written: dict[int, tuple[TacoCluster, Path]] = {}  # id(cluster) -> (cluster, directory) of each entry there now
 _watcher: _Watcher | None = None
 
