@@ -25,9 +25,11 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
     return [{"src": "labextension", "dest": "taco-notebook"}]
 
 
-def _jupyter_server_extension_points() -> list[dict[str, str]]:
+def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     """The Jupyter server extension (REST API for the sidebar); ``taco_notebook.server`` loads it lazily."""
-    return [{"module": "taco_notebook.server"}]
+    from .server import extension_app  # light: the app's class (and jupyter_server) is imported when it is made
+
+    return [{"module": "taco_notebook.server", "app": extension_app}]
 
 
 def load_ipython_extension(ipython: Any) -> None:

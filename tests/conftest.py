@@ -55,7 +55,7 @@ def cluster_pids(name: str) -> set[int]:
     cluster = clusters.get(name)
     if cluster is None:
         return set()
-    return {p.pid for p in cluster._started_processes}
+    return {p.pid for p in cluster.processes}
 
 
 @pytest.fixture(scope="session")

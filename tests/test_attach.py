@@ -36,7 +36,7 @@ def test_a_cell_attaches_to_the_servers_cluster_and_leaves_it_running(ip, capsys
         value = ip.run_cell_magic("taco_run", "--cluster shared --gather", "import os\n(taco.size(), os.getpid())")
         assert isinstance(clusters["shared"], AttachedCluster)
         assert [size for size, _ in value] == [2, 2]
-        owned_pids = sorted(r.pid for r in manager._owned[model["id"]].cluster.ranks)
+        owned_pids = sorted(r.pid for r in manager._clusters[model["id"]].ranks)
         assert sorted(pid for _, pid in value) == owned_pids  # the server's engines ran the cell
         assert "using cluster 'shared' started from the sidebar" in capsys.readouterr().out  # a notice: stdout
 

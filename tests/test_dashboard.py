@@ -135,7 +135,7 @@ def test_taco_dashboard_before_any_run_says_what_makes_one(monkeypatch):
 
 
 def test_the_registry_entry_shows_the_running_cell_and_its_step(shared_cluster):
-    from taco_notebook.cluster import registry
+    from taco_notebook.cluster import registry_files as registry
 
     seen = []
 

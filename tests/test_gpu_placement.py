@@ -183,7 +183,7 @@ def test_taco_run_gpus_none_reaches_every_rank_with_mpi4py_on_mpiexecs_mpi(ip):
         assert list(values) == [("cpu", "mpich", None)] * 2, values
         cluster = clusters["gpu-none"]
         assert cluster.env["TACO_GPUS"] == "none"
-        assert [r.gpu_names for r in cluster.ranks] == [[], []] and cluster.status().gpus == 0
+        assert [r.gpu_names for r in cluster.ranks] == [[], []] and cluster.model()["gpus"] == 0
     finally:
         if "gpu-none" in clusters:
             clusters.pop("gpu-none").stop()

@@ -295,7 +295,7 @@ def test_taco_cluster_start_status_list_restart_stop(ip, capsys):
     assert "managed: running, 2/2 engines" in capsys.readouterr().out
     ip.run_line_magic("taco_cluster", "restart --cluster managed")
     assert set(engine_pids("managed")).isdisjoint(pids)
-    tree = {p.pid for p in clusters["managed"]._started_processes}
+    tree = {p.pid for p in clusters["managed"].processes}
     ip.run_line_magic("taco_cluster", "stop --cluster managed")
     assert "managed" not in clusters
     assert not tree & set(session_processes())

@@ -15,7 +15,8 @@ from typing import Any
 import psutil
 import pytest
 
-from taco_notebook.cluster import registry
+from taco_notebook.cluster import registry_files as registry
+from taco_notebook.cluster import registry_writer
 from taco_notebook.cluster.processes import CLUSTER_ID_ENV
 from taco_notebook.cluster.session import TacoCluster
 
@@ -50,7 +51,7 @@ def make_entry(directory: Path, cluster_id: str, owner_pid: int, owner_created: 
     }
     entry = {"model": model, "owner_create_time": owner_created, "processes": list(processes),
              "rank_pids": list(rank_pids)}
-    registry._write_atomic(directory / f"{cluster_id}.json", entry)
+    registry.write_atomic(directory / f"{cluster_id}.json", entry)
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_writes_are_atomic(tmp_path: Path) -> None:
     def writer() -> None:
         n = 0
         while not stop.is_set():
-            registry._write_atomic(path, {"n": n, "pad": "x" * 200_000})
+            registry.write_atomic(path, {"n": n, "pad": "x" * 200_000})
             n += 1
 
     thread = threading.Thread(target=writer)
@@ -156,7 +157,7 @@ def test_discard_stale_kills_only_recorded_processes(registry_dir: Path,
 @pytest.mark.cluster
 def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
     """The server's requests, carried out by the kernel's watcher between cells (never during one)."""
-    cluster = TacoCluster("regtest", 2)
+    cluster = registry_writer.track(TacoCluster("regtest", 2))
     try:
         cluster.start()
         cluster_id = cluster.cluster_id or ""
@@ -166,8 +167,7 @@ def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
             "kind": "kernel", "pid": os.getpid(), "notebook": None, "server_pid": None})  # pytest: no JPY_* env
         assert [n["ranks"] for n in model["nodes"]] == [[0, 1]]
         assert model["hugepages"] is None or set(model["hugepages"]) == {"total", "free", "page_kb"}
-        registry.set_run(cluster, {"cell": "x = 1", "started_at": 1.0, "step": 3, "total": None,
-                                   "samples_per_s": 2.5})
+        cluster.set_run({"cell": "x = 1", "started_at": 1.0, "step": 3, "total": None, "samples_per_s": 2.5})
         assert registry.read_model(registry_dir, cluster_id)["run"]["step"] == 3  # type: ignore[index]
 
         registry.write_request(registry_dir, cluster_id, "scale", 1)
@@ -178,14 +178,100 @@ def test_watcher_scales_and_stops_a_kernel_cluster(registry_dir: Path) -> None:
         with cluster.busy:  # a cell is running (and hangs, so the runner kills the engines): the stop waits
             cluster.kill_engines("killed by the test")
             registry.write_request(registry_dir, cluster_id, "stop", None)
-            time.sleep(3 * registry.POLL_INTERVAL)
+            time.sleep(3 * registry_writer.POLL_INTERVAL)
             model = registry.read_model(registry_dir, cluster_id)
             assert model is not None and model["pending"] is not None
             assert (model["state"], model["error"]) == ("broken", "killed by the test")
         wait_for(lambda: registry.read_model(registry_dir, cluster_id) is None, what="the stop")
         assert cluster.ipp_cluster is None
-        if not any(r.kind == "kernel" for r in registry._published.values()):  # the suite's shared cluster
-            wait_for(lambda: registry._watcher is None, 5, "the watcher to end with no cluster left")
+        if not any(c.owner_kind == "kernel" for c in registry_writer.tracked()):  # the suite's shared cluster
+            wait_for(lambda: registry_writer._watcher is None, 5, "the watcher to end with no cluster left")
     finally:
         cluster.stop()
     assert list(registry_dir.iterdir()) == []
+
+
+def _same_model(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Equal but for ``updated_at`` (the time each was built)."""
+    assert {**a, "updated_at": 0} == {**b, "updated_at": 0}
+
+
+@pytest.mark.cluster
+def test_events_in_order_and_one_model_everywhere(registry_dir: Path) -> None:
+    """Issue 12: a real 2-rank cluster tells a subscriber starting → running → (run) → stopping → stopped, in order;
+    its model is built once: what it says, what its registry file holds and what a manager serves are the same."""
+    from taco_notebook.server.manager import ClusterManager
+
+    cluster = registry_writer.track(TacoCluster("events", 2))
+    seen: list[tuple[str, str]] = []
+    cluster.subscribe(lambda c, event: seen.append((event, c.state)))
+    manager = ClusterManager(registry_dir)
+    try:
+        cluster.start()
+        assert seen == [("starting", "starting"), ("running", "running")]
+        cluster_id = cluster.cluster_id or ""
+        on_file = registry.read_model(registry_dir, cluster_id)
+        assert on_file is not None and on_file["state"] == "running" and on_file["engines_up"] == 2
+        _same_model(cluster.model(), on_file)  # type: ignore[arg-type]
+        _same_model(manager.get(cluster_id), on_file)  # type: ignore[arg-type]
+        cluster.set_run({"cell": "x = 1", "started_at": 1.0, "step": 7, "total": 10, "samples_per_s": None})
+        assert seen[-1] == ("run", "running")
+        _same_model(cluster.model(), registry.read_model(registry_dir, cluster_id))  # type: ignore[arg-type]
+    finally:
+        cluster.stop()
+        manager.shutdown()
+    assert [event for event, _ in seen] == ["starting", "running", "run", "stopping", "stopped"]
+    assert seen[-2:] == [("stopping", "stopping"), ("stopped", "stopped")]
+    assert cluster not in registry_writer.tracked() and list(registry_dir.iterdir()) == []
+
+
+def wait_for_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still running (not zombies) after up to ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+_EXIT_JOB = """
+import atexit, json, sys
+registered = []  # every atexit registration from here on, by module and name (they still register)
+_register = atexit.register
+def register(function, *args, **kwargs):
+    registered.append(f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', function)}")
+    return _register(function, *args, **kwargs)
+atexit.register = register
+from taco_notebook.cluster.session import TacoCluster
+from taco_notebook.cluster.registry_writer import track
+from taco_notebook.server.manager import ClusterManager
+ClusterManager(sys.argv[1]).shutdown()
+cluster = track(TacoCluster("atexit", 1)).start()
+print(json.dumps({"registered": registered, "id": cluster.cluster_id, "pids": [p.pid for p in cluster.processes]}),
+      flush=True)
+# exits with the cluster running: the one exit hook must stop it and remove its entry
+"""
+
+
+@pytest.mark.cluster
+def test_one_exit_hook_stops_a_running_cluster(registry_dir: Path) -> None:
+    """Issue 12: the registry writer, the manager and a started cluster (ipyparallel's hook off) register no
+    atexit hook of their own; the process's one hook (session's) stops the cluster it left running at exit."""
+    out = subprocess.run([sys.executable, "-c", _EXIT_JOB, str(registry_dir)], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = [name for name in report["registered"] if name.startswith(("taco_notebook", "ipyparallel.cluster"))]
+    assert ours == ["taco_notebook.cluster.session._stop_at_exit"]
+    assert report["pids"] and report["id"].startswith("atexit-")
+    left = wait_for_gone(report["pids"])
+    assert not left, f"left running after exit: {left}"
+    assert list(registry_dir.iterdir()) == [], "the exit left the registry entry behind"
+    assert "Stopping cluster" not in out.stderr  # ipyparallel's own exit hook did not run

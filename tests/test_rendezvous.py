@@ -196,7 +196,7 @@ def _listening_during_allreduce(cluster, allow_hydra: bool) -> tuple[list[psutil
     none listens elsewhere (hydra's control port excepted only when ``allow_hydra``)."""
     running = cluster.view.apply_async(_allreduce_for, 4.0)
     time.sleep(1.0)
-    procs = job_processes(list(cluster._started_processes))
+    procs = job_processes(list(cluster.processes))
     inside, outside = off_loopback(procs, allow_hydra=allow_hydra)
     steps = running.get(timeout=120)
     assert all(s > 0 for s in steps), steps

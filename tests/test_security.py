@@ -25,7 +25,8 @@ import psutil
 import pytest
 from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures: jp_fetch, jp_serverapp, ...)
 
-from taco_notebook.cluster import registry
+from taco_notebook.cluster import registry_files as registry
+from taco_notebook.cluster import registry_writer
 from taco_notebook.cluster.limits import max_ranks
 from taco_notebook.cluster.private import UnsafeDirectoryError, check_private_dir
 from taco_notebook.cluster.session import TacoCluster, clusters
@@ -64,9 +65,10 @@ def sleep_process() -> Iterator[psutil.Process]:
 # ------------------------------------------------------------------------------------------ private files
 _FRESH_HOME_JOB = textwrap.dedent("""
     import json, os, subprocess, sys
+    from taco_notebook.cluster.registry_writer import track
     from taco_notebook.cluster.session import TacoCluster, clusters
     home, as_root = sys.argv[1], sys.argv[2] == "1"
-    cluster = TacoCluster("modes", 2)
+    cluster = track(TacoCluster("modes", 2))
     try:
         cluster.start()
         cluster.view.execute("import sys; print('engine output', file=sys.stderr)", block=True)
@@ -160,7 +162,7 @@ def _plant(directory: Path, name: str, content: dict[str, Any], owner: int | Non
 def test_forged_requests_cannot_resize_a_cluster(registry_dir: Path) -> None:
     """A kernel's cluster keeps its size and its engines through an over-limit request, a request of another
     user's and a symlinked one; as root, nobody cannot write a request into the registry at all."""
-    cluster = TacoCluster("forgery", 1)
+    cluster = registry_writer.track(TacoCluster("forgery", 1))
     try:
         cluster.start()
         cluster_id = cluster.cluster_id or ""
@@ -180,7 +182,7 @@ def test_forged_requests_cannot_resize_a_cluster(registry_dir: Path) -> None:
         target.write_text(json.dumps({"action": "stop", "size": None, "requested_at": 1.0}))
         request.symlink_to(target)
         wait_for(lambda: not os.path.lexists(request), 30, "the watcher to drop the symlink")
-        time.sleep(3 * registry.POLL_INTERVAL)
+        time.sleep(3 * registry_writer.POLL_INTERVAL)
         model = registry.read_model(registry_dir, cluster_id)
         assert model is not None and (model["state"], model["size"], model["pending"]) == ("running", 1, None)
         assert cluster.size == 1 and sorted(r.pid for r in cluster.ranks) == engines
@@ -209,7 +211,7 @@ def _unsafe_dirs(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 
 def test_a_registry_dir_others_control_is_refused(tmp_path: Path, sleep_process: psutil.Process) -> None:
     """World-writable, a symlink, or (as root) owned by nobody: the server reads nothing there and kills nothing,
-    the kernel publishes nothing there, and the message says how to fix it."""
+    the kernel writes nothing there, and the message says how to fix it."""
     owner, created = dead_pid()
     for directory, words in _unsafe_dirs(tmp_path):
         real = directory.resolve()
@@ -225,11 +227,12 @@ def test_a_registry_dir_others_control_is_refused(tmp_path: Path, sleep_process:
                 assert "TACO_REGISTRY_DIR" in str(info.value)
         finally:
             refusing.shutdown()
-        cluster = TacoCluster("unpublished", 1)
-        cluster.owner_kind, cluster.cluster_id = "server", "unpublished-1"
-        assert registry.publish(cluster, "starting", directory=directory) is None
-        registry.remove(cluster)
-        assert not (real / "unpublished-1.json").exists()
+        cluster = registry_writer.track(TacoCluster("unwritten", 1), directory)
+        cluster.owner_kind, cluster.cluster_id = "server", "unwritten-1"
+        cluster.announce_start()  # changed with issue 12: the writer answers the event, refusing the directory
+        assert cluster not in registry_writer.tracked()  # (a logged warning; nothing written, nothing raised)
+        cluster.stop()
+        assert not (real / "unwritten-1.json").exists()
         assert sleep_process.is_running()
 
 
@@ -260,7 +263,7 @@ def test_rest_refuses_an_unsafe_registry_dir(api: Fetch, registry_dir: Path) -> 
 # ------------------------------------------------------------------------------------------ hostile REST input
 def _nothing_started(api: Fetch, manager: ClusterManager) -> None:
     assert api("GET", "clusters") == (200, {"clusters": []})
-    assert manager._owned == {}
+    assert manager._clusters == {}
     # the session's own clusters (the shared one a previous test may have started) are not this request's
     earlier = {pid for name in list(clusters) for pid in cluster_pids(name)}
     assert not [p for p in psutil.Process().children(recursive=True)

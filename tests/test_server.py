@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +28,9 @@ from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
 import taco_notebook
-from taco_notebook.cluster import registry
+from taco_notebook.cluster import registry_files as registry
 from taco_notebook.cluster.limits import max_ranks
+from taco_notebook.cluster.registry_writer import track
 from taco_notebook.cluster.session import TacoCluster
 from taco_notebook.server import MANAGER_SETTING, handlers
 from taco_notebook.server.manager import ClusterManager
@@ -128,7 +135,7 @@ def test_every_handler_verb_is_authenticated() -> None:
 
 @pytest.mark.cluster
 def test_kernel_cluster_is_listed_and_stopped_through_its_kernel(api: Fetch) -> None:
-    cluster = TacoCluster("srvtest", 2)
+    cluster = track(TacoCluster("srvtest", 2))
     try:
         cluster.start()
         code, listing = api("GET", "clusters")
@@ -184,3 +191,84 @@ def test_stale_entry_is_shown_and_deletable(api: Fetch, registry_dir: Path,
     assert api("DELETE", "clusters", "old-1")[0] == 202
     left.wait(10)
     assert api("GET", "clusters") == (200, {"clusters": []})
+
+
+@pytest.mark.cluster
+def test_extension_shutdown_stops_the_servers_cluster(api: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any,
+                                                      manager: ClusterManager, registry_dir: Path) -> None:
+    """Issue 12: a cluster started through the API is served as it models itself and as its registry file holds
+    it; the server's shutdown (jupyter_server's cleanup_extensions → the extension app's stop_extension, not
+    atexit) stops it: its processes are gone and its entry removed."""
+    code, model = api("POST", "clusters", body={"size": 2, "name": "unload"})
+    assert code == 202 and model["state"] == "starting"
+    cluster_id = model["id"]
+    running = wait_for(lambda: (m := api("GET", "clusters", cluster_id)[1])["state"] == "running" and m, 120,
+                       "the start")
+    cluster = manager._clusters[cluster_id]
+    # the entry is written on the "running" event, a moment after the cluster says it runs
+    on_file = wait_for(lambda: (m := registry.read_model(registry_dir, cluster_id)) and m["state"] == "running"
+                       and m, 10, "the running entry")
+    assert on_file["this_server"] is False and running["this_server"] is True
+    for other in (cluster.model(), on_file):
+        assert {**running, "updated_at": 0, "this_server": False} == {**other, "updated_at": 0}
+    pids = [p.pid for p in cluster.processes]
+    assert len(pids) >= 3  # controller, mpiexec, ranks
+
+    jp_asyncio_loop.run_until_complete(jp_serverapp.cleanup_extensions())
+    assert test_registry.wait_for_gone(pids) == []
+    assert cluster.state == "stopped" and manager._clusters == {}
+    assert not (registry_dir / f"{cluster_id}.json").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.cluster
+def test_a_jupyter_server_stopped_by_sigterm_stops_its_cluster(tmp_path: Path) -> None:
+    """Issue 12, as a user's server goes: ``jupyter server`` (a real process, the extension loaded from its
+    config) starts a cluster for the sidebar; SIGTERM (what a service manager sends) ends the server, and on its
+    way out the extension app's stop_extension stops the cluster: no process of it left, no entry."""
+    port, token, directory = _free_port(), "t" + os.urandom(8).hex(), tmp_path / "registry"
+    env = {**os.environ, "TACO_REGISTRY_DIR": str(directory), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    log = tmp_path / "server.log"  # a file, not a pipe: a full pipe nobody reads would stall the server
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", f"--port={port}", "--ip=127.0.0.1", "--no-browser",
+             f"--IdentityProvider.token={token}", "--ServerApp.jpserver_extensions={'taco_notebook': True}",
+             f"--ServerApp.root_dir={tmp_path}", *(["--allow-root"] if os.geteuid() == 0 else [])],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/taco-notebook/api/clusters"
+
+    def call(method: str, url: str, body: Any = None) -> Any:
+        request = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
+                                         headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return json.loads(reply.read())
+
+    def answers() -> bool:
+        try:
+            return call("GET", base) is not None
+        except OSError:
+            return False
+
+    try:
+        wait_for(answers, 60, "the server to answer")
+        cluster_id = call("POST", base, {"size": 1, "name": "sigterm"})["id"]
+        wait_for(lambda: call("GET", f"{base}/{cluster_id}")["state"] == "running", 120, "the start")
+        entry = registry.read_entry(directory, cluster_id)
+        assert entry is not None and entry["model"]["owner"]["pid"] == server.pid
+        pids = [pid for pid, _ in entry["processes"]]
+        assert len(pids) >= 3
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(120) == 0, log.read_text()[-3000:]
+        assert test_registry.wait_for_gone(pids) == [], log.read_text()[-3000:]
+        assert not (directory / f"{cluster_id}.json").exists()
+        text = log.read_text()  # the cluster stopped within jupyter_server's cleanup of its extensions
+        assert 0 <= text.find(" extensions\n") < text.find("Stopping controller"), text[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from taco_notebook.cluster import registry
+from taco_notebook.cluster import registry_files as registry
 from taco_notebook.server.manager import BadRequest, ClusterManager, Conflict, NotFound
 from taco_notebook.server.requests import parse_scale_request, parse_start_request
 
@@ -36,9 +36,11 @@ def me() -> tuple[int, float]:
 
 def test_server_package_and_manager_import_no_tornado() -> None:
     """The package is imported on every MPI rank, the manager by tests and kernels: neither may pull in tornado."""
+    # changed with issue 12: the extension point names its app's factory (an ExtensionApp gets a shutdown call)
     code = ("import sys, taco_notebook, taco_notebook.server, taco_notebook.server.manager, "
-            "taco_notebook.cluster.registry, taco_notebook.cluster.session\n"
-            "assert taco_notebook._jupyter_server_extension_points() == [{'module': 'taco_notebook.server'}]\n"
+            "taco_notebook.cluster.registry_writer, taco_notebook.cluster.session\n"
+            "assert taco_notebook._jupyter_server_extension_points() == [{'module': 'taco_notebook.server', "
+            "'app': taco_notebook.server.extension_app}]\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tornado', 'jupyter_server')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
@@ -171,7 +173,7 @@ def test_this_server_tells_its_own_kernels_from_other_servers(manager: ClusterMa
         path = manager.directory / f"{cluster_id}.json"
         entry = json.loads(path.read_text())
         entry["model"]["owner"].update(notebook=f"{cluster_id}.ipynb", server_pid=server_pid)
-        registry._write_atomic(path, entry)
+        registry.write_atomic(path, entry)
     served = {m["id"]: (m["this_server"], m["owner"]["notebook"]) for m in manager.list()["clusters"]}
     assert served == {"mine": (True, "mine.ipynb"), "theirs": (False, "theirs.ipynb"),
                       "unknown": (False, "unknown.ipynb")}

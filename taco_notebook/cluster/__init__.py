@@ -5,7 +5,7 @@ Kept import-light: ``python -m taco_notebook.cluster.rankwrap`` runs on every ra
 
 from __future__ import annotations
 
-__all__ = ["TacoCluster", "ClusterStatus", "RankInfo", "clusters", "stop_all"]
+__all__ = ["TacoCluster", "RankInfo", "clusters", "stop_all"]
 
 
 def __getattr__(name: str) -> object:

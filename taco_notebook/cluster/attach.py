@@ -19,32 +19,28 @@ __all__ = ["AttachedCluster", "find_shared", "attach"]
 
 def find_shared(name: str) -> Any:
     """The registry's running cluster ``name`` owned by a Jupyter server, or None."""
-    from . import registry
+    from .registry_files import read_models, registry_dir
 
-    for model in registry.read_models(registry.registry_dir()):
+    for model in read_models(registry_dir()):
         if model["name"] == name and model["owner"]["kind"] == "server" and model["state"] == "running":
             return model
     return None
 
 
 class AttachedCluster(TacoCluster):
-    """A :class:`TacoCluster` whose processes belong to another process; this kernel only runs cells on it."""
+    """A :class:`TacoCluster` whose processes belong to another process; this kernel only runs cells on it.
+
+    Nothing here writes its registry entry (the owner does: this process never tracks it), so killing hung
+    ranks after Ctrl-C (:meth:`~TacoCluster.kill_engines`) marks it broken here only.
+    """
 
     owner_kind = "server"
 
-    def stop(self, unpublish: bool = True, fast: bool = False) -> None:
+    def stop(self, fast: bool = False) -> None:
         """Disconnect; the owner (the sidebar's server) stops the engines."""
         client, self.client, self.ipp_cluster, self.ranks = self.client, None, None, []
         if client is not None:
             client.close()
-
-    def kill_engines(self, reason: str) -> None:
-        """Ranks hung after Ctrl-C: kill them as for an own cluster, but leave the registry entry to its owner."""
-        cluster_id, self.cluster_id = self.cluster_id, None  # TacoCluster publishes only clusters with an id
-        try:
-            super().kill_engines(reason)
-        finally:
-            self.cluster_id = cluster_id
 
     def scale(self, size: int) -> TacoCluster:
         raise ClusterStartError(f"cluster {self.name!r} belongs to the Jupyter server: scale it from the sidebar")

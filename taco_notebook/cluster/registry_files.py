@@ -1,7 +1,7 @@
 """The cluster registry's files: where they live, what they hold, and how a reader judges them.
 
 One ``{id}.json`` entry per cluster, written by its owner (a kernel, or the Jupyter server for the clusters it
-started; see :mod:`~taco_notebook.cluster.registry`), and ``{id}.request.json`` for a stop or scale the server
+started; see :mod:`~taco_notebook.cluster.registry_writer`), and ``{id}.request.json`` for a stop or scale the server
 asks of a kernel. The directory is ``$TACO_REGISTRY_DIR`` or ``<jupyter runtime dir>/taco-notebook/clusters``.
 
 Nothing in these files is taken on its word (see SECURITY.md): the directory must be this user's and writable by

@@ -7,8 +7,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import registry
-
 if TYPE_CHECKING:
     from ..model import RunModel
     from .session import TacoCluster
@@ -37,7 +35,7 @@ class RegistryRun:
         self.run: RunModel = {"cell": cell_snippet(code), "started_at": time.time(), "step": 0, "total": None,
                          "samples_per_s": None}  # fmt: skip
         self.written = time.monotonic()
-        registry.set_run(cluster, self.run)
+        cluster.set_run(self.run)
 
     def update(self, payloads: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> None:
         now = time.monotonic()
@@ -52,10 +50,10 @@ class RegistryRun:
                     "total": max(totals) if totals else None,
                     "samples_per_s": rate if rate > 0 else None}  # fmt: skip
         self.written = now
-        registry.set_run(self.cluster, self.run)
+        self.cluster.set_run(self.run)
 
     def finish(self, outcome: str) -> None:
-        registry.set_run(self.cluster, None)
+        self.cluster.set_run(None)
 
 
 SUMMARY_ERROR_CHARS = 100  # an error's message in a one-line failure summary is cut to this

@@ -396,7 +396,7 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
 
     with cluster.busy:
         if not cluster.running:  # broken, or stopped or rescaled from the sidebar since the magic looked
-            why = cluster.broken_reason or "it was stopped or rescaled from the sidebar just before this cell"
+            why = cluster.error or "it was stopped or rescaled from the sidebar just before this cell"
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, code)])

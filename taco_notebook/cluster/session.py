@@ -1,10 +1,13 @@
-"""TacoCluster: an ipyparallel cluster whose engines are MPI ranks, owned by the notebook kernel.
+"""TacoCluster: an ipyparallel cluster whose engines are MPI ranks, and the one home of that cluster's state.
 
 Wraps ``ipyparallel.Cluster(engines="mpi")`` (process management is ipyparallel's), and adds what a training
 user needs on top: engine id checked against MPI rank, each rank's host and pid, the MPI implementation, a
 torch process group brought up on start, and a liveness check that says which rank died and how.
 
-Clusters are kept by name in :data:`clusters`; the kernel owns membership (``-np``), not the engines.
+All the sidebar shows lives on the :class:`TacoCluster`; :meth:`TacoCluster.model` builds the ClusterModel, and
+lifecycle events go to subscribers (:meth:`TacoCluster.subscribe`), the registry writer among them
+(:mod:`~taco_notebook.cluster.registry_writer`; this module imports no registry code). Clusters are kept by name
+in :data:`clusters`; every cluster this process started is stopped by the one exit hook registered here.
 """
 
 from __future__ import annotations
@@ -12,22 +15,23 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
-import signal
 import sys
 import threading
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
+from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
+from .deaths import death_report, engine_output, ranks_text
+from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
 from .mpi import MPIInfo, find_mpi, for_one_host
 from .private import private_ipython_profile
-from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files, stop_at_exit
-from .rankwrap import LAUNCHED_BY_ENV, MARKER
+from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files
+from .rankwrap import LAUNCHED_BY_ENV
+from .teardown import stop_processes
 
-__all__ = ["RankInfo", "ClusterStatus", "TacoCluster", "clusters", "stop_all"]
+__all__ = ["RankInfo", "Event", "Subscriber", "TacoCluster", "clusters", "stop_all", "exiting"]
 
 log = logging.getLogger("taco_notebook")
 
@@ -45,53 +49,6 @@ taco_notebook.cluster.publish.install()
 """
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """One engine: its MPI rank (= engine id), where it runs, its placement, and what its host offers.
-
-    ``gpus``: NVIDIA GPUs the rank can see (``CUDA_VISIBLE_DEVICES`` applied); ``hugepages``: its host's
-    ``/proc/meminfo`` huge pages as ``{"total", "free", "page_kb"}``, or None where the kernel has none.
-    """
-
-    rank: int
-    host: str
-    pid: int
-    local_rank: int
-    node: int
-    gpus: int = 0
-    hugepages: dict[str, int] | None = field(default=None, compare=False)
-    gpu_names: list[str] = field(default_factory=list, compare=False)  # models of those GPUs, from /proc
-
-
-@dataclass
-class ClusterStatus:
-    """A snapshot of one cluster, the shape shown by ``%taco_cluster status`` and written to JSON."""
-
-    name: str
-    cluster_id: str
-    state: str  # "stopped", "running", "broken"
-    size: int
-    engines_up: int
-    mpi: str
-    ranks: list[RankInfo] = field(default_factory=list)
-    started_at: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def hosts(self) -> list[str]:
-        return sorted({r.host for r in self.ranks})
-
-    @property
-    def gpus(self) -> int:
-        """GPUs over all nodes (the ranks of a node see the same devices)."""
-        per_node: dict[int, int] = {}
-        for r in self.ranks:
-            per_node[r.node] = max(per_node.get(r.node, 0), r.gpus)
-        return sum(per_node.values())
-
-
 def _engine_info() -> dict[str, Any]:
     """Runs on each engine right after start."""
     import os as _os
@@ -105,11 +62,10 @@ def _engine_info() -> dict[str, Any]:
             "gpu_names": gpu_names()}
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+Event = Literal["starting", "running", "stopping", "stopped", "broken", "run"]
+Subscriber = Callable[["TacoCluster", Event], None]
+EXIT_WAIT_S = 30.0  # at exit, how long a stop/scale that the registry's watcher is carrying out may go on
+NO_ENGINES = "the engines' mpiexec exited; scale or delete the cluster"
 
 
 class TacoCluster:
@@ -123,9 +79,12 @@ class TacoCluster:
     ``busy`` is held while a cell runs (by the cell runner) and while the cluster restarts: the registry's
     watcher carries out the sidebar's stop/scale requests only when it can take it. ``cluster_id`` is set by
     the first start and kept by later ones (:meth:`scale`), so the registry entry keeps its id.
+
+    Model state: ``error`` (why broken, or why its last action failed), ``pending`` (a stop or scale the server
+    queued), ``run`` (:meth:`set_run`), ``processes`` (all it started: killed at stop even if orphaned by then).
     """
 
-    owner_kind: Literal["kernel", "server"] = "kernel"  # the server extension sets "server" on its own clusters
+    owner_kind: OwnerKind = "kernel"  # the server extension sets "server" on its own clusters
     cluster_id: str | None = None
 
     def __init__(self, name: str = "default", size: int = 4, mpiexec: str | None = None,
@@ -142,18 +101,73 @@ class TacoCluster:
         self.client: Any = None
         self.ranks: list[RankInfo] = []
         self.started_at: float | None = None
-        self.broken_reason: str | None = None
+        self.error: str | None = None
+        self.pending: PendingModel | None = None
+        self.run: RunModel | None = None
         self.needs_reinit = False
-        self._started_processes: list[Any] = []
+        self.processes: list[Any] = []  # psutil.Process
+        self._phase: Literal["starting", "stopping"] | None = None
+        self._subscribers: list[Subscriber] = []
         self._shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
         self._engine_logs: list[str] = []  # ipyparallel forgets a stopped engine set, and with it its log's path
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
 
-    # ---------------------------------------------------------------- lifecycle
+    # ---------------------------------------------------------------- state
+    @property
+    def state(self) -> State:
+        """The one place a cluster's state is decided: starting/stopping while :meth:`start`/:meth:`stop` run;
+        broken when it has an ``error`` or the engines it started are gone; else running or stopped."""
+        if self._phase is not None:
+            return self._phase
+        if self.error is not None or (self.processes and self.ipp_cluster is not None and not self.engines_alive()):
+            return "broken"
+        return "running" if self.ipp_cluster is not None else "stopped"
+
     @property
     def running(self) -> bool:
-        return self.ipp_cluster is not None and self.broken_reason is None
+        """Whether a cell may run on it: started, and not known to be broken (engines are checked by the cell)."""
+        return self.ipp_cluster is not None and self.error is None
+
+    def model(self) -> ClusterModel:
+        """The cluster as the registry, the REST API and the sidebar show it. Reads plain attributes only (and
+        the engines' liveness): safe from any thread. ``this_server`` is False; the server sets it when serving."""
+        state = self.state
+        up = state in ("running", "broken")
+        nodes = nodes_of(self.ranks) if state != "starting" else []
+        return {
+            "id": self.cluster_id or "", "name": self.name, "profile": PROFILE, "owner": owner_of(self.owner_kind),
+            "this_server": False, "state": state, "size": self.size, "engines_up": len(self.ranks) if up else 0,
+            "mpi": self.mpi.description if self.mpi else "", "nodes": nodes, "gpus": sum(n["gpus"] for n in nodes),
+            "hugepages": hugepages_of(self.ranks) if state != "starting" else None,
+            "started_at": self.started_at if state != "starting" else None, "updated_at": time.time(),
+            "run": self.run, "pending": self.pending,
+            "error": self.error or (NO_ENGINES if state == "broken" else None),
+        }
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """Call ``subscriber(cluster, event)`` on each lifecycle event, in the thread that caused it:
+        ``starting``, ``running``, ``stopping``, ``stopped`` (final; not between the two halves of a
+        :meth:`scale`), ``broken`` (:meth:`kill_engines`) and ``run`` (:meth:`set_run`)."""
+        self._subscribers.append(subscriber)
+
+    def _emit(self, event: Event) -> None:
+        for subscriber in list(self._subscribers):
+            try:
+                subscriber(self, event)
+            except Exception:  # a subscriber (the sidebar's registry) must not break the cluster's lifecycle
+                log.exception("cluster %r: a subscriber failed on %r", self.name, event)
+
+    def set_run(self, run: RunModel | None) -> None:
+        """Record the cell running on the cluster (None when it ends); the caller throttles (say, once a second)."""
+        self.run = run
+        self._emit("run")
+
+    # ---------------------------------------------------------------- lifecycle
+    def announce_start(self) -> None:
+        """Show it ``starting`` now, for a :meth:`start` queued to another thread (the server's manager)."""
+        self._phase = "starting"
+        self._emit("starting")
 
     def _engine_environment(self) -> dict[str, str]:
         env = {"TACO_CLUSTER_NAME": self.name, "PYTHONUNBUFFERED": "1"}
@@ -188,22 +202,22 @@ class TacoCluster:
     def start(self) -> TacoCluster:
         """Start controller and ``size`` engines, check them, and bring up the process group on every rank.
 
-        Publishes the cluster to the registry (``starting``, then ``running``) for the Jupyter sidebar.
+        Emits ``starting``, then ``running`` (failing: ``stopping``/``stopped``, and raises). ipyparallel's exit
+        hook is off for it (``shutdown_atexit=False``): this module's one hook stops it fast, where ipyparallel's
+        (registered at its first start, so run before ours) would first stop it slowly.
         """
         import ipyparallel as ipp
 
-        from . import registry
-
         explicit = self.mpiexec is not None  # --mpiexec PATH: exactly that program
         self.mpi = for_one_host(self.mpi, explicit) if self.mpi else find_mpi(self.mpiexec, single_host=True)
-        cluster_id = self.cluster_id = self.cluster_id or f"{self.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.broken_reason = None
-        registry.publish(self, "starting")
-        private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
-        self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
-                                       controller_ip="127.0.0.1", log_level=logging.ERROR,
-                                       config=self._ipp_config(self.mpi))
+        cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
+        self.error, self._phase, _live[cluster_id] = None, "starting", self
+        self._emit("starting")
         try:
+            private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
+            self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
+                                           controller_ip="127.0.0.1", log_level=logging.ERROR,
+                                           shutdown_atexit=False, config=self._ipp_config(self.mpi))
             self.ipp_cluster.start_cluster_sync()
             self._engine_launchers = self._engine_sets()
             self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
@@ -213,16 +227,16 @@ class TacoCluster:
             self.view.execute(ENGINE_NAMESPACE_SETUP, block=True)
         except BaseException as exc:
             output = self.engine_output()
+            self._phase = None
             self.stop()
             if isinstance(exc, ClusterStartError | KeyboardInterrupt):
                 raise
             tail = "\n".join(output.strip().splitlines()[-15:])
             raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc}\n{tail}") from exc
-        self.started_at = time.time()
-        self.needs_reinit = False
-        self._started_processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
-        self._shared_memory = shared_memory_files(self.ranks)
-        registry.publish(self, "running")
+        self.started_at, self.needs_reinit = time.time(), False
+        self.processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
+        self._shared_memory, self._phase = shared_memory_files(self.ranks), None
+        self._emit("running")
         return self
 
     def _wait_for_engines(self) -> None:
@@ -254,21 +268,26 @@ class TacoCluster:
         if mismatched:
             raise ClusterStartError(f"engine ids differ from MPI ranks: {mismatched}")
 
-    def stop(self, unpublish: bool = True, fast: bool = False) -> None:
+    def stop(self, fast: bool = False) -> None:
         """Stop engines and controller; leaves nothing running. Safe to call twice.
 
-        Removes the registry entry, unless ``unpublish`` is False (a restart under the same id: :meth:`scale`).
-        ``fast`` (at interpreter exit) terminates the processes at once instead of asking them to exit.
+        Emits ``stopping`` (if it ran) and ``stopped``. ``fast`` (at interpreter exit) terminates the processes
+        at once instead of asking them to exit.
         """
-        from . import registry
+        self._stop(fast, final=True)
 
-        if self.ipp_cluster is not None and self.cluster_id and not fast:
-            registry.publish(self, "stopping")
+    def _stop(self, fast: bool = False, final: bool = True) -> None:
+        """:meth:`stop`; ``final`` False (a restart under the same id: :meth:`scale`) emits no ``stopped``."""
+        if self.ipp_cluster is not None:
+            self._phase = "stopping"
+            self._emit("stopping")
         try:
             self._stop_processes(fast)
         finally:
-            if unpublish:
-                registry.remove(self)
+            self._phase = None if final else "starting"  # a restart follows: never shown stopped in between
+            if final:
+                _live.pop(self.cluster_id or "", None)
+                self._emit("stopped")
 
     def scale(self, size: int) -> TacoCluster:
         """Restart with ``size`` ranks under the same name and registry id.
@@ -279,7 +298,7 @@ class TacoCluster:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive integer, got {size!r}")
         with self.busy:
-            self.stop(unpublish=False)
+            self._stop(final=False)
             self.size = size
             return self.start()
 
@@ -291,42 +310,9 @@ class TacoCluster:
         self.ranks = []
         if cluster is None:
             return
-        tree = process_tree(cluster) + self._started_processes
-        self._started_processes = []
-        try:
-            if fast:
-                self._unlink_shared_memory()  # first: the ranks keep their mappings, the names go now
-                stop_at_exit(cluster, client, tree)
-                return
-            if client is not None:
-                self._shutdown_engines(client, cluster)
-                client.close()
-            # Engines first, then the controller: stopped together (stop_cluster) they take ~5 s, not ~1.3 s.
-            cluster.stop_engines_sync()  # graceful: mpiexec forwards SIGTERM to every rank
-            cluster.stop_controller_sync()
-        finally:
-            kill(tree)  # whatever ignored it (a rank stuck in C code, an orphaned nanny)
-            self._unlink_shared_memory()
-
-    def _unlink_shared_memory(self) -> None:
-        for path in self._shared_memory:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:  # MPI removed it on the way out
-                pass
-        self._shared_memory = set()
-
-    @staticmethod
-    def _shutdown_engines(client: Any, cluster: Any, grace: float = 3.0) -> None:
-        """Ask idle engines to exit cleanly, so mpiexec ends by itself instead of being TERMed and KILLed."""
-        try:
-            client.shutdown(targets="all", block=False)
-        except Exception:  # no engines registered any more: nothing to ask
-            return
-        deadline = time.monotonic() + grace
-        launchers = list(cluster.engines.values())
-        while time.monotonic() < deadline and any(alive(getattr(es, "process", None)) for es in launchers):
-            time.sleep(0.05)
+        tree, shared_memory = process_tree(cluster) + self.processes, self._shared_memory
+        self.processes, self._shared_memory = [], set()
+        stop_processes(cluster, client, tree, shared_memory, fast)
 
     # ---------------------------------------------------------------- engines
     @property
@@ -345,13 +331,9 @@ class TacoCluster:
             engine_sets = [p for es in self._engine_sets() for p in descendants(getattr(es, "process", None))]
             controller = getattr(self.ipp_cluster.controller, "process", None)
             # No waiting: SIGKILL is certain, and Ctrl-C must return now; stop() reaps them later.
-            kill(engine_sets + [p for p in self._started_processes if p not in descendants(controller)],
-                  wait=False)
-        self.broken_reason = reason
-        if self.cluster_id:
-            from . import registry
-
-            registry.publish(self)  # "broken", with the reason, for the sidebar
+            kill(engine_sets + [p for p in self.processes if p not in descendants(controller)], wait=False)
+        self.error = reason
+        self._emit("broken")
 
     def engines_alive(self) -> bool:
         engine_sets = self._engine_sets()
@@ -359,68 +341,57 @@ class TacoCluster:
 
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
-        chunks = []
         paths = self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
-        launchers = {getattr(es, "output_file", None): es for es in self._engine_launchers}
-        for path in paths:
-            try:
-                with open(path, errors="replace") as f:
-                    chunks.append(f.read())
-            except OSError:  # removed by ipyparallel's on-stop logging, which read it first: ask the launcher
-                if path in launchers:
-                    chunks.append(launchers[path].get_output())
-        return "".join(chunks)
+        return engine_output(paths, self._engine_launchers)
 
     def death(self) -> str | None:
         """None while the engines run; otherwise a sentence saying which rank died, where and how."""
         if self.ipp_cluster is None or self.engines_alive():
             return None
-        report = self._death_report()
-        return report[0]
-
-    def _death_report(self) -> tuple[str, int | None, str | None, str | None]:
-        pattern = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)")
-        deadline = time.monotonic() + 3.0  # mpiexec flushes the wrapper's line into the log late on a busy machine
-        while (match := pattern.search(self.engine_output())) is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if match is None:
-            return ("the engines' mpiexec exited unexpectedly", None, None, None)
-        rank_text, host, pid, kind, value = match.groups()
-        rank = int(rank_text) if rank_text.isdigit() else None
-        how = f"killed by {_signal_name(int(value))}" if kind == "signal" else f"exited with code {value}"
-        if kind == "signal" and int(value) == signal.SIGKILL:
-            how += " (killed from outside, or out of memory)"
-        return (f"rank {rank_text} (host {host}, pid {pid}) {how}", rank, host,
-                _signal_name(int(value)) if kind == "signal" else None)
+        return death_report(self.engine_output)[0]
 
     def died_error(self, finished: list[int]) -> RankDiedError:
-        sentence, rank, host, sig = self._death_report()
+        sentence, rank, host, sig = death_report(self.engine_output)
         others = [r.rank for r in self.ranks if r.rank != rank and r.rank not in finished]
-        detail = f"; MPI stopped the other ranks ({_ranks_text(others)})" if others else ""
+        detail = f"; MPI stopped the other ranks ({ranks_text(others)})" if others else ""
         return RankDiedError(
             f"{sentence}{detail}. Cluster {self.name!r} was shut down; the next %%taco_run starts a fresh one.",
             rank, host, sig)
-
-    def status(self) -> ClusterStatus:
-        up = len(self.client.ids) if self.client is not None else 0
-        state = "broken" if self.broken_reason else ("running" if self.ipp_cluster is not None else "stopped")
-        return ClusterStatus(
-            name=self.name, cluster_id=self.ipp_cluster.cluster_id if self.ipp_cluster else "",
-            state=state, size=self.size, engines_up=up,
-            mpi=self.mpi.description if self.mpi else "", ranks=list(self.ranks), started_at=self.started_at)
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in sorted(ranks)) if ranks else "none"
 
 
 clusters: dict[str, TacoCluster] = {}
 
 
+_live: dict[str, TacoCluster] = {}  # every cluster this process started and has not stopped, by id
+exiting = threading.Event()  # set first thing at exit: the registry's watcher takes no more requests
+
+
 def stop_all(fast: bool = False) -> None:
-    """Stop every cluster this kernel started (also run, ``fast``, at interpreter exit)."""
+    """Stop every cluster this kernel started and named in :data:`clusters`."""
     for name in list(clusters):
         clusters.pop(name).stop(fast=fast)
 
 
-atexit.register(stop_all, fast=True)
+def _stop_at_exit() -> None:
+    """The process's one exit hook: stop every cluster it started (kernel's or server's), fast.
+
+    Registered once, at import. ipyparallel's own hook is off for our clusters (``shutdown_atexit=False``): its
+    stop (~5 s) would run first and outlast a kernel's grace at shutdown, leaving registry entries shown as stale.
+    Each cluster stops under its ``busy`` lock, so a stop/scale the registry's watcher is carrying out finishes
+    first (up to :data:`EXIT_WAIT_S`); ``exiting`` stops the watcher from taking another.
+    """
+    exiting.set()
+    owned = {id(c): c for c in [*clusters.values(), *_live.values()]}
+    clusters.clear()
+    for cluster in owned.values():
+        taken = cluster.busy.acquire(timeout=EXIT_WAIT_S)
+        try:
+            cluster.stop(fast=True)
+        except Exception:  # at exit there is no caller: log, and stop the others
+            log.exception("stopping cluster %r at exit failed", cluster.name)
+        finally:
+            if taken:
+                cluster.busy.release()
+
+
+atexit.register(_stop_at_exit)

@@ -11,8 +11,9 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..cluster.mpi import find_mpi
+from ..cluster.registry_writer import track
 from ..cluster.run import CellOptions, run_cell
-from ..cluster.session import ClusterStatus, TacoCluster, clusters
+from ..cluster.session import TacoCluster, clusters
 from ..errors import MPINotFoundError
 from .args import (
     DEFAULT_NP,
@@ -40,7 +41,7 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_siz
     env = {"LIGHT_INTRA_SIZE": str(intra_size)} if intra_size else {}
     if gpus is not None:
         env["TACO_GPUS"] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
-    cluster = TacoCluster(name, size, mpiexec=mpiexec, env=env)
+    cluster = track(TacoCluster(name, size, mpiexec=mpiexec, env=env))  # the sidebar lists it
     try:
         mpi = cluster.mpi = find_mpi(mpiexec, single_host=True)
     except MPINotFoundError as exc:
@@ -49,7 +50,7 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_siz
     began = time.monotonic()
     cluster.start()
     clusters[name] = cluster
-    hosts = ", ".join(cluster.status().hosts)
+    hosts = ", ".join(sorted({r.host for r in cluster.ranks}))
     say.notice(f"cluster {name!r} ready in {time.monotonic() - began:.1f} s: {size} ranks on {hosts}")
     return cluster
 
@@ -58,8 +59,8 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
                    intra_size: int | None = None, gpus: str | None = None) -> TacoCluster:
     """The running cluster ``name`` with ``size`` ranks, reusing, repairing or resizing as needed."""
     cluster = clusters.get(name)
-    if cluster is not None and cluster.broken_reason:
-        say.warn(f"cluster {name!r} is unusable ({cluster.broken_reason}); starting a fresh one: {LOST}")
+    if cluster is not None and cluster.error:
+        say.warn(f"cluster {name!r} is unusable ({cluster.error}); starting a fresh one: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     if cluster is not None and cluster.ipp_cluster is None:
@@ -98,15 +99,17 @@ def _attach(name: str, size: int | None, say: RankOutput) -> TacoCluster | None:
     return cluster
 
 
-def format_status(status: ClusterStatus) -> str:
-    lines = [f"cluster {status.name!r}: {status.state}, {status.engines_up}/{status.size} engines up"]
-    if status.mpi:
-        lines.append(f"  MPI: {status.mpi}")
-    if status.started_at:
-        lines.append(f"  up for {time.time() - status.started_at:.0f} s; hosts: {', '.join(status.hosts)}")
-    if status.ranks:
+def format_status(cluster: TacoCluster) -> str:
+    status = cluster.model()
+    lines = [f"cluster {status['name']!r}: {status['state']}, {status['engines_up']}/{status['size']} engines up"]
+    if status["mpi"]:
+        lines.append(f"  MPI: {status['mpi']}")
+    if status["started_at"]:
+        hosts = ", ".join(sorted({n["host"] for n in status["nodes"]}))
+        lines.append(f"  up for {time.time() - status['started_at']:.0f} s; hosts: {hosts}")
+    if cluster.ranks:
         lines.append("  rank  node  local  host                 pid")
-        lines += [f"  {r.rank:>4}  {r.node:>4}  {r.local_rank:>5}  {r.host:<20} {r.pid:>6}" for r in status.ranks]
+        lines += [f"  {r.rank:>4}  {r.node:>4}  {r.local_rank:>5}  {r.host:<20} {r.pid:>6}" for r in cluster.ranks]
     return "\n".join(lines)
 
 
@@ -210,15 +213,16 @@ class TacoMagics(Magics):
         if not clusters:
             print("no clusters running in this kernel")
         for cluster in clusters.values():
-            status = cluster.status()
-            print(f"{status.name}: {status.state}, {status.engines_up}/{status.size} engines, {status.mpi}")
+            status = cluster.model()
+            print(f"{status['name']}: {status['state']}, {status['engines_up']}/{status['size']} engines, "
+                  f"{status['mpi']}")
 
     def _cluster_status(self, name: str, size: int | None, args: Any) -> None:
         cluster = clusters.get(name)
         if cluster is None:
             print(f"cluster {name!r}: stopped (start it with %taco_cluster start -n N)")
         else:
-            print(format_status(cluster.status()))
+            print(format_status(cluster))
 
     def _cluster_stop(self, name: str, size: int | None, args: Any) -> None:
         names = list(clusters) if args.all else [name]

@@ -1,4 +1,5 @@
-"""Thin, authenticated REST handlers over :class:`~taco_notebook.server.manager.ClusterManager`.
+"""Thin, authenticated REST handlers over :class:`~taco_notebook.server.manager.ClusterManager`, and the server
+extension app (:class:`TacoServerExtension`) that routes them and stops the manager's clusters at shutdown.
 
 ``GET  clusters``             → ClusterList             ``GET    clusters/{id}`` → ClusterModel
 ``POST clusters`` {size,name?} → 202 ClusterModel        ``PATCH  clusters/{id}`` {size} → 202 ClusterModel
@@ -12,20 +13,21 @@ a chunked body is cut off by tornado as soon as it passes the cap.
 
 from __future__ import annotations
 
-import atexit
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import tornado.web
 from jupyter_server.base.handlers import APIHandler
+from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
 
 from . import API_PATH, MANAGER_SETTING
 from .manager import ClusterManager
 from .requests import MAX_BODY_BYTES, ManagerError, TooLarge
 
-__all__ = ["VersionHandler", "ClustersHandler", "ClusterHandler", "setup_handlers"]
+__all__ = ["VersionHandler", "ClustersHandler", "ClusterHandler", "setup_handlers", "TacoServerExtension"]
 
 T = TypeVar("T")
 
@@ -104,10 +106,10 @@ class ClusterHandler(_ManagerHandler):
 
 
 def setup_handlers(web_app: Any, manager: ClusterManager | None = None) -> ClusterManager:
-    """Route ``/taco-notebook/api/…`` to the handlers; the manager is stopped at process exit."""
+    """Route ``/taco-notebook/api/…`` to the handlers, over ``manager`` (a new one by default); the caller stops
+    it (:class:`TacoServerExtension` does when the server shuts down)."""
     manager = manager or ClusterManager()
     web_app.settings[MANAGER_SETTING] = manager
-    atexit.register(manager.shutdown)
     base = url_path_join(web_app.settings["base_url"], API_PATH)
     web_app.add_handlers(".*$", [
         (url_path_join(base, "version"), VersionHandler),
@@ -115,3 +117,27 @@ def setup_handlers(web_app: Any, manager: ClusterManager | None = None) -> Clust
         (url_path_join(base, "clusters", "([^/]+)"), ClusterHandler),
     ])
     return manager
+
+
+class TacoServerExtension(ExtensionApp):
+    """The server extension: adds the handlers, and stops the clusters this server started when it shuts down.
+
+    An :class:`~jupyter_server.extension.application.ExtensionApp` because that is what jupyter_server (2.21 here)
+    calls at shutdown: ``ServerApp._cleanup`` → ``cleanup_extensions`` → ``stop_extension`` of each extension
+    app. A module-level extension gets no call (there is no ``_unload_jupyter_server_extension``), so stopping
+    would be left to atexit, after the server has stopped answering and while its kernels are being killed.
+    """
+
+    name = "taco_notebook"
+    load_other_extensions = True
+    manager: ClusterManager | None = None
+
+    def initialize_handlers(self) -> None:
+        assert self.serverapp is not None  # linked by jupyter_server before it initializes the handlers
+        self.manager = setup_handlers(self.serverapp.web_app)
+        self.log.info("taco_notebook server extension: REST API at %s%s/", self.serverapp.base_url, API_PATH)
+
+    async def stop_extension(self) -> None:
+        """Stop every cluster this server started (each stop takes a second or two: off the event loop)."""
+        if self.manager is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.manager.shutdown)

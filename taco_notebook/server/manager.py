@@ -9,7 +9,10 @@ Two kinds of cluster, one list:
   ``error`` says how many processes are left, and deleting it kills those that prove to be the cluster's
   (see :func:`~taco_notebook.cluster.registry_files.discard_stale`), never a pid merely named in the file.
 - server-owned (``POST /clusters``): plain :class:`TacoCluster` objects in this process, started, stopped and
-  scaled in worker threads (never on the server's event loop) and all stopped by :meth:`ClusterManager.shutdown`.
+  scaled in worker threads (never on the server's event loop), written to the registry by
+  :func:`~taco_notebook.cluster.registry_writer.track`, and all stopped by :meth:`ClusterManager.shutdown`
+  (the extension's shutdown hook, :class:`~taco_notebook.server.handlers.TacoServerExtension`). Their state
+  (pending action, last error) lives on the cluster; the manager keeps only a dict of them by id.
 
 Every method returns models and raises :class:`BadRequest`, :class:`NotFound` or :class:`Conflict` (or
 :class:`UnsafeRegistry` when the registry directory could be controlled by another user). Each model served says
@@ -18,24 +21,23 @@ whether it belongs to this server (``this_server``): its own clusters and those 
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..cluster import registry
+from ..cluster import registry_files
+from ..cluster.describe import new_cluster_id
 from ..cluster.limits import SizeLimitError, max_ranks
 from ..cluster.private import UnsafeDirectoryError
+from ..cluster.registry_writer import track
 from ..cluster.session import TacoCluster
-from ..model import ClusterList, ClusterModel, PendingModel, State
+from ..model import ClusterList, ClusterModel
 from .requests import (
     BadRequest,
     Conflict,
@@ -60,22 +62,13 @@ log = logging.getLogger("taco_notebook")
 Body = bytes | str | Mapping[str, Any]
 
 
-@dataclass
-class _Owned:
-    """A cluster this server started, and what its TacoCluster does not record: state, pending, last error."""
-
-    cluster: TacoCluster
-    state: State
-    pending: PendingModel | None = None
-    error: str | None = None
-
-
 class ClusterManager:
-    """Lists, starts, stops and scales clusters; ``registry_dir`` defaults to :func:`registry.registry_dir`."""
+    """Lists, starts, stops and scales clusters; ``registry_dir`` defaults to
+    :func:`~taco_notebook.cluster.registry_files.registry_dir`."""
 
     def __init__(self, registry_dir: str | os.PathLike[str] | None = None, max_workers: int = 4) -> None:
-        self.directory: Path = registry.registry_dir(registry_dir)
-        self._owned: dict[str, _Owned] = {}
+        self.directory: Path = registry_files.registry_dir(registry_dir)
+        self._clusters: dict[str, TacoCluster] = {}  # the clusters this server started, by id
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="taco-cluster")
         self._closed = False
@@ -88,12 +81,9 @@ class ClusterManager:
         except SizeLimitError as exc:
             raise ManagerError(f"the Jupyter server's environment is wrong: {exc}") from None
 
-    def _owned_model(self, owned: _Owned) -> ClusterModel:
-        state, error = owned.state, owned.error
-        if state == "running" and not owned.cluster.engines_alive():
-            state, error = "broken", error or "the engines' mpiexec exited; scale or delete the cluster"
-        model = registry.model_of(owned.cluster, state, "server", pending=owned.pending, error=error)
-        return {**model, "this_server": True}
+    @staticmethod
+    def _owned_model(cluster: TacoCluster) -> ClusterModel:
+        return {**cluster.model(), "this_server": True}
 
     @staticmethod
     def _served(model: ClusterModel) -> ClusterModel:
@@ -111,17 +101,17 @@ class ClusterManager:
     def list(self) -> ClusterList:
         """Every cluster: this server's, and the registry's (stale entries that left nothing running removed)."""
         with self._lock:
-            owned = [self._owned_model(o) for o in self._owned.values()]
-        theirs = self._read(registry.read_models, exclude={m["id"] for m in owned}, prune=True)
+            owned = [self._owned_model(c) for c in self._clusters.values()]
+        theirs = self._read(registry_files.read_models, exclude={m["id"] for m in owned}, prune=True)
         return {"clusters": [self._served(m) for m in theirs] + owned}
 
     def get(self, cluster_id: str) -> ClusterModel:
         check_cluster_id(cluster_id)
         with self._lock:
-            owned = self._owned.get(cluster_id)
+            owned = self._clusters.get(cluster_id)
             if owned is not None:
                 return self._owned_model(owned)
-        model = self._read(registry.read_model, cluster_id, prune=True)
+        model = self._read(registry_files.read_model, cluster_id, prune=True)
         if model is None:
             raise NotFound(f"No such cluster: {cluster_id}")
         return self._served(model)
@@ -133,34 +123,34 @@ class ClusterManager:
         name = request.get("name", "default")
         cluster = TacoCluster(name, request["size"])
         cluster.owner_kind = "server"
-        cluster.cluster_id = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        cluster_id = cluster.cluster_id = new_cluster_id(name)
         with self._lock:
             if self._closed:
                 raise Conflict("the Jupyter server is shutting down; start the cluster after it restarts")
-            owned = self._owned[cluster.cluster_id] = _Owned(cluster, "starting")
-            registry.publish(cluster, "starting", directory=self.directory)
-            self._pool.submit(self._run, owned, "start", None)
-            return self._owned_model(owned)
+            self._clusters[cluster_id] = track(cluster, self.directory)
+            cluster.announce_start()  # "starting" from now, in this reply and in the registry
+            self._pool.submit(self._run, cluster, "start", None)
+            return self._owned_model(cluster)
 
     def stop(self, cluster_id: str) -> ClusterModel:
         """Stop a cluster: now (server-owned), by request (kernel-owned), or discard a stale entry."""
         with self._lock:
-            owned = self._owned.get(check_cluster_id(cluster_id))
+            owned = self._clusters.get(check_cluster_id(cluster_id))
             if owned is not None:
                 return self._act(owned, "stop", None)
         model = self.get(cluster_id)
         if model["state"] == "stale":
-            killed = self._read(registry.discard_stale, cluster_id)
+            killed = self._read(registry_files.discard_stale, cluster_id)
             log.info("removed stale cluster %s; killed the processes it left: %s", cluster_id, killed or "none")
             return {**model, "state": "stopped", "engines_up": 0}
         self._check_requestable(model, "stop")
-        return {**model, "pending": self._read(registry.write_request, cluster_id, "stop", None)}
+        return {**model, "pending": self._read(registry_files.write_request, cluster_id, "stop", None)}
 
     def scale(self, cluster_id: str, body: Body) -> ClusterModel:
         """Restart a cluster with another number of ranks (a new MPI job: MPI fixes the world size at launch)."""
         size = parse_scale_request(body)["size"]
         with self._lock:
-            owned = self._owned.get(check_cluster_id(cluster_id))
+            owned = self._clusters.get(check_cluster_id(cluster_id))
             if owned is not None:
                 self._check_size(self._owned_model(owned), size)
                 return self._act(owned, "scale", size)
@@ -169,7 +159,7 @@ class ClusterManager:
             raise Conflict(f"cluster {cluster_id} is stale (its owner is gone) and cannot be scaled; delete it")
         self._check_requestable(model, "scale")
         self._check_size(model, size)
-        return {**model, "pending": self._read(registry.write_request, cluster_id, "scale", size)}
+        return {**model, "pending": self._read(registry_files.write_request, cluster_id, "scale", size)}
 
     @staticmethod
     def _check_size(model: ClusterModel, size: int) -> None:
@@ -187,27 +177,23 @@ class ClusterManager:
             raise Conflict(f"cluster {cluster_id} belongs to another Jupyter server (pid "
                            f"{model['owner']['pid']}); {action} it there")
 
-    def _act(self, owned: _Owned, action: str, size: int | None) -> ClusterModel:
+    def _act(self, cluster: TacoCluster, action: str, size: int | None) -> ClusterModel:
         """Queue ``action`` on a server-owned cluster (caller holds the lock)."""
-        cluster_id = owned.cluster.cluster_id
-        if owned.pending is not None or owned.state == "stopping":
-            what = f"a pending {owned.pending['action']}" if owned.pending else "a stop in progress"
-            raise Conflict(f"cluster {cluster_id} already has {what}; try again when it is done")
+        if cluster.pending is not None or cluster.state == "stopping":
+            what = f"a pending {cluster.pending['action']}" if cluster.pending else "a stop in progress"
+            raise Conflict(f"cluster {cluster.cluster_id} already has {what}; try again when it is done")
         if self._closed:
             raise Conflict("the Jupyter server is shutting down and stops every cluster it started")
-        owned.pending = {"action": "stop" if action == "stop" else "scale", "size": size,
-                         "requested_at": time.time()}
-        self._pool.submit(self._run, owned, action, size)
-        return self._owned_model(owned)
+        cluster.pending = {"action": "stop" if action == "stop" else "scale", "size": size,
+                           "requested_at": time.time()}
+        self._pool.submit(self._run, cluster, action, size)
+        return self._owned_model(cluster)
 
-    def _run(self, owned: _Owned, action: str, size: int | None) -> None:
+    def _run(self, cluster: TacoCluster, action: str, size: int | None) -> None:
         """Worker thread: carry out one action; ``busy`` keeps actions on one cluster in order."""
-        cluster = owned.cluster
         with cluster.busy:
             with self._lock:
-                owned.pending = None
-                owned.state = "stopping" if action == "stop" else "starting"
-                owned.error = None
+                cluster.pending = cluster.error = None
             try:
                 if action == "stop":
                     cluster.stop()
@@ -218,13 +204,11 @@ class ClusterManager:
             except Exception as exc:  # a worker thread: the error goes to the model, where the sidebar shows it
                 log.warning("cluster %s: %s failed: %s", cluster.cluster_id, action, exc)
                 with self._lock:
-                    owned.state, owned.error = "broken", f"{action} failed: {exc}"
+                    cluster.error = f"{action} failed: {exc}"
                 return
-            with self._lock:
-                if action == "stop":
-                    self._owned.pop(cluster.cluster_id or "", None)
-                else:
-                    owned.state = "running"
+            if action == "stop":
+                with self._lock:
+                    self._clusters.pop(cluster.cluster_id or "", None)
 
     def shutdown(self) -> None:
         """Stop every cluster this server started (waits for starts in progress). Idempotent."""
@@ -232,8 +216,7 @@ class ClusterManager:
             self._closed = True
         self._pool.shutdown(wait=True)
         with self._lock:
-            owned = list(self._owned.values())
-            self._owned.clear()
-        for item in owned:
-            item.cluster.stop()
-        atexit.unregister(self.shutdown)
+            owned = list(self._clusters.values())
+            self._clusters.clear()
+        for cluster in owned:
+            cluster.stop()
