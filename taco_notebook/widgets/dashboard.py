@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..model import cell_progress, slowest_rank
 from .plots import plural
 from .stream import MetricsStream
 
@@ -98,13 +99,14 @@ class ProgressView:
 
 
 def aggregate_progress(states: Mapping[int, Mapping[str, Any]]) -> ProgressView | None:
-    """The bar for ``{rank: taco.progress state}``: the slowest rank's count, the largest total."""
-    states = {r: s for r, s in states.items() if s}
-    if not states:
+    """The bar for ``{rank: taco.progress state}``: :func:`~taco_notebook.model.cell_progress` (the slowest rank's
+    count, the largest total, as the sidebar shows), labelled and timed by that slowest rank."""
+    payloads = {r: {"progress": s} for r, s in states.items() if s}
+    rank = slowest_rank(payloads)
+    if rank is None:
         return None
-    slowest = min(states.values(), key=lambda s: s["n"])
-    totals = [s["total"] for s in states.values() if s.get("total") is not None]
-    return ProgressView(int(slowest["n"]), max(totals) if totals else None, str(slowest.get("desc") or ""),
+    progress, slowest = cell_progress(payloads), states[rank]
+    return ProgressView(progress["step"], progress["total"], str(slowest.get("desc") or ""),
                         float(slowest.get("elapsed_seconds", 0.0)))
 
 
@@ -177,8 +179,8 @@ class Dashboard:
         self.bar_text.value = view.text()
 
     def _status_text(self) -> str:
-        snaps = self.stream.latest.values()
-        step = max((s.get("steps", 0) for s in snaps), default=0)
+        # the slowest rank's optimizer step, by the same definition as the bar and the sidebar
+        step = cell_progress({r: {"metrics": s} for r, s in self.stream.latest.items()})["step"]
         state = self.outcome or "running"
         ranks = len(self.ranks)
         alive = f"{self.running}/{ranks} ranks running" if self.outcome is None else plural(ranks, "rank")
