@@ -105,23 +105,32 @@ def _flag_of(name: str) -> str:
 def comm_settings(config: TacoSettings, args: Any) -> dict[str, object]:
     """The ranks' ``taco.configure()`` for this cell: each of ``--algorithm/--compression/--fusion-mb`` given,
     else its trait when set (the ranks read the environment themselves), checked so that a typo starts nothing."""
+    from ..comm.specs import algorithm_from_env, compression_spec_from_env, fusion_mb_from_env
+
+    from_env = {"algorithm": algorithm_from_env, "compression": compression_spec_from_env,
+                "fusion_mb": fusion_mb_from_env}  # fmt: skip
     chosen: dict[str, object] = {}
     with usage_errors():
         for name in RANK_SETTINGS:
             value = config.chosen(name, getattr(args, name), _flag_of(name))
             if value is not None:
                 chosen[name] = value
+            else:  # the ranks will read it: a bad value fails here, naming the variable, before anything starts
+                from_env[name]()
     return chosen
 
 
 def cluster_settings(config: TacoSettings, args: Any, size: int) -> dict[str, str]:
     """The engines' environment that the process group is built from: ``--gpus`` (checked against this machine's
     GPUs by :func:`gpu_option`), ``--shm/--no-shm``, ``--collective-timeout``, each given or its trait when set."""
+    from ..comm.specs import shm_from_env, timeout_from_env
+
     env: dict[str, str] = {}
     with usage_errors():
         gpus = gpu_option(config.chosen("gpus", args.gpus, "--gpus"), size)
         shm = config.chosen("shm", args.shm, "--shm")
         timeout = config.chosen("collective_timeout", args.collective_timeout, "--collective-timeout")
+        shm_from_env(), timeout_from_env()  # what the ranks read when not given: checked before anything starts
     if gpus is not None:
         env[CLUSTER_ENV["gpus"]] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
     if shm is not None:

@@ -13,8 +13,9 @@ hands it to a :class:`CellDashboard`, which decides how to show it:
 * ``off``: ``--no-dashboard``.
 
 ``auto`` picks ``widget`` in a kernel that a Jupyter server started for a notebook session (JupyterLab,
-Notebook 7, Voilà) or that a widget manager has talked to, else ``text``; ``TACO_DASHBOARD=widget|text|off``
-overrides it (VS Code, for example, needs ``widget``).
+Notebook 7, Voilà) or that a widget manager has talked to, else ``text``; ``%%taco_run --dashboard``,
+``TacoMagics.dashboard`` or ``TACO_DASHBOARD`` = ``widget|text|off`` overrides it (VS Code, for example, needs
+``widget``). The bar and the status line's step are :func:`taco_notebook.model.cell_progress`, as in the sidebar.
 """
 
 from __future__ import annotations
