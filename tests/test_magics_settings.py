@@ -69,7 +69,7 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
     ('TacoMagics.mpi_launcher = "fork"', "TacoMagics.mpi_launcher must be one of auto, hydra, gforker"),
     ("TacoMagics.np = 0", "TacoMagics.np must be a positive number of ranks, got 0"),
     ("TacoMagics.link_gbits = -1", "TacoMagics.link_gbits must be a positive number of Gbit/s, got -1"),
-    ("TacoMagics.fusion_mb = -1", "fusion threshold must be >= 0 MB"),
+    ("TacoMagics.fusion_mb = -1", "TacoMagics.fusion_mb must be a number of megabytes >= 0, got -1.0"),
     ("TacoMagics.collective_timeout = 0", "TacoMagics.collective_timeout must be a positive number of seconds"),
 ])
 def test_a_bad_trait_value_is_refused_naming_the_trait_and_the_choices(ip, magics, caplog, line, message):

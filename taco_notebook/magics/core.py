@@ -55,7 +55,10 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, env: Mapp
         mpi = _find_mpi(mpiexec, launcher)
     except MPINotFoundError as exc:
         raise UsageError(str(exc)) from None
-    cluster = TacoCluster(name, size, mpiexec=mpiexec, env=dict(env or {}))
+    # TacoCluster.start() picks the one-host launcher again from TACO_MPI_LAUNCHER unless its mpiexec was named:
+    # a launcher chosen here names the program it resolved to (gforker is kept as it is)
+    chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
+    cluster = TacoCluster(name, size, mpiexec=chosen, env=dict(env or {}))
     cluster.mpi = mpi
     say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
     began = time.monotonic()
