@@ -42,7 +42,7 @@ def config(ip: Any, line: str) -> None:
 
 def test_every_setting_is_a_trait_listed_by_config(ip, magics, capsys):
     assert TRAITS == ["algorithm", "collective_timeout", "compression", "dashboard", "fusion_mb", "gpus",
-                      "link_gbits", "max_ranks", "mpi_launcher", "np", "shm", "timeout"]
+                      "intra_size", "link_gbits", "max_ranks", "mpi_launcher", "np", "shm", "timeout"]
     config(ip, "TacoMagics")
     listed = capsys.readouterr().out
     for name in TRAITS:
@@ -67,7 +67,8 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
     ('TacoMagics.dashboard = "fancy"', "TacoMagics.dashboard must be one of auto, widget, text, off, got 'fancy'"),
     ('TacoMagics.gpus = "many"', "TacoMagics.gpus must be one of auto, shared, none, got 'many'"),
     ('TacoMagics.mpi_launcher = "fork"', "TacoMagics.mpi_launcher must be one of auto, hydra, gforker"),
-    ("TacoMagics.np = 0", "TacoMagics.np must be a positive number of ranks, got 0"),
+    ("TacoMagics.np = 0", "TacoMagics.np must be a positive integer (ranks), got 0"),
+    ("TacoMagics.intra_size = -2", "TacoMagics.intra_size must be a positive integer (ranks per node), got -2"),
     ("TacoMagics.link_gbits = -1", "TacoMagics.link_gbits must be a positive number of Gbit/s, got -1"),
     ("TacoMagics.fusion_mb = -1", "TacoMagics.fusion_mb must be a number of megabytes >= 0, got -1.0"),
     ("TacoMagics.collective_timeout = 0", "TacoMagics.collective_timeout must be a positive number of seconds"),

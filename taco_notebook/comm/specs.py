@@ -141,7 +141,7 @@ def check_choice(value: object, choices: tuple[str, ...], what: str) -> str:
 
 def check_positive(value: object, what: str, unit: str, convert: Callable[[Any], Any] = float) -> Any:
     """``value`` (a number or its text) converted by ``convert`` (``float`` or ``int``), finite and > 0, else a
-    ValueError ``"{what} must be a positive number of {unit}, got …"``."""
+    ValueError ``"{what} must be a positive number of {unit}, got …"`` (``a positive integer ({unit})`` for int)."""
     try:
         if isinstance(value, bool):
             raise ValueError
@@ -149,7 +149,8 @@ def check_positive(value: object, what: str, unit: str, convert: Callable[[Any],
     except (TypeError, ValueError):
         number = None
     if number is None or not 0 < number < float("inf"):
-        raise ValueError(f"{what} must be a positive number of {unit}, got {value!r}")
+        kind = f"a positive integer ({unit})" if convert is int else f"a positive number of {unit}"
+        raise ValueError(f"{what} must be {kind}, got {value!r}")
     return number
 
 

@@ -85,7 +85,8 @@ run_args = _stack(
              help="fuse gradients into buckets of up to MB megabytes (default 64; 0 = no fusion; "
                   "TacoMagics.fusion_mb, TACO_FUSION_MB)"),
     argument("--intra-size", dest="intra_size", default=None, metavar="N",
-             help="ranks per node, to emulate several nodes on one machine (LIGHT_INTRA_SIZE)"),
+             help="ranks per node, to emulate several nodes on one machine (TacoMagics.intra_size, "
+                  "LIGHT_INTRA_SIZE); a change restarts the cluster"),
 )
 
 

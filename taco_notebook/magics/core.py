@@ -26,7 +26,6 @@ from .args import (
     cluster_size,
     comm_settings,
     parse_targets,
-    positive_int,
     run_args,
     usage,
     usage_errors,
@@ -197,7 +196,7 @@ class TacoMagics(Magics, TacoSettings):
         with usage_errors():
             timeout = self.chosen("timeout", args.timeout, "--timeout")
             launcher = self.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")
-        intra_size = positive_int(args.intra_size, "--intra-size")
+            intra_size = self.chosen("intra_size", args.intra_size, "--intra-size")
         settings = comm_settings(self, args)
         running = clusters.get(args.cluster)
         planned = size or (running.size if running is not None else _shared_size(args.cluster) or self._new_size())

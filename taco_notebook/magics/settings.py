@@ -11,6 +11,7 @@ environment (read when the cell runs, so a kernel started with ``LIGHT_TOPK_ALLR
 option                        trait (``TacoMagics.…``)   environment                 default
 ============================  =========================  ==========================  ===========================
 ``-np N``                     ``np``                     -                           the running cluster's, else 4
+``--intra-size N``            ``intra_size``             ``LIGHT_INTRA_SIZE``        the job's real layout
 ``--timeout S``               ``timeout``                -                           none
 ``--algorithm``               ``algorithm``              ``LIGHT_2D_ALLREDUCE``      auto
 ``--compression``             ``compression``            ``LIGHT_TOPK_ALLREDUCE`` …  none
@@ -117,6 +118,7 @@ def _flag(value: Any, what: str) -> bool:
 _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "np": _positive("ranks", int),
     "max_ranks": _positive("ranks", int),
+    "intra_size": _positive("ranks per node", int),
     "timeout": _positive("seconds"),
     "algorithm": _algorithm,
     "compression": _compression,
@@ -154,6 +156,8 @@ class TacoSettings(Configurable):
                                          "size); default 4").tag(config=True)
     max_ranks = Int(None, allow_none=True, help="the most ranks a local cluster may have; default "
                                                 "TACO_MAX_RANKS, else 4 x cores (at least 8)").tag(config=True)
+    intra_size = Int(None, allow_none=True, help="ranks per node, to emulate several nodes on one machine; "
+                                                 "default LIGHT_INTRA_SIZE (read by the ranks)").tag(config=True)
     timeout = Float(None, allow_none=True, help="seconds after which a cell is stopped; default none").tag(
         config=True)
     algorithm = Unicode(None, allow_none=True, help="allreduce: auto, flat or 2d; default LIGHT_2D_ALLREDUCE, "
