@@ -221,6 +221,8 @@ class TacoMagics(Magics, TacoSettings):
 
     def _dashboard_mode(self, option: str | None) -> str:
         """``--dashboard``/``--no-dashboard``, else ``TacoMagics.dashboard``, else ``TACO_DASHBOARD``/auto."""
+        if option == "off":  # --no-dashboard: no need to import the widgets (and bokeh) to check it
+            return "off"
         with usage_errors():
             chosen = self.chosen("dashboard", option, "--dashboard")
             if chosen == "off":

@@ -90,9 +90,9 @@ def _launchers() -> tuple[str, ...]:
 
 
 def _dashboard_modes() -> tuple[str, ...]:
-    from ..widgets.dashboard import MODES
+    from ..widgets.dashboard import DASHBOARD_MODES
 
-    return MODES
+    return DASHBOARD_MODES
 
 
 def _positive(unit: str, convert: Callable[[Any], Any] = float) -> Callable[[Any, str], Any]:

@@ -32,9 +32,10 @@ from ..model import cell_progress, slowest_rank
 from .plots import plural
 from .stream import MetricsStream
 
-__all__ = ["Dashboard", "CellDashboard", "ProgressView", "aggregate_progress", "dashboard_mode", "last_dashboard"]
+__all__ = ["Dashboard", "CellDashboard", "ProgressView", "DASHBOARD_MODES", "aggregate_progress", "dashboard_mode",
+           "last_dashboard"]
 
-MODES = ("auto", "widget", "text", "off")
+DASHBOARD_MODES = ("auto", "widget", "text", "off")
 log = logging.getLogger("taco_notebook")
 _last: Dashboard | None = None
 
@@ -47,8 +48,8 @@ def last_dashboard() -> Dashboard | None:
 def dashboard_mode(requested: str | None = None) -> str:
     """``widget``, ``text`` or ``off`` for this kernel: see the module docstring."""
     mode = (requested or os.environ.get("TACO_DASHBOARD") or "auto").lower()
-    if mode not in MODES:
-        raise ValueError(f"TACO_DASHBOARD must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in DASHBOARD_MODES:
+        raise ValueError(f"TACO_DASHBOARD must be one of {', '.join(DASHBOARD_MODES)}, got {mode!r}")
     if mode != "auto":
         return mode
     return "widget" if _widget_frontend() else "text"
