@@ -3,15 +3,20 @@
 It sits below both ``cluster/`` (which builds it, :meth:`~taco_notebook.cluster.session.TacoCluster.model`) and
 ``server/`` (which serves it); ``labextension/src/models.ts`` mirrors these TypedDicts field for field: change
 both together. No imports from the rest of the package.
+
+Its last section defines how far a running cell got (:func:`cell_progress`), once for the sidebar's ``run`` and
+the dashboard under the cell.
 """
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from collections.abc import Mapping
+from typing import Any, Literal, TypedDict
 
 __all__ = [
     "State", "OwnerKind", "Action", "Owner", "NodeModel", "HugePagesModel", "RunModel", "PendingModel",
     "ClusterModel", "ClusterList", "ErrorModel", "StartRequest", "ScaleRequest",
+    "CellProgress", "cell_progress", "slowest_rank",
 ]
 
 State = Literal["starting", "running", "stopping", "broken", "stopped", "stale"]
@@ -115,3 +120,50 @@ class ScaleRequest(TypedDict):
     """``PATCH /taco-notebook/api/clusters/{id}``."""
 
     size: int
+
+
+# ---------------------------------------------------------------- progress of a running cell
+
+class CellProgress(TypedDict):
+    """How far a cell got: what the sidebar's :class:`RunModel` and the dashboard's bar and status line show."""
+
+    step: int
+    total: int | None
+    samples_per_s: float | None
+
+
+def _positions(payloads: Mapping[int, Mapping[str, Any]]) -> dict[int, int]:
+    """Each reporting rank's position: its ``taco.progress`` count where some rank runs such a loop (the unit of
+    ``total``), else its optimizer steps (``metrics["steps"]``). Ranks that report neither are left out."""
+    loops = {r: int(p["progress"]["n"]) for r, p in payloads.items() if p.get("progress")}
+    if loops:
+        return loops
+    return {r: int(p["metrics"].get("steps", 0)) for r, p in payloads.items() if p.get("metrics")}
+
+
+def slowest_rank(payloads: Mapping[int, Mapping[str, Any]]) -> int | None:
+    """The rank furthest behind (the lowest rank among equals), None when no rank reports a position."""
+    positions = _positions(payloads)
+    return min(positions, key=lambda rank: (positions[rank], rank)) if positions else None
+
+
+def cell_progress(payloads: Mapping[int, Mapping[str, Any]]) -> CellProgress:
+    """The cell's progress from the ranks' latest payloads (``{rank: {"metrics": snapshot, "progress": state}}``,
+    either part may be missing or None).
+
+    ``step`` is the **slowest** rank's position (see :func:`_positions`): in synchronous data-parallel training
+    every step ends in a collective, so no rank can get more than the pipeline's depth ahead of the slowest, and
+    the job is done only when the slowest rank is; the fastest rank's count would promise progress that the job
+    has not made. ``total`` is the largest loop length any rank announced (None without a sized loop);
+    ``samples_per_s`` the sum over ranks of samples over each rank's elapsed seconds (None before any samples).
+
+    >>> cell_progress({0: {"progress": {"n": 5, "total": 10}}, 1: {"progress": {"n": 4, "total": 10}}})
+    {'step': 4, 'total': 10, 'samples_per_s': None}
+    """
+    positions = _positions(payloads)
+    totals = [int(p["progress"]["total"]) for p in payloads.values()
+              if p.get("progress") and p["progress"].get("total") is not None]
+    rate = sum(float(m.get("samples", 0)) / float(m["elapsed_seconds"])
+               for m in (p.get("metrics") for p in payloads.values()) if m and m.get("elapsed_seconds"))
+    return {"step": min(positions.values(), default=0), "total": max(totals) if totals else None,
+            "samples_per_s": rate if rate > 0 else None}

@@ -152,6 +152,37 @@ def test_the_registry_entry_shows_the_running_cell_and_its_step(shared_cluster):
     assert entry is not None and entry["model"]["run"] is None  # cleared when the cell ended
 
 
+def test_the_sidebar_and_the_dashboard_show_the_same_progress_of_real_ranks(shared_cluster, monkeypatch):
+    """Ranks that run at different speeds (no collective holds them together): at every poll the registry's ``run``
+    (what the sidebar shows) and the dashboard's bar both show the slowest rank's count."""
+    from taco_notebook.cluster import reporting
+    from taco_notebook.model import cell_progress
+    from taco_notebook.widgets.dashboard import CellDashboard
+
+    cell = ("import time\nfor step in taco.progress(range(30), desc='uneven'):\n"
+            "    time.sleep(0.02 if taco.rank() else 0.06)\n")
+    recorder = Recorder()
+    run_cell(shared_cluster, cell, CellOptions(monitors=[recorder]), RankOutput())
+    monkeypatch.setattr(reporting, "WRITE_EVERY_S", 0.0)  # write the entry at every poll replayed below
+    sidebar = reporting.RegistryRun(shared_cluster, cell)
+    board = CellDashboard({r.rank: r.node for r in shared_cluster.ranks}, "text")
+    uneven = 0
+    try:
+        for payloads, running in recorder.updates:
+            if not any(p.get("progress") for p in payloads.values()):
+                continue
+            sidebar.update(payloads, running)
+            board.update(payloads, running)
+            counts = [p["progress"]["n"] for p in payloads.values() if p.get("progress")]
+            uneven += min(counts) != max(counts)
+            assert board.dashboard is not None and board.dashboard.progress is not None
+            assert sidebar.run["step"] == board.dashboard.progress.n == min(counts)
+            assert sidebar.run["step"] == cell_progress(payloads)["step"] and sidebar.run["total"] == 30
+    finally:
+        sidebar.finish("finished")
+    assert uneven >= 2, "the ranks never differed: the test would not tell min from max"
+
+
 def test_widget_cell_ends_with_one_static_picture_in_place_of_the_live_view(ip, shared_cluster, monkeypatch):
     """What a notebook keeps of a training cell: the live widget (and the BokehJS loader before it) are replaced,
     through their display ids, by the final picture (self-contained HTML) and the summary."""

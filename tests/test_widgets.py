@@ -16,6 +16,7 @@ from bokeh.core.validation import check_integrity
 from bokeh.embed import json_item
 from bokeh.models import GlyphRenderer
 
+from taco_notebook.model import cell_progress, slowest_rank
 from taco_notebook.widgets import MetricsStream, build_plots, interval_between
 from taco_notebook.widgets.dashboard import (
     CellDashboard,
@@ -295,6 +296,30 @@ def test_progress_of_many_ranks_is_the_slowest_one() -> None:
     unknown = aggregate_progress({0: {"n": 7, "total": None, "desc": "", "elapsed_seconds": 1.0}})
     assert unknown is not None and unknown.text() == "7 it · 7.00 it/s · 1.0 s in the loop"
     assert aggregate_progress({0: {}, 1: {}}) is None
+
+
+def test_cell_progress_is_the_slowest_rank_with_the_largest_total_and_summed_samples() -> None:
+    batch = payloads(2.0, 30)  # rank 3 is one iteration behind; every rank 128 samples/s
+    assert cell_progress(batch) == {"step": 29, "total": 60, "samples_per_s": pytest.approx(4 * SAMPLES_PER_S)}
+    assert slowest_rank(batch) == 3
+    batch[1]["progress"] = {**batch[1]["progress"], "total": 80}  # a rank with a longer loop
+    assert cell_progress(batch)["total"] == 80
+    # no taco.progress loop anywhere: the slowest rank's optimizer steps, no total
+    steps = {r: {"metrics": {**snapshot(r, 2.0), "steps": 8 - r}} for r in NODE_OF_RANK}
+    assert cell_progress(steps) == {"step": 5, "total": None, "samples_per_s": pytest.approx(4 * SAMPLES_PER_S)}
+    # a rank that reports nothing yet does not hold the others back; nothing at all is step 0
+    assert cell_progress({0: {"progress": {"n": 4, "total": None}}, 1: {"progress": None, "metrics": None}}) == {
+        "step": 4, "total": None, "samples_per_s": None}
+    assert cell_progress({}) == {"step": 0, "total": None, "samples_per_s": None} and slowest_rank({}) is None
+
+
+def test_dashboard_bar_and_status_use_cell_progress() -> None:
+    board = Dashboard(NODE_OF_RANK)
+    batch = payloads(1.5, 30)
+    batch[2]["metrics"] = {**batch[2]["metrics"], "steps": 4}  # rank 2's optimizer is two steps behind
+    board.update(batch, running=4, elapsed=1.5)
+    assert board.progress is not None and board.progress.n == cell_progress(batch)["step"] == 29
+    assert " · step 4 · " in board.status.value  # the slowest rank's step, as the sidebar counts it
 
 
 def test_dashboard_updates_bar_status_and_plots_then_freezes() -> None:

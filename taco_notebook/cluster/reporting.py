@@ -41,14 +41,11 @@ class RegistryRun:
         now = time.monotonic()
         if now - self.written < WRITE_EVERY_S:
             return
-        snapshots = [p["metrics"] for p in payloads.values() if p.get("metrics")]
-        progress = [p["progress"] for p in payloads.values() if p.get("progress")]
-        totals = [p["total"] for p in progress if p.get("total") is not None]
-        rate = sum(s["samples"] / s["elapsed_seconds"] for s in snapshots if s.get("elapsed_seconds"))
-        self.run = {"cell": self.run["cell"], "started_at": self.run["started_at"],
-                    "step": max([s.get("steps", 0) for s in snapshots] + [p["n"] for p in progress], default=0),
-                    "total": max(totals) if totals else None,
-                    "samples_per_s": rate if rate > 0 else None}  # fmt: skip
+        from ..model import cell_progress  # the dashboard's definition too: the slowest rank's step
+
+        progress = cell_progress(payloads)
+        self.run = {"cell": self.run["cell"], "started_at": self.run["started_at"], "step": progress["step"],
+                    "total": progress["total"], "samples_per_s": progress["samples_per_s"]}  # fmt: skip
         self.written = now
         self.cluster.set_run(self.run)
 

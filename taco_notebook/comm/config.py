@@ -5,9 +5,11 @@ for it behave the same here (``LIGHT_2D_ALLREDUCE``: 1 = hierarchical, 0 = flat,
 the job spans several nodes with several ranks each; ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` /
 ``LIGHT_TOPK_THRESHOLD``: TopK compression), ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by
 default), ``TACO_SHM`` (0 keeps the 2D algorithm's intra-node steps on the process group) and
-``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default). ``configure()``, ``%%taco_run
---algorithm/--compression/--fusion-mb`` and each call's arguments override them. The environment is read
-when a setting is first used, not at import.
+``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default). ``configure()``, each call's arguments and, from a
+notebook, ``%%taco_run``'s options and ``TacoMagics`` traits (``--algorithm/--compression/--fusion-mb`` configure
+the ranks for a cell; ``--shm/--collective-timeout`` go into the cluster's environment, see
+``taco_notebook.magics.settings``) override them. The environment is read when a setting is first used, not at
+import.
 """
 
 from __future__ import annotations

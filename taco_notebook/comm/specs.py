@@ -25,7 +25,8 @@ from typing import Any
 __all__ = ["ALGORITHMS", "DEFAULT_FUSION_MB", "DEFAULT_TIMEOUT_S", "DEFAULT_TOPK_RATIO", "DEFAULT_TOPK_THRESHOLD",
            "CompressionSpec", "parse_flag", "parse_compression_spec", "parse_ratio", "parse_threshold",
            "check_algorithm", "check_fusion_mb", "check_timeout", "compression_spec_from_env",
-           "algorithm_from_env", "fusion_mb_from_env", "shm_from_env", "timeout_from_env", "number_from_env"]
+           "algorithm_from_env", "fusion_mb_from_env", "shm_from_env", "timeout_from_env", "number_from_env",
+           "check_choice", "check_positive"]
 
 ALGORITHMS = ("auto", "flat", "2d")
 DEFAULT_FUSION_MB = 64.0
@@ -124,6 +125,33 @@ def check_algorithm(name: str) -> str:
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; use {', '.join(ALGORITHMS)}")
     return name
+
+
+def check_choice(value: object, choices: tuple[str, ...], what: str) -> str:
+    """``value`` lower-cased and stripped when it is one of ``choices``, else a ValueError naming ``what`` and them.
+
+    >>> check_choice(" Widget", ("auto", "widget"), "--dashboard")
+    'widget'
+    """
+    chosen = value.strip().lower() if isinstance(value, str) else value
+    if chosen not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+    return str(chosen)
+
+
+def check_positive(value: object, what: str, unit: str, convert: Callable[[Any], Any] = float) -> Any:
+    """``value`` (a number or its text) converted by ``convert`` (``float`` or ``int``), finite and > 0, else a
+    ValueError ``"{what} must be a positive number of {unit}, got …"`` (``a positive integer ({unit})`` for int)."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = convert(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not 0 < number < float("inf"):
+        kind = f"a positive integer ({unit})" if convert is int else f"a positive number of {unit}"
+        raise ValueError(f"{what} must be {kind}, got {value!r}")
+    return number
 
 
 def check_fusion_mb(value: float) -> float:

@@ -1,17 +1,24 @@
-"""Argument stacks shared by the magics, and the checks that turn bad input into a ``UsageError``."""
+"""Argument stacks shared by the magics, and the checks that turn bad input into a ``UsageError``.
+
+Every option that has a trait and an environment variable (:mod:`.settings`) is resolved here or in ``core``:
+the option when given, else the trait when set, else the environment.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-__all__ = ["cluster_args", "run_args", "comm_settings", "positive_int", "cluster_size", "positive_float",
-           "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option"]
+from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings
+
+__all__ = ["cluster_args", "run_args", "comm_settings", "cluster_settings", "usage_errors", "positive_int",
+           "cluster_size", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option"]
 
 DEFAULT_NP = 4
 
@@ -30,17 +37,29 @@ cluster_args = _stack(
              help="name of the cluster to use or start (default: 'default')"),
     argument("--mpiexec", default=None, metavar="PATH",
              help="mpiexec to launch ranks with (default: the one next to this Python, then PATH)"),
+    argument("--mpi-launcher", dest="mpi_launcher", default=None, metavar="NAME",
+             help="MPICH launcher of a cluster started here: auto (gforker when beside mpiexec), hydra or gforker "
+                  "(TacoMagics.mpi_launcher, TACO_MPI_LAUNCHER)"),
     argument("--gpus", default=None, metavar="MODE",
-             help="auto: one GPU per rank, CPU where a node has none (default, or TACO_GPUS); shared: ranks share "
-                  "GPUs (CUDA tensors over gloo); none: the ranks see no GPU"),
+             help="auto: one GPU per rank, CPU where a node has none (default); shared: ranks share GPUs (CUDA "
+                  "tensors over gloo); none: the ranks see no GPU (TacoMagics.gpus, TACO_GPUS). A change "
+                  "restarts the cluster"),
+    argument("--shm", dest="shm", action="store_const", const=True, default=None,
+             help="2D allreduce's intra-node steps through shared memory (default; TacoMagics.shm, TACO_SHM)"),
+    argument("--no-shm", dest="shm", action="store_const", const=False,
+             help="... through the process group instead. A change restarts the cluster"),
+    argument("--collective-timeout", dest="collective_timeout", default=None, metavar="SECONDS",
+             help="how long a collective waits for its peers (default 1800; TacoMagics.collective_timeout, "
+                  "TACO_COLLECTIVE_TIMEOUT). A change restarts the cluster"),
 )
 
 run_args = _stack(
     argument("-np", "--np", dest="np", default=None, metavar="N",
-             help=f"number of MPI ranks (default: the running cluster's size, else {DEFAULT_NP})"),
+             help=f"number of MPI ranks (default: the running cluster's size, else TacoMagics.np, else "
+                  f"{DEFAULT_NP}); at most TacoMagics.max_ranks (TACO_MAX_RANKS, else 4 x cores)"),
     cluster_args,
     argument("--timeout", default=None, metavar="SECONDS",
-             help="stop the cell after this many seconds and report the ranks still running"),
+             help="stop the cell after this many seconds and report the ranks still running (TacoMagics.timeout)"),
     argument("--targets", default=None, metavar="RANKS",
              help="run on these ranks only, e.g. '0', '0,2' or '1-3' (collectives need every rank)"),
     argument("--no-stream", dest="stream", action="store_false",
@@ -48,38 +67,78 @@ run_args = _stack(
     argument("--gather", action="store_true",
              help="return every rank's value of the last expression (default: rank 0's)"),
     argument("--quiet", action="store_true", help="print no cluster start/resize messages"),
-    argument("--no-dashboard", dest="dashboard", action="store_false",
+    argument("--dashboard", dest="dashboard", default=None, metavar="MODE",
+             help="auto (widget in a notebook, else text), widget, text or off (TacoMagics.dashboard, "
+                  "TACO_DASHBOARD)"),
+    argument("--no-dashboard", dest="dashboard", action="store_const", const="off",
              help="no live dashboard (and no end-of-cell metrics summary); the ranks publish no metrics"),
+    argument("--link-gbits", dest="link_gbits", default=None, metavar="GBITS",
+             help="a node's network link in Gbit/s, the link heatmaps' scale (TacoMagics.link_gbits, "
+                  "TACO_LINK_GBITS)"),
     argument("--algorithm", default=None, metavar="NAME",
-             help="allreduce for this cell: auto (2d across several nodes), flat or 2d (default: LIGHT_2D_ALLREDUCE)"),
+             help="allreduce for this cell: auto (2d across several nodes), flat or 2d (TacoMagics.algorithm, "
+                  "LIGHT_2D_ALLREDUCE)"),
     argument("--compression", default=None, metavar="SPEC",
-             help="what crosses nodes: none, fp16, bf16 or topk:RATIO (default: LIGHT_TOPK_ALLREDUCE)"),
+             help="what crosses nodes: none, fp16, bf16 or topk:RATIO (TacoMagics.compression, "
+                  "LIGHT_TOPK_ALLREDUCE)"),
     argument("--fusion-mb", dest="fusion_mb", default=None, metavar="MB",
-             help="fuse gradients into buckets of up to MB megabytes (default 64; 0 = no fusion)"),
+             help="fuse gradients into buckets of up to MB megabytes (default 64; 0 = no fusion; "
+                  "TacoMagics.fusion_mb, TACO_FUSION_MB)"),
     argument("--intra-size", dest="intra_size", default=None, metavar="N",
-             help="ranks per node, to emulate several nodes on one machine (LIGHT_INTRA_SIZE)"),
+             help="ranks per node, to emulate several nodes on one machine (TacoMagics.intra_size, "
+                  "LIGHT_INTRA_SIZE); a change restarts the cluster"),
 )
 
 
-def comm_settings(algorithm: str | None, compression: str | None, fusion_mb: str | None) -> dict[str, object]:
-    """The cell's allreduce options, checked here so that a typo starts nothing."""
-    from ..comm.compression import parse_compression
-    from ..comm.config import check_algorithm, check_fusion_mb
-
-    chosen: dict[str, object] = {}
+@contextmanager
+def usage_errors() -> Iterator[None]:
+    """Turn the ValueErrors of the settings' checks (which name the option, trait or variable) into UsageErrors."""
     try:
-        if algorithm is not None:
-            chosen["algorithm"] = check_algorithm(algorithm)
-        if compression is not None:
-            chosen["compression"] = parse_compression(compression).name
-        if fusion_mb is not None:
-            try:
-                chosen["fusion_mb"] = check_fusion_mb(float(fusion_mb))
-            except ValueError:
-                raise ValueError(f"--fusion-mb must be a number of megabytes >= 0, got {fusion_mb!r}") from None
+        yield
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def comm_settings(config: TacoSettings, args: Any) -> dict[str, object]:
+    """The ranks' ``taco.configure()`` for this cell: each of ``--algorithm/--compression/--fusion-mb`` given,
+    else its trait when set (the ranks read the environment themselves), checked so that a typo starts nothing."""
+    from ..comm.specs import algorithm_from_env, compression_spec_from_env, fusion_mb_from_env
+
+    from_env = {"algorithm": algorithm_from_env, "compression": compression_spec_from_env,
+                "fusion_mb": fusion_mb_from_env}  # fmt: skip
+    chosen: dict[str, object] = {}
+    with usage_errors():
+        for name in RANK_SETTINGS:
+            value = config.chosen(name, getattr(args, name), _flag_of(name))
+            if value is not None:
+                chosen[name] = value
+            else:  # the ranks will read it: a bad value fails here, naming the variable, before anything starts
+                from_env[name]()
     return chosen
+
+
+def cluster_settings(config: TacoSettings, args: Any, size: int) -> dict[str, str]:
+    """The engines' environment that the process group is built from: ``--gpus`` (checked against this machine's
+    GPUs by :func:`gpu_option`), ``--shm/--no-shm``, ``--collective-timeout``, each given or its trait when set."""
+    from ..comm.specs import shm_from_env, timeout_from_env
+
+    env: dict[str, str] = {}
+    with usage_errors():
+        gpus = gpu_option(config.chosen("gpus", args.gpus, "--gpus"), size)
+        shm = config.chosen("shm", args.shm, "--shm")
+        timeout = config.chosen("collective_timeout", args.collective_timeout, "--collective-timeout")
+        shm_from_env(), timeout_from_env()  # what the ranks read when not given: checked before anything starts
+    if gpus is not None:
+        env[CLUSTER_ENV["gpus"]] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
+    if shm is not None:
+        env[CLUSTER_ENV["shm"]] = "1" if shm else "0"
+    if timeout is not None:
+        env[CLUSTER_ENV["collective_timeout"]] = repr(float(timeout))
+    return env
 
 
 def positive_int(value: str | None, option: str) -> int | None:
@@ -94,16 +153,17 @@ def positive_int(value: str | None, option: str) -> int | None:
     return number
 
 
-def cluster_size(value: str | None, option: str) -> int | None:
-    """A rank count given as ``option``: a positive integer within the machine's limit
-    (:func:`taco_notebook.cluster.limits.check_size`), checked before anything starts or stops."""
+def cluster_size(value: str | None, option: str, limit: int | None = None) -> int | None:
+    """A rank count given as ``option``: a positive integer within the machine's limit (``limit``, from
+    ``TacoMagics.max_ranks``, else :func:`taco_notebook.cluster.limits.check_size`'s), checked before anything
+    starts or stops."""
     from ..cluster.limits import SizeLimitError, check_size
 
     number = positive_int(value, option)
     if number is None:
         return None
     try:
-        return check_size(number, option)
+        return check_size(number, option, limit=limit)
     except SizeLimitError as exc:
         raise UsageError(str(exc)) from None
 

@@ -1,51 +1,65 @@
-"""``%%taco_run`` runs a cell on every MPI rank; ``%taco_cluster`` starts, stops and inspects clusters."""
+"""``%%taco_run`` runs a cell on every MPI rank; ``%taco_cluster`` starts, stops and inspects clusters.
+
+Their defaults are :class:`TacoMagics`'s traits, then the environment (:mod:`.settings`).
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..cluster.mpi import find_mpi
+from ..cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
 from ..cluster.registry_writer import track
 from ..cluster.run import CellOptions, run_cell
 from ..cluster.session import TacoCluster, clusters
+from ..comm.specs import shm_from_env, timeout_from_env
 from ..errors import MPINotFoundError
 from .args import (
     DEFAULT_NP,
     cluster_args,
+    cluster_settings,
     cluster_size,
     comm_settings,
-    gpu_option,
     parse_targets,
-    positive_float,
-    positive_int,
     run_args,
     usage,
+    usage_errors,
     wants_help,
 )
 from .output import RankOutput
+from .settings import CLUSTER_ENV, TacoSettings, link_gbits_from_env
 
 __all__ = ["TacoMagics", "ensure_cluster", "format_status"]
 
 LOST = "the engines' variables are lost"  # said whenever a cluster is restarted under the user's feet
 
 
-def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_size: int | None = None,
-           gpus: str | None = None) -> TacoCluster:
-    cluster_size(str(size), "-np")  # the limit, once more where every start goes through
-    env = {"LIGHT_INTRA_SIZE": str(intra_size)} if intra_size else {}
-    if gpus is not None:
-        env["TACO_GPUS"] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
-    cluster = track(TacoCluster(name, size, mpiexec=mpiexec, env=env))  # the sidebar lists it
+def _find_mpi(mpiexec: str | None, launcher: str | None) -> MPIInfo:
+    """The MPI for a cluster on this host; ``launcher`` (``--mpi-launcher`` or its trait) in place of
+    ``TACO_MPI_LAUNCHER`` when given."""
+    if launcher is None:
+        return find_mpi(mpiexec, single_host=True)
+    return for_one_host(find_mpi(mpiexec), explicit=mpiexec is not None, environ={LAUNCHER_ENV: launcher})
+
+
+def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, env: Mapping[str, str] | None = None,
+           launcher: str | None = None, limit: int | None = None) -> TacoCluster:
+    cluster_size(str(size), "-np", limit)  # the limit, once more where every start goes through
     try:
-        mpi = cluster.mpi = find_mpi(mpiexec, single_host=True)
+        mpi = _find_mpi(mpiexec, launcher)
     except MPINotFoundError as exc:
         raise UsageError(str(exc)) from None
+    # TacoCluster.start() picks the one-host launcher again from TACO_MPI_LAUNCHER unless its mpiexec was named:
+    # a launcher chosen here names the program it resolved to (gforker is kept as it is)
+    chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
+    cluster = track(TacoCluster(name, size, mpiexec=chosen, env=dict(env or {})))  # the sidebar lists it
+    cluster.mpi = mpi
     say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
     began = time.monotonic()
     cluster.start()
@@ -55,9 +69,40 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, intra_siz
     return cluster
 
 
+def _environment_default(key: str) -> str | None:
+    """What the engines of a cluster started without ``key`` in its env read for it (the kernel's environment)."""
+    if key == CLUSTER_ENV["gpus"]:
+        return (os.environ.get(key) or "auto").strip().lower()
+    if key == CLUSTER_ENV["shm"]:
+        return "1" if shm_from_env() else "0"
+    if key == CLUSTER_ENV["collective_timeout"]:
+        return repr(timeout_from_env())
+    return None
+
+
+def _restart_reason(cluster: TacoCluster, env: Mapping[str, str]) -> str | None:
+    """Why the running ``cluster`` cannot serve a cell that wants ``env`` in its engines' environment, if so."""
+    for key, wanted in env.items():
+        with usage_errors():
+            current = cluster.env.get(key) or _environment_default(key)
+        if current == wanted:
+            continue
+        if key == "LIGHT_INTRA_SIZE":
+            return f"has another node layout; restarting it with --intra-size {wanted}"
+        if key == CLUSTER_ENV["gpus"]:
+            return f"places GPUs otherwise; restarting it with --gpus {wanted}"
+        if key == CLUSTER_ENV["shm"]:
+            return f"uses shared memory otherwise; restarting it with {'--shm' if wanted == '1' else '--no-shm'}"
+        return f"has another collective timeout; restarting it with --collective-timeout {float(wanted):g}"
+    return None
+
+
 def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput,
-                   intra_size: int | None = None, gpus: str | None = None) -> TacoCluster:
-    """The running cluster ``name`` with ``size`` ranks, reusing, repairing or resizing as needed."""
+                   env: Mapping[str, str] | None = None, launcher: str | None = None, limit: int | None = None,
+                   default_size: int = DEFAULT_NP) -> TacoCluster:
+    """The running cluster ``name`` with ``size`` ranks and ``env`` (``LIGHT_INTRA_SIZE``, ``TACO_GPUS``, …) in
+    its engines' environment, reusing, repairing, resizing or restarting it as needed."""
+    env = dict(env or {})
     cluster = clusters.get(name)
     if cluster is not None and cluster.error:
         say.warn(f"cluster {name!r} is unusable ({cluster.error}); starting a fresh one: {LOST}")
@@ -70,17 +115,13 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
         say.warn(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
-    wanted = str(intra_size) if intra_size else None
-    if cluster is not None and intra_size is not None and cluster.env.get("LIGHT_INTRA_SIZE") != wanted:
-        say.warn(f"cluster {name!r} has another node layout; restarting it with --intra-size {intra_size}: {LOST}")
-        clusters.pop(name).stop()
-        cluster = None
-    if cluster is not None and gpus is not None and cluster.env.get("TACO_GPUS", "auto") != gpus:
-        say.warn(f"cluster {name!r} places GPUs otherwise; restarting it with --gpus {gpus}: {LOST}")
+    reason = _restart_reason(cluster, env) if cluster is not None else None
+    if reason is not None:
+        say.warn(f"cluster {name!r} {reason}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     if cluster is None:
-        return _attach(name, size, say) or _start(name, size or DEFAULT_NP, mpiexec, say, intra_size, gpus)
+        return _attach(name, size, say) or _start(name, size or default_size, mpiexec, say, env, launcher, limit)
     return cluster
 
 
@@ -120,31 +161,6 @@ def _shared_size(name: str) -> int | None:
     return model["size"] if model is not None else None
 
 
-def _dashboard_mode(wanted: bool) -> str:
-    if not wanted:
-        return "off"
-    from ..widgets.dashboard import dashboard_mode
-
-    try:
-        return dashboard_mode()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _link_capacity() -> float | None:
-    """Bytes/s of a node's network link from ``TACO_LINK_GBITS`` (e.g. ``25``), for the heatmaps' scale."""
-    value = os.environ.get("TACO_LINK_GBITS")
-    if not value:
-        return None
-    try:
-        gbits = float(value)
-    except ValueError:
-        gbits = float("nan")
-    if not 0 < gbits < float("inf"):
-        raise UsageError(f"TACO_LINK_GBITS must be a positive number of Gbit/s, got {value!r}")
-    return gbits * 1e9 / 8
-
-
 def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str, capacity: float | None) -> Any:
     from ..widgets.dashboard import CellDashboard
 
@@ -153,8 +169,9 @@ def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str, 
 
 
 @magics_class
-class TacoMagics(Magics):
-    """Registered by ``%load_ext taco_notebook``."""
+class TacoMagics(Magics, TacoSettings):
+    """Registered by ``%load_ext taco_notebook``. Its traits (``%config TacoMagics``) are the magics' defaults:
+    see :mod:`taco_notebook.magics.settings`."""
 
     @magic_arguments()
     @run_args
@@ -166,6 +183,10 @@ class TacoMagics(Magics):
 
             %%taco_run -np 4
             t = torch.full((3,), float(taco.rank())); taco.allreduce(t); print(t)
+
+        Each option's default is its trait when set (``%config TacoMagics.compression = "fp16"``, or
+        ``c.TacoMagics.compression`` in ipython_config.py; ``%config TacoMagics`` lists them), else the
+        environment variable named with it.
         """
         if wants_help(line):
             print(usage(self.taco_run, "%%taco_run"))
@@ -174,24 +195,53 @@ class TacoMagics(Magics):
             raise UsageError("%taco_run runs a whole cell: put %%taco_run (two %) and its options on the cell's "
                              "first line and the code below it; %%taco_run --help lists the options")
         args = parse_argstring(self.taco_run, line)
-        size = cluster_size(args.np, "-np")
-        timeout = positive_float(args.timeout, "--timeout")
-        intra_size = positive_int(args.intra_size, "--intra-size")
-        settings = comm_settings(args.algorithm, args.compression, args.fusion_mb)
+        size = cluster_size(args.np, "-np", self.max_ranks)
+        with usage_errors():
+            timeout = self.chosen("timeout", args.timeout, "--timeout")
+            launcher = self.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")
+            intra_size = self.chosen("intra_size", args.intra_size, "--intra-size")
+        settings = comm_settings(self, args)
         running = clusters.get(args.cluster)
-        planned = size or (running.size if running is not None else _shared_size(args.cluster) or DEFAULT_NP)
+        planned = size or (running.size if running is not None else _shared_size(args.cluster) or self._new_size())
         targets = parse_targets(args.targets, planned)
         say = RankOutput(live=args.stream, quiet=args.quiet)
         if intra_size is not None and planned % intra_size:
             raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
-        mode = _dashboard_mode(args.dashboard)
-        gpus = gpu_option(args.gpus, planned)
-        capacity = _link_capacity()  # checked before anything starts
-        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, intra_size, gpus)
+        mode = self._dashboard_mode(args.dashboard)
+        capacity = self._link_capacity(args.link_gbits)  # checked before anything starts
+        env = cluster_settings(self, args, planned)
+        if intra_size:
+            env["LIGHT_INTRA_SIZE"] = str(intra_size)
+        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, env, launcher, self.max_ranks)
         monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
         return run_cell(cluster, cell, options, say)
+
+    def _new_size(self) -> int:
+        """Ranks of a cluster started without ``-np``: ``TacoMagics.np`` when set, else 4."""
+        return self.np or DEFAULT_NP
+
+    def _dashboard_mode(self, option: str | None) -> str:
+        """``--dashboard``/``--no-dashboard``, else ``TacoMagics.dashboard``, else ``TACO_DASHBOARD``/auto."""
+        if option == "off":  # --no-dashboard: no need to import the widgets (and bokeh) to check it
+            return "off"
+        with usage_errors():
+            chosen = self.chosen("dashboard", option, "--dashboard")
+            if chosen == "off":
+                return "off"
+            from ..widgets.dashboard import dashboard_mode
+
+            return dashboard_mode(chosen)
+
+    def _link_capacity(self, option: str | None) -> float | None:
+        """Bytes/s of a node's network link (``--link-gbits``, ``TacoMagics.link_gbits``, ``TACO_LINK_GBITS``),
+        for the heatmaps' scale; None when unknown."""
+        with usage_errors():
+            gbits = self.chosen("link_gbits", option, "--link-gbits")
+            if gbits is None:
+                gbits = link_gbits_from_env()
+        return None if gbits is None else gbits * 1e9 / 8
 
     @magic_arguments()
     @argument("action", choices=["start", "stop", "restart", "status", "list"], help="what to do")
@@ -205,7 +255,7 @@ class TacoMagics(Magics):
             print(usage(self.taco_cluster, "%taco_cluster"))
             return
         args = parse_argstring(self.taco_cluster, line)
-        size = cluster_size(args.np, "-n")
+        size = cluster_size(args.np, "-n", self.max_ranks)
         action = getattr(self, f"_cluster_{args.action}")
         action(args.cluster, size, args)
 
@@ -234,19 +284,25 @@ class TacoMagics(Magics):
 
     def _cluster_start(self, name: str, size: int | None, args: Any) -> None:
         running = clusters.get(name)
-        gpus = gpu_option(args.gpus, size or (running.size if running else DEFAULT_NP))
+        env, launcher = self._cluster_options(args, size or (running.size if running else self._new_size()))
         if (running is not None and running.running and size in (None, running.size)
-                and gpus in (None, running.env.get("TACO_GPUS", "auto"))):
+                and _restart_reason(running, env) is None):
             RankOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
         else:
-            ensure_cluster(name, size, args.mpiexec, RankOutput(), gpus=gpus)
+            ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks, self._new_size())
 
     def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
         previous = clusters.get(name)
-        ranks = size or (previous.size if previous else DEFAULT_NP)
-        gpus = gpu_option(args.gpus, ranks)  # checked before the running cluster is stopped
+        ranks = size or (previous.size if previous else self._new_size())
+        env, launcher = self._cluster_options(args, ranks)  # checked before the running cluster is stopped
         previous = clusters.pop(name, None)
         if previous is not None:
             RankOutput().warn(f"restarting cluster {name!r}: {LOST}")
             previous.stop()
-        _start(name, ranks, args.mpiexec, RankOutput(), gpus=gpus)
+        _start(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks)
+
+    def _cluster_options(self, args: Any, size: int) -> tuple[dict[str, str], str | None]:
+        """The engines' environment (``--gpus``, ``--shm``, ``--collective-timeout``) and the MPI launcher."""
+        env = cluster_settings(self, args, size)
+        with usage_errors():
+            return env, self.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")

@@ -13,8 +13,9 @@ hands it to a :class:`CellDashboard`, which decides how to show it:
 * ``off``: ``--no-dashboard``.
 
 ``auto`` picks ``widget`` in a kernel that a Jupyter server started for a notebook session (JupyterLab,
-Notebook 7, Voilà) or that a widget manager has talked to, else ``text``; ``TACO_DASHBOARD=widget|text|off``
-overrides it (VS Code, for example, needs ``widget``).
+Notebook 7, Voilà) or that a widget manager has talked to, else ``text``; ``%%taco_run --dashboard``,
+``TacoMagics.dashboard`` or ``TACO_DASHBOARD`` = ``widget|text|off`` overrides it (VS Code, for example, needs
+``widget``). The bar and the status line's step are :func:`taco_notebook.model.cell_progress`, as in the sidebar.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..model import cell_progress, slowest_rank
 from .plots import plural
 from .stream import MetricsStream
 
-__all__ = ["Dashboard", "CellDashboard", "ProgressView", "aggregate_progress", "dashboard_mode", "last_dashboard"]
+__all__ = ["Dashboard", "CellDashboard", "ProgressView", "DASHBOARD_MODES", "aggregate_progress", "dashboard_mode",
+           "last_dashboard"]
 
-MODES = ("auto", "widget", "text", "off")
+DASHBOARD_MODES = ("auto", "widget", "text", "off")
 log = logging.getLogger("taco_notebook")
 _last: Dashboard | None = None
 
@@ -45,8 +48,8 @@ def last_dashboard() -> Dashboard | None:
 def dashboard_mode(requested: str | None = None) -> str:
     """``widget``, ``text`` or ``off`` for this kernel: see the module docstring."""
     mode = (requested or os.environ.get("TACO_DASHBOARD") or "auto").lower()
-    if mode not in MODES:
-        raise ValueError(f"TACO_DASHBOARD must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in DASHBOARD_MODES:
+        raise ValueError(f"TACO_DASHBOARD must be one of {', '.join(DASHBOARD_MODES)}, got {mode!r}")
     if mode != "auto":
         return mode
     return "widget" if _widget_frontend() else "text"
@@ -98,13 +101,14 @@ class ProgressView:
 
 
 def aggregate_progress(states: Mapping[int, Mapping[str, Any]]) -> ProgressView | None:
-    """The bar for ``{rank: taco.progress state}``: the slowest rank's count, the largest total."""
-    states = {r: s for r, s in states.items() if s}
-    if not states:
+    """The bar for ``{rank: taco.progress state}``: :func:`~taco_notebook.model.cell_progress` (the slowest rank's
+    count, the largest total, as the sidebar shows), labelled and timed by that slowest rank."""
+    payloads = {r: {"progress": s} for r, s in states.items() if s}
+    rank = slowest_rank(payloads)
+    if rank is None:
         return None
-    slowest = min(states.values(), key=lambda s: s["n"])
-    totals = [s["total"] for s in states.values() if s.get("total") is not None]
-    return ProgressView(int(slowest["n"]), max(totals) if totals else None, str(slowest.get("desc") or ""),
+    progress, slowest = cell_progress(payloads), states[rank]
+    return ProgressView(progress["step"], progress["total"], str(slowest.get("desc") or ""),
                         float(slowest.get("elapsed_seconds", 0.0)))
 
 
@@ -177,8 +181,8 @@ class Dashboard:
         self.bar_text.value = view.text()
 
     def _status_text(self) -> str:
-        snaps = self.stream.latest.values()
-        step = max((s.get("steps", 0) for s in snaps), default=0)
+        # the slowest rank's optimizer step, by the same definition as the bar and the sidebar
+        step = cell_progress({r: {"metrics": s} for r, s in self.stream.latest.items()})["step"]
         state = self.outcome or "running"
         ranks = len(self.ranks)
         alive = f"{self.running}/{ranks} ranks running" if self.outcome is None else plural(ranks, "rank")

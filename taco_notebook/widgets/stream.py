@@ -327,7 +327,7 @@ class MetricsStream:
             throughput += f", {tokens:,.0f} tokens/s"
         lines = [
             f"taco metrics: {plural(len(self.latest), 'rank')} on {plural(len(nodes), 'node')}, {elapsed:.1f} s, "
-            f"{plural(max(s.get('steps', 0) for s in snaps), 'step')}",
+            f"{plural(min(s.get('steps', 0) for s in snaps), 'step')}",  # the slowest rank's, like the bar
             throughput,
             "links: " + (", ".join(self._link_totals()) or "no traffic"),
             self._compression_line(),

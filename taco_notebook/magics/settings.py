@@ -1,0 +1,200 @@
+"""The settings of ``%%taco_run`` and ``%taco_cluster``: each one an option, a traitlets trait and (mostly) an
+environment variable, checked in one place.
+
+``TacoMagics`` is an IPython ``Magics``, so a traitlets ``Configurable``: ``c.TacoMagics.compression = "fp16"``
+in ``ipython_config.py`` or ``%config TacoMagics.compression = "fp16"`` in a notebook sets the trait, and
+``%config TacoMagics`` lists them. For each cell the magic's option wins, then the trait when set, then the
+environment (read when the cell runs, so a kernel started with ``LIGHT_TOPK_ALLREDUCE=1`` behaves as a plain
+``mpiexec`` job would), then the built-in default. Unset traits are None: they defer to the environment.
+
+============================  =========================  ==========================  ===========================
+option                        trait (``TacoMagics.…``)   environment                 default
+============================  =========================  ==========================  ===========================
+``-np N``                     ``np``                     -                           the running cluster's, else 4
+``--intra-size N``            ``intra_size``             ``LIGHT_INTRA_SIZE``        the job's real layout
+``--timeout S``               ``timeout``                -                           none
+``--algorithm``               ``algorithm``              ``LIGHT_2D_ALLREDUCE``      auto
+``--compression``             ``compression``            ``LIGHT_TOPK_ALLREDUCE`` …  none
+``--fusion-mb MB``            ``fusion_mb``              ``TACO_FUSION_MB``          64
+``--shm`` / ``--no-shm``      ``shm``                    ``TACO_SHM``                on
+``--collective-timeout S``    ``collective_timeout``     ``TACO_COLLECTIVE_TIMEOUT`` 1800
+``--gpus``                    ``gpus``                   ``TACO_GPUS``               auto
+``--mpi-launcher``            ``mpi_launcher``           ``TACO_MPI_LAUNCHER``       auto
+``--dashboard``               ``dashboard``              ``TACO_DASHBOARD``          auto
+``--link-gbits G``            ``link_gbits``             ``TACO_LINK_GBITS``         unknown (heatmaps self-scale)
+-                             ``max_ranks``              ``TACO_MAX_RANKS``          4 × cores, at least 8
+============================  =========================  ==========================  ===========================
+
+Where each takes effect: ``algorithm``, ``compression`` and ``fusion_mb`` are the ranks' ``taco.configure()``
+for the cell; ``shm``, ``collective_timeout`` and ``gpus`` are fixed when the ranks build their process group,
+so they travel in the cluster's environment and a change restarts the cluster (as ``--gpus`` always did);
+the rest are the kernel's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from traitlets import Bool, Float, Int, TraitError, Unicode, validate
+from traitlets.config import Configurable
+
+__all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "check_setting", "link_gbits_from_env"]
+
+LINK_GBITS_ENV = "TACO_LINK_GBITS"
+
+RANK_SETTINGS = ("algorithm", "compression", "fusion_mb")  # sent to the ranks' taco.configure() per cell
+CLUSTER_ENV = {"gpus": "TACO_GPUS", "shm": "TACO_SHM", "collective_timeout": "TACO_COLLECTIVE_TIMEOUT"}
+
+
+def _algorithm(value: Any, what: str) -> str:
+    from ..comm.specs import check_algorithm
+
+    return check_algorithm(value.strip().lower() if isinstance(value, str) else value)
+
+
+def _compression(value: Any, what: str) -> str:
+    from ..comm.compression import parse_compression
+
+    return parse_compression(value).name  # its message names the spec and what is accepted
+
+
+def _fusion_mb(value: Any, what: str) -> float:
+    from ..comm.specs import check_fusion_mb
+
+    try:
+        return check_fusion_mb(float(value))
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of megabytes >= 0, got {value!r}") from None
+
+
+def _choice(choices: Callable[[], tuple[str, ...]]) -> Callable[[Any, str], str]:
+    def check(value: Any, what: str) -> str:
+        from ..comm.specs import check_choice
+
+        return check_choice(value, choices(), what)
+
+    return check
+
+
+def _gpu_modes() -> tuple[str, ...]:
+    from ..comm.placement import GPU_MODES
+
+    return GPU_MODES
+
+
+def _launchers() -> tuple[str, ...]:
+    from ..cluster.mpi import LAUNCHERS
+
+    return LAUNCHERS
+
+
+def _dashboard_modes() -> tuple[str, ...]:
+    from ..widgets.dashboard import DASHBOARD_MODES
+
+    return DASHBOARD_MODES
+
+
+def _positive(unit: str, convert: Callable[[Any], Any] = float) -> Callable[[Any, str], Any]:
+    def check(value: Any, what: str) -> Any:
+        from ..comm.specs import check_positive
+
+        return check_positive(value, what, unit, convert)
+
+    return check
+
+
+def _flag(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    from ..comm.specs import parse_flag
+
+    flag = parse_flag(what, str(value))
+    if flag is None:
+        raise ValueError(f"{what} must be 1/true/yes/on or 0/false/no/off, got {value!r}")
+    return flag
+
+
+_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "np": _positive("ranks", int),
+    "max_ranks": _positive("ranks", int),
+    "intra_size": _positive("ranks per node", int),
+    "timeout": _positive("seconds"),
+    "algorithm": _algorithm,
+    "compression": _compression,
+    "fusion_mb": _fusion_mb,
+    "shm": _flag,
+    "collective_timeout": _positive("seconds"),
+    "gpus": _choice(_gpu_modes),
+    "mpi_launcher": _choice(_launchers),
+    "dashboard": _choice(_dashboard_modes),
+    "link_gbits": _positive("Gbit/s"),
+}
+
+
+def check_setting(name: str, value: Any, what: str) -> Any:
+    """``value`` of setting ``name`` checked and made canonical; a ValueError naming ``what`` (the option, trait
+    or variable it came from) and what is accepted."""
+    return _CHECKS[name](value, what)
+
+
+def link_gbits_from_env() -> float | None:
+    """``TACO_LINK_GBITS``: a node's link in Gbit/s (e.g. ``25``), None when unset."""
+    import os
+
+    from ..comm.specs import check_positive, number_from_env
+
+    what = "a positive number of Gbit/s"
+    value = number_from_env(os.environ, LINK_GBITS_ENV, float, what)
+    return None if value is None else float(check_positive(value, LINK_GBITS_ENV, "Gbit/s"))
+
+
+class TacoSettings(Configurable):
+    """The traits of the table in this module's docstring; ``TacoMagics`` inherits them."""
+
+    np = Int(None, allow_none=True, help="ranks of a cluster started without -np (a running one keeps its "
+                                         "size); default 4").tag(config=True)
+    max_ranks = Int(None, allow_none=True, help="the most ranks a local cluster may have; default "
+                                                "TACO_MAX_RANKS, else 4 x cores (at least 8)").tag(config=True)
+    intra_size = Int(None, allow_none=True, help="ranks per node, to emulate several nodes on one machine; "
+                                                 "default LIGHT_INTRA_SIZE (read by the ranks)").tag(config=True)
+    timeout = Float(None, allow_none=True, help="seconds after which a cell is stopped; default none").tag(
+        config=True)
+    algorithm = Unicode(None, allow_none=True, help="allreduce: auto, flat or 2d; default LIGHT_2D_ALLREDUCE, "
+                                                    "else auto").tag(config=True)
+    compression = Unicode(None, allow_none=True, help="none, fp16, bf16 or topk:RATIO[:threshold=N]; default "
+                                                      "LIGHT_TOPK_ALLREDUCE/_RATIO/_THRESHOLD, else none").tag(
+        config=True)
+    fusion_mb = Float(None, allow_none=True, help="gradient fusion buckets in MB (0 = none); default "
+                                                  "TACO_FUSION_MB, else 64").tag(config=True)
+    shm = Bool(None, allow_none=True, help="2D allreduce's intra-node steps through shared memory; default "
+                                           "TACO_SHM, else on").tag(config=True)
+    collective_timeout = Float(None, allow_none=True, help="seconds a collective waits for its peers; default "
+                                                           "TACO_COLLECTIVE_TIMEOUT, else 1800").tag(config=True)
+    gpus = Unicode(None, allow_none=True, help="auto, shared or none; default TACO_GPUS, else auto").tag(
+        config=True)
+    mpi_launcher = Unicode(None, allow_none=True, help="MPICH launcher of a one-host cluster: auto, hydra or "
+                                                       "gforker; default TACO_MPI_LAUNCHER, else auto").tag(
+        config=True)
+    dashboard = Unicode(None, allow_none=True, help="auto, widget, text or off; default TACO_DASHBOARD, else "
+                                                    "auto").tag(config=True)
+    link_gbits = Float(None, allow_none=True, help="a node's link in Gbit/s, the scale of the link heatmaps; "
+                                                   "default TACO_LINK_GBITS").tag(config=True)
+
+    @validate(*_CHECKS)
+    def _check_trait(self, proposal: Any) -> Any:
+        value, name = proposal["value"], proposal["trait"].name
+        if value is None:
+            return None
+        what = f"TacoMagics.{name}"
+        try:
+            return check_setting(name, value, what)
+        except ValueError as exc:
+            message = str(exc)
+            raise TraitError(message if what in message else f"{what}: {message}") from None
+
+    def chosen(self, name: str, option: Any, flag: str) -> Any:
+        """The option's value when given (checked, a ValueError naming ``flag``), else the trait (None: unset)."""
+        if option is not None:
+            return check_setting(name, option, flag)
+        return getattr(self, name)
