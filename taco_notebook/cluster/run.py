@@ -236,7 +236,7 @@ class _CellRun:
         self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
         return stuck
 
-    def execute(self, code: str) -> Any:
+    def run(self, code: str) -> Any:
         source, captured = capture_last_expression(code)
         if self.cluster.needs_reinit:
             self.cluster.view.apply_sync(engine.reinit)
@@ -362,4 +362,4 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, code)])
-        return _CellRun(cluster, options, sink).execute(code)
+        return _CellRun(cluster, options, sink).run(code)
