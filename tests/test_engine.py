@@ -129,6 +129,18 @@ def test_fetch_result_reads_the_captured_name_or_marks_what_cannot_travel(view):
     assert all(isinstance(v, UnpicklableResult) and "lock" in repr(v) for v in values), values
 
 
+@pytest.mark.cluster
+def test_a_cell_on_one_rank_reports_its_error_and_its_value(ip, view):
+    """One target: ``AsyncResult.split()`` hands back the cell's own AsyncResult, whose result is a list."""
+    from taco_notebook.errors import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"rank 2 \(host .*\) raised ValueError: only rank 2") as failed:
+        ip.run_cell_magic("taco_run", "--targets 2", "raise ValueError('only rank 2')")
+    assert failed.value.first_rank == 2
+    assert ip.run_cell_magic("taco_run", "--targets 2", "taco.rank() * 10") == 20
+    assert ip.run_cell_magic("taco_run", "--targets 2 --gather", "taco.rank()") == [2]
+
+
 def _calls(path: Path) -> Iterator[tuple[str, ast.Call]]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):

@@ -17,8 +17,8 @@ While the cell runs, what the engines send (metric snapshots and ``taco.progress
 
 Everything but the user's cell reaches the engines as a call into ``cluster/engine.py`` (``view.apply``);
 the value of the cell's last expression is captured and brought back by ``cluster/result.py``. The cell's
-per-rank state is read through ipyparallel's public API (``AsyncResult.metadata`` and ``msg_ids``, the
-client's ``outstanding`` and ``results``).
+per-rank state is read through ipyparallel's public API: ``AsyncResult.metadata`` (each rank's output, live)
+and ``AsyncResult.split()`` (one AsyncResult per rank, each done when its rank is).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ log = logging.getLogger("taco_notebook")
 
 POLL_S = 0.05
 REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every engine.SEND_S)
-_PENDING = object()  # a rank that replied, whose result the client has not stored yet
 
 
 class CellMonitor(Protocol):
@@ -90,6 +89,7 @@ class _CellRun:
         self.failure_deadline: float | None = None
         self.killed: list[int] = []
         self.ar: Any = None
+        self.parts: dict[int, Any] = {}  # rank -> its own AsyncResult (ar.split())
         self.reported_at = 0.0
         self.reported: dict[int, int] = {}  # rank -> id() of the payload last handed to the monitors
         self.sending = any(m.wants_metrics for m in options.monitors)
@@ -141,23 +141,21 @@ class _CellRun:
 
     # ---------------------------------------------------------------- states
     def running(self) -> list[int]:
-        """Ranks whose cell has not replied yet (its message is still among the client's ``outstanding``)."""
-        if self.ar.ready():
-            return []
-        outstanding = self.cluster.client.outstanding
-        return [rank for rank, msg_id in zip(self.targets, self.ar.msg_ids, strict=True) if msg_id in outstanding]
+        return [rank for rank, part in self.parts.items() if not part.ready()]
 
     def outcomes(self) -> dict[int, Any]:
-        """What each finished rank's cell returned (a RemoteError where it raised): from the client's
-        ``results`` while the cell runs, from ``get`` once it is done (the client then drops the cell's
-        entries from ``results``; a rank caught in between shows up at the next poll)."""
-        if self.ar.ready():
-            return dict(zip(self.targets, self.ar.get(return_exceptions=True), strict=True))
-        client = self.cluster.client
-        replied = {rank: client.results.get(msg_id, _PENDING)
-                   for rank, msg_id in zip(self.targets, self.ar.msg_ids, strict=True)
-                   if msg_id not in client.outstanding}  # fmt: skip
-        return {rank: result for rank, result in replied.items() if result is not _PENDING}
+        """What each finished rank's cell returned: an ExecuteReply, or a RemoteError where it raised.
+
+        Read from the rank's own AsyncResult (the client's ``results`` cache is purged as soon as a message
+        and its output are in, so it cannot be polled). ``split()`` hands a one-rank cell its own AsyncResult,
+        whose result is a list of one.
+        """
+        found = {}
+        for rank, part in self.parts.items():
+            if part.ready():
+                value = part.get(0, return_exceptions=True)
+                found[rank] = value[0] if part is self.ar else value
+        return found
 
     def collect_errors(self) -> None:
         for rank, result in self.outcomes().items():
@@ -262,6 +260,7 @@ class _CellRun:
 
     def _execute(self, source: str, captured: bool) -> Any:
         self.ar = self.cluster.client[self.targets].execute(source, silent=False, block=False)
+        self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
         self.started = time.monotonic()
         try:
             self._wait_with_ladder()
