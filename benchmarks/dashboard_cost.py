@@ -3,8 +3,8 @@
 Two measurements on one running cluster, in one real IPython shell with the widget dashboard forced on
 (``TACO_DASHBOARD=widget``: the client builds the widgets and sends every bokeh patch, as under JupyterLab):
 
-1. on the ranks, the microseconds of one ``taco.metrics.publish()`` (snapshot + ipyparallel datapub send) and of one
-   ``taco.progress`` iteration, turned into a cost per training step at the default publish interval (``PUBLISH_S``);
+1. on the ranks, the microseconds of one ``taco.metrics.send()`` (snapshot + ipyparallel datapub send) and of one
+   ``taco.progress`` iteration, turned into a cost per training step at the default send interval (``engine.SEND_S``);
 2. the same training cell (``taco.progress`` + ``DistributedOptimizer``), alternately with the dashboard and with
    ``--no-dashboard``, timed on rank 0 around the loop only, and in the notebook around the whole cell;
 3. in the notebook, the end-of-cell static rendering of the final picture (``Dashboard.static_bundle``: a
@@ -24,17 +24,17 @@ import time
 
 from IPython.testing.globalipapp import start_ipython
 
-from taco_notebook.cluster.publish import PUBLISH_S
+from taco_notebook.cluster.engine import SEND_S as PUBLISH_S
 
 PUBLISH = """\
 import time as _t
-from taco_notebook.cluster import publish as _p
-_p.begin_cell(True)
+from taco_notebook.cluster import engine as _e
+_e.begin_cell(True)
 for _ in range(50):
     taco.metrics.step(samples=1)            # something to report
 _began = _t.perf_counter()
 for _ in range({n}):
-    taco.metrics.publish()
+    taco.metrics.send()
 _publish_s = (_t.perf_counter() - _began) / {n}
 _began = _t.perf_counter()
 for _ in range({n}):

@@ -82,7 +82,7 @@ def test_a_cell_that_trains_nothing_shows_nothing(ip, shared_cluster, capsys):
 def test_no_dashboard_prints_nothing_and_ranks_publish_nothing(ip, shared_cluster, capsys):
     ip.run_cell_magic("taco_run", "--no-dashboard", train(steps=5, sleep=0))
     assert "taco dashboard" not in capsys.readouterr().out
-    publisher = ip.run_cell_magic("taco_run", "--no-dashboard --gather", "taco.metrics._publishing.publisher")
+    publisher = ip.run_cell_magic("taco_run", "--no-dashboard --gather", "taco.metrics.sender()")
     assert publisher == [None] * 4
 
 

@@ -1,4 +1,4 @@
-"""``taco.progress`` and the metric publisher on the rank side, without a cluster (pure Python)."""
+"""``taco.progress`` and the metrics sender on the rank side, without a cluster (pure Python)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from taco_notebook.comm.progress import progress
 def published() -> Iterator[list[dict[str, Any]]]:
     sent: list[dict[str, Any]] = []
     metrics.reset()
-    metrics.set_publisher(sent.append, interval=0.05)
+    metrics.set_sender(sent.append, interval=0.05)
     yield sent
-    metrics.set_publisher(None)
+    metrics.set_sender(None)
     metrics.reset()
 
 
@@ -54,7 +54,7 @@ def test_bad_total_is_a_clear_error(total):
 
 
 def test_without_a_publisher_rank_zero_prints_like_tqdm(capsys):
-    metrics.set_publisher(None)
+    metrics.set_sender(None)
     for _ in progress(range(3), desc="eval", print_every=0.0):
         pass
     err = capsys.readouterr().err.splitlines()
@@ -63,7 +63,7 @@ def test_without_a_publisher_rank_zero_prints_like_tqdm(capsys):
 
 def test_bad_publish_interval_is_rejected():
     with pytest.raises(ValueError, match="interval must be a positive number of seconds"):
-        metrics.set_publisher(print, interval=0)
+        metrics.set_sender(print, interval=0)
 
 
 def test_snapshot_reports_tokens():

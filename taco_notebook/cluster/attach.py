@@ -56,7 +56,7 @@ def attach(model: Any, timeout: float = 30.0) -> AttachedCluster:
         cluster.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=model["id"])
         cluster.client = cluster.ipp_cluster.connect_client_sync()
         cluster.client.wait_for_engines(model["size"], timeout=timeout, interactive=False)  # no stray tqdm bar
-        cluster._check_ranks()
+        cluster.check_ranks()
     except Exception as exc:
         cluster.stop()
         raise ClusterStartError(f"cannot attach to cluster {model['name']!r} started from the sidebar "

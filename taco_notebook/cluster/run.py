@@ -11,14 +11,18 @@ ladder, the same for Ctrl-C, ``--timeout`` and a rank that raised while its peer
 
 Whatever happened, the next cell on a live cluster first rebuilds the process group on every rank.
 
-While the cell runs, what the engines publish (metric snapshots and ``taco.progress`` counts, see
-``cluster/publish.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
+While the cell runs, what the engines send (metric snapshots and ``taco.progress`` counts, see
+``cluster/engine.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
 ``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome.
+
+Everything but the user's cell reaches the engines as a call into ``cluster/engine.py`` (``view.apply``);
+the value of the cell's last expression is captured and brought back by ``cluster/result.py``. The cell's
+per-rank state is read through ipyparallel's public API: ``AsyncResult.metadata`` (each rank's output, live)
+and ``AsyncResult.split()`` (one AsyncResult per rank, each done when its rank is).
 """
 
 from __future__ import annotations
 
-import ast
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -28,23 +32,23 @@ from typing import Any, Protocol
 from ipyparallel.error import RemoteError
 
 from ..errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
-from .publish import KEY as PUBLISH_KEY
+from . import engine
 from .reporting import error_kinds, error_line, ranks_phrase, were
+from .result import capture_last_expression, unwrap_result
 from .session import TacoCluster
 
-__all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "capture_last_expression", "RESULT_NAME"]
+__all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell"]
 
 log = logging.getLogger("taco_notebook")
 
-RESULT_NAME = "__taco_result__"
 POLL_S = 0.05
-REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every PUBLISH_S)
+REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every engine.SEND_S)
 
 
 class CellMonitor(Protocol):
-    """Watches a running cell: ``update`` with every rank's latest published payload, ``finish`` once.
+    """Watches a running cell: ``update`` with every rank's latest payload, ``finish`` once.
 
-    The ranks publish metrics only if some monitor ``wants_metrics``; the others read what comes.
+    The ranks send metrics only if some monitor ``wants_metrics``; the others read what comes.
     """
 
     wants_metrics: bool
@@ -61,7 +65,7 @@ class CellOptions:
     interrupt_grace: float = 2.5  # seconds ranks get to honour SIGINT before they are killed
     failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
-    monitors: Sequence[CellMonitor] = ()  # engines publish metrics only when someone watches
+    monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
 
 
 class OutputSink(Protocol):
@@ -70,61 +74,6 @@ class OutputSink(Protocol):
     def notice(self, text: str) -> None: ...
     def warn(self, text: str) -> None: ...
     def flush(self) -> None: ...
-
-
-def capture_last_expression(code: str) -> tuple[str, bool]:
-    """Turn a trailing expression into an assignment to :data:`RESULT_NAME`, keeping line numbers.
-
-    >>> capture_last_expression("x = 1\\nx + 1")
-    ('x = 1\\n__taco_result__ = (x + 1)\\n', True)
-    """
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    python = TransformerManager().transform_cell(code)
-    try:
-        tree = ast.parse(python)
-    except SyntaxError:
-        return code, False  # the engine reports the syntax error with its own traceback
-    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or python.rstrip().endswith(";"):
-        return python, False
-    last = tree.body[-1]
-    lines = python.splitlines(keepends=True)
-    head = "".join(lines[: last.lineno - 1]) + lines[last.lineno - 1][: last.col_offset]
-    expr = ast.get_source_segment(python, last)
-    return f"{head}{RESULT_NAME} = ({expr})\n", True
-
-
-def _fetch_result() -> Any:
-    from ipyparallel import interactive
-
-    @interactive
-    def fetch() -> Any:
-        import pickle as _pickle
-
-        value = globals().get("__taco_result__")
-        try:
-            _pickle.dumps(value)
-        except Exception:
-            return ("__taco_unpicklable__", repr(value))
-        return value
-
-    return fetch
-
-
-def _unwrap(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == "__taco_unpicklable__":
-        return UnpicklableResult(value[1])
-    return value
-
-
-class UnpicklableResult:
-    """Stands for a rank's value that could not be sent back; shows its repr."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
 
 
 class _CellRun:
@@ -140,16 +89,17 @@ class _CellRun:
         self.failure_deadline: float | None = None
         self.killed: list[int] = []
         self.ar: Any = None
+        self.parts: dict[int, Any] = {}  # rank -> its own AsyncResult (ar.split())
         self.reported_at = 0.0
         self.reported: dict[int, int] = {}  # rank -> id() of the payload last handed to the monitors
-        self.publishing = any(m.wants_metrics for m in options.monitors)
+        self.sending = any(m.wants_metrics for m in options.monitors)
 
     # ---------------------------------------------------------------- output
     def drain(self) -> None:
         """Show what arrived since the last call. The client appends every rank's output to the result's
         metadata as it comes; reading from there (not from iopub callbacks registered after submission)
         cannot lose what a fast rank printed before we looked."""
-        for rank, md in zip(self.targets, self.ar._metadata, strict=True):
+        for rank, md in zip(self.targets, self.ar.metadata, strict=True):
             for name in ("stdout", "stderr"):
                 text = md[name]
                 seen = self.shown.get((rank, name), 0)
@@ -170,8 +120,8 @@ class _CellRun:
         if not force and now - self.reported_at < REPORT_S:
             return
         self.reported_at = now
-        payloads = {rank: md["data"][PUBLISH_KEY] for rank, md in zip(self.targets, self.ar._metadata, strict=True)
-                    if PUBLISH_KEY in md["data"]}  # fmt: skip
+        payloads = {rank: md["data"][engine.KEY] for rank, md in zip(self.targets, self.ar.metadata, strict=True)
+                    if engine.KEY in md["data"]}  # fmt: skip
         fresh = {rank: id(payload) for rank, payload in payloads.items()}
         if fresh == self.reported:
             return
@@ -191,13 +141,26 @@ class _CellRun:
 
     # ---------------------------------------------------------------- states
     def running(self) -> list[int]:
-        return [rank for rank, child in zip(self.targets, self.ar._children, strict=True) if not child.done()]
+        return [rank for rank, part in self.parts.items() if not part.ready()]
+
+    def outcomes(self) -> dict[int, Any]:
+        """What each finished rank's cell returned: an ExecuteReply, or a RemoteError where it raised.
+
+        Read from the rank's own AsyncResult (the client's ``results`` cache is purged as soon as a message
+        and its output are in, so it cannot be polled). ``split()`` hands a one-rank cell its own AsyncResult,
+        whose result is a list of one.
+        """
+        found = {}
+        for rank, part in self.parts.items():
+            if part.ready():
+                value = part.get(0, return_exceptions=True)
+                found[rank] = value[0] if part is self.ar else value
+        return found
 
     def collect_errors(self) -> None:
-        for rank, child in zip(self.targets, self.ar._children, strict=True):
-            if rank in self.errors or not child.done():
+        for rank, result in self.outcomes().items():
+            if rank in self.errors:
                 continue
-            result = child.result()
             if getattr(result, "ename", None) == "EngineError":  # the hub saw the engine process go
                 self.engine_died()
             if isinstance(result, RemoteError):
@@ -214,7 +177,7 @@ class _CellRun:
             return
         self.shut_down_pg.update(finished)
         self.cluster.needs_reinit = True
-        self.cluster.client[finished].execute("taco._abort()", block=False)
+        self.cluster.client[finished].apply_async(engine.abort)
 
     def check_alive(self) -> None:
         if not self.cluster.engines_alive():
@@ -233,8 +196,7 @@ class _CellRun:
 
     def completed(self) -> list[int]:
         """Ranks whose cell ended on its own (the hub fails a dead engine's task with EngineError)."""
-        return [rank for rank, child in zip(self.targets, self.ar._children, strict=True)
-                if child.done() and getattr(child.result(), "ename", None) != "EngineError"]
+        return [rank for rank, result in self.outcomes().items() if getattr(result, "ename", None) != "EngineError"]
 
     # ---------------------------------------------------------------- main
     def wait_until(self, deadline: float | None) -> bool:
@@ -272,17 +234,15 @@ class _CellRun:
         self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
         return stuck
 
-    def execute(self, code: str) -> Any:
+    def run(self, code: str) -> Any:
         source, captured = capture_last_expression(code)
         if self.cluster.needs_reinit:
-            self.cluster.view.execute("taco.reinit()", block=True)
+            self.cluster.view.apply_sync(engine.reinit)
             self.cluster.needs_reinit = False
         if self.options.settings:
-            self.cluster.client[self.targets].execute(f"taco.configure(**{self.options.settings!r})", block=True)
-        # no reply awaited: the engines run it before the cell, in order
-        self.cluster.client[self.targets].execute(
-            f"__import__('taco_notebook.cluster.publish').cluster.publish.begin_cell({self.publishing})",
-            block=False)  # fmt: skip
+            self.cluster.client[self.targets].apply_sync(engine.configure_cell, self.options.settings)
+        # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
+        self.cluster.client[self.targets].apply_async(engine.begin_cell, self.sending)
         try:
             value = self._execute(source, captured)
         except BaseException as exc:
@@ -296,10 +256,11 @@ class _CellRun:
             return value
         finally:
             if self.options.settings and self.cluster.running:
-                self.cluster.client[self.targets].execute("taco.configure(reset=True)", block=False)
+                self.cluster.client[self.targets].apply_async(engine.reset_settings)
 
     def _execute(self, source: str, captured: bool) -> Any:
         self.ar = self.cluster.client[self.targets].execute(source, silent=False, block=False)
+        self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
         self.started = time.monotonic()
         try:
             self._wait_with_ladder()
@@ -318,7 +279,7 @@ class _CellRun:
             raise self.failure()
         if not captured:
             return None
-        values = [_unwrap(v) for v in self.cluster.client[self.targets].apply_sync(_fetch_result())]
+        values = [unwrap_result(v) for v in self.cluster.client[self.targets].apply_sync(engine.fetch_result)]
         return values if self.options.gather else values[0]
 
     def _wait_with_ladder(self) -> None:
@@ -400,4 +361,4 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, code)])
-        return _CellRun(cluster, options, sink).execute(code)
+        return _CellRun(cluster, options, sink).run(code)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
 from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
+from . import engine
 from .deaths import death_report, engine_output, ranks_text
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
 from .mpi import MPIInfo, find_mpi, for_one_host
@@ -36,30 +37,6 @@ __all__ = ["RankInfo", "Event", "Subscriber", "TacoCluster", "clusters", "stop_a
 log = logging.getLogger("taco_notebook")
 
 PROFILE = "taco"
-# Plain tracebacks: IPython's richer modes cache every failed frame's variables, the process group among them,
-# and a group kept alive keeps its sockets open: peers blocked on a failed rank would never be released
-# (taco._abort clears the frames, not those caches).
-ENGINE_NAMESPACE_SETUP = """\
-get_ipython().run_line_magic("xmode", "Plain")
-import torch
-import taco_notebook.comm as taco
-taco.init()
-import taco_notebook.cluster.publish
-taco_notebook.cluster.publish.install()
-"""
-
-
-def _engine_info() -> dict[str, Any]:
-    """Runs on each engine right after start."""
-    import os as _os
-
-    import taco_notebook.comm as _taco
-    from taco_notebook.comm.hardware import gpu_names, hugepages, visible_gpus
-
-    topo = _taco.topology()
-    return {"rank": topo.rank, "host": topo.hostname, "pid": _os.getpid(),
-            "local_rank": topo.local_rank, "node": topo.node, "gpus": visible_gpus(), "hugepages": hugepages(),
-            "gpu_names": gpu_names()}
 
 
 Event = Literal["starting", "running", "stopping", "stopped", "broken", "run"]
@@ -223,8 +200,8 @@ class TacoCluster:
             self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
             self.client = self.ipp_cluster.connect_client_sync()
             self._wait_for_engines()
-            self._check_ranks()
-            self.view.execute(ENGINE_NAMESPACE_SETUP, block=True)
+            self.check_ranks()
+            self.view.apply_sync(engine.setup_namespace)  # `taco`, the process group, the metrics flush
         except BaseException as exc:
             output = self.engine_output()
             self._phase = None
@@ -253,9 +230,10 @@ class TacoCluster:
             time.sleep(0.1)
         future.result()
 
-    def _check_ranks(self) -> None:
+    def check_ranks(self) -> None:
+        """Read every engine's :class:`RankInfo` into :attr:`ranks`; fails unless engine ids are MPI ranks."""
         try:
-            infos = self.client[:].apply_sync(_engine_info)
+            infos = self.client[:].apply_sync(engine.rank_info)
         except Exception as exc:  # the ranks' MPI check: say what it said, not "engine ids differ"
             from ..comm.mpicheck import mismatch_in
 

@@ -13,7 +13,6 @@ from . import excepthook as _excepthook
 from . import metrics, placement
 from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
-from .bootstrap import abort as _abort  # noqa: F401  (the cell runner calls taco._abort() on engines)
 from .bootstrap import device, init, is_initialized, reinit, shutdown
 from .collectives import REDUCE_OPS, allreduce, barrier, broadcast, broadcast_parameters
 from .compression import parse_compression

@@ -7,10 +7,11 @@ can read: totals since ``reset()``, the last step, and per-link bytes by rank an
 
 Recording is a few dict updates per collective (never per element), so it stays on in the hot path.
 
-A *publisher* (``set_publisher``) is how snapshots leave the rank while a cell runs: ``step()`` and
+A *sender* (``set_sender``) is how snapshots leave the rank while a cell runs: ``step()`` and
 ``taco.progress`` call it at most once per interval with ``{"metrics": snapshot(), "progress": ...}``. Under
-``%%taco_run`` the engine installs one that sends the payload to the notebook (ipyparallel's datapub);
-under plain ``mpiexec`` there is none and nothing is sent.
+``%%taco_run`` the engine installs one that sends the payload to the notebook (ipyparallel's datapub, see
+``cluster/engine.py``); under plain ``mpiexec`` there is none and nothing is sent. ``sender()``, ``steps()``
+and ``progress_state()`` tell that engine side (and ``taco.progress``) what it needs without reaching in here.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["record", "add_wait", "step", "snapshot", "reset", "gpu_snapshot",
-           "set_publisher", "set_progress", "publish", "maybe_publish"]
+__all__ = ["record", "add_wait", "step", "snapshot", "reset", "gpu_snapshot", "steps",
+           "Sender", "set_sender", "sender", "set_progress", "progress_state", "send", "maybe_send"]
 
 
 class _Counters:
@@ -59,22 +60,22 @@ class _Metrics:
 
 
 _metrics = _Metrics()
-Publisher = Callable[[dict[str, Any]], None]
+Sender = Callable[[dict[str, Any]], None]
 
 
-class _Publishing:
+class _Sending:
     """Who receives snapshots, how often, and what the progress bar (``taco.progress``) last said."""
 
-    __slots__ = ("publisher", "interval", "last", "progress")
+    __slots__ = ("sender", "interval", "last", "progress")
 
     def __init__(self) -> None:
-        self.publisher: Publisher | None = None
+        self.sender: Sender | None = None
         self.interval = 0.25  # seconds: the dashboard redraws at 2-4 Hz, faster would only cost the ranks
         self.last = 0.0
         self.progress: dict[str, Any] | None = None
 
 
-_publishing = _Publishing()
+_sending = _Sending()
 
 
 def record(seconds: float, raw_bytes: int, wire_bytes: int, sent: dict[int, int]) -> None:
@@ -120,8 +121,8 @@ def step(samples: int = 0, tokens: int = 0) -> None:
         _metrics.current = _Counters()
         _metrics.steps += 1
         _metrics.step_started = now
-    if _publishing.publisher is not None and now - _publishing.last >= _publishing.interval:
-        publish()
+    if _sending.sender is not None and now - _sending.last >= _sending.interval:
+        send()
 
 
 def snapshot() -> dict[str, Any]:
@@ -214,37 +215,54 @@ def reset() -> None:
     """Start counting afresh (for example at the start of a benchmark). ``%%taco_run`` does it before each cell."""
     with _metrics.lock:
         _metrics.reset()
-    _publishing.progress = None
+    _sending.progress = None
 
 
-def set_publisher(publisher: Publisher | None, interval: float = 0.25) -> None:
-    """Send ``{"metrics": snapshot(), "progress": …}`` to ``publisher`` at most every ``interval`` seconds
-    (from ``step()`` and ``taco.progress``); ``None`` stops publishing."""
+def steps() -> int:
+    """Training steps closed since ``reset()`` (what ``snapshot()["steps"]`` says, without building one)."""
+    with _metrics.lock:
+        return _metrics.steps
+
+
+def set_sender(sender: Sender | None, interval: float = 0.25) -> None:
+    """Send ``{"metrics": snapshot(), "progress": …}`` to ``sender`` at most every ``interval`` seconds
+    (from ``step()`` and ``taco.progress``); ``None`` stops sending."""
     if not interval > 0:
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
-    _publishing.publisher = publisher
-    _publishing.interval = interval
-    _publishing.last = 0.0
+    _sending.sender = sender
+    _sending.interval = interval
+    _sending.last = 0.0
+
+
+def sender() -> Sender | None:
+    """The sender set by ``set_sender`` (None: nothing leaves this rank, as under plain ``mpiexec``)."""
+    return _sending.sender
 
 
 def set_progress(state: dict[str, Any] | None) -> None:
-    """What ``taco.progress`` reports: ``{"n", "total", "desc", "elapsed_seconds"}`` (published with metrics)."""
-    _publishing.progress = state
+    """What ``taco.progress`` reports: ``{"n", "total", "desc", "elapsed_seconds"}`` (sent with metrics)."""
+    _sending.progress = state
 
 
-def maybe_publish(now: float | None = None) -> None:
-    """Publish if a publisher is set and the interval has passed: cheap enough to call every iteration."""
-    if _publishing.publisher is None:
+def progress_state() -> dict[str, Any] | None:
+    """The progress dict last set by ``set_progress``, itself, not a copy: a running ``taco.progress`` loop
+    updates its count in place (a dict update per iteration), and the next send reads it."""
+    return _sending.progress
+
+
+def maybe_send(now: float | None = None) -> None:
+    """Send if a sender is set and the interval has passed: cheap enough to call every iteration."""
+    if _sending.sender is None:
         return
-    if (now or time.perf_counter()) - _publishing.last >= _publishing.interval:
-        publish()
+    if (now or time.perf_counter()) - _sending.last >= _sending.interval:
+        send()
 
 
-def publish() -> None:
-    """Publish now (no-op without a publisher): the end of a loop or a cell must not wait for the interval."""
-    publisher = _publishing.publisher
-    if publisher is None:
+def send() -> None:
+    """Send now (no-op without a sender): the end of a loop or a cell must not wait for the interval."""
+    sender = _sending.sender
+    if sender is None:
         return
-    _publishing.last = time.perf_counter()
-    progress = _publishing.progress
-    publisher({"metrics": snapshot(), "progress": dict(progress) if progress is not None else None})
+    _sending.last = time.perf_counter()
+    progress = _sending.progress
+    sender({"metrics": snapshot(), "progress": dict(progress) if progress is not None else None})

@@ -1,7 +1,7 @@
 """``taco.progress(iterable)``: a tqdm-like loop wrapper whose bar is drawn by the notebook, not by the rank.
 
 Each rank counts its own iterations; under ``%%taco_run`` the count travels to the notebook with the metric
-snapshots (at most every publish interval, and once more when the loop ends) and the dashboard draws one bar for
+snapshots (at most every send interval, and once more when the loop ends) and the dashboard draws one bar for
 all ranks (the slowest rank's count: a synchronous job is as far as its slowest rank). Under plain ``mpiexec``
 rank 0 prints a line every ``print_every`` seconds and at the end.
 
@@ -54,24 +54,24 @@ class progress(Generic[T]):  # noqa: N801 - named like tqdm, used like a functio
     def __iter__(self) -> Iterator[T]:
         started = last_print = time.perf_counter()
         metrics.set_progress(self._state(started, started))
-        printing = metrics._publishing.publisher is None and _is_rank_zero()
+        printing = metrics.sender() is None and _is_rank_zero()
         try:
             for item in self.iterable:
                 yield item
                 self.n += 1
                 now = time.perf_counter()
-                state = metrics._publishing.progress
-                if state is not None:  # a plain dict update: the publisher reads it when it next sends
+                state = metrics.progress_state()
+                if state is not None:  # a plain dict update: the sender reads it when it next sends
                     state["n"] = self.n
                     state["elapsed_seconds"] = now - started
-                metrics.maybe_publish(now)
+                metrics.maybe_send(now)
                 if printing and now - last_print >= self.print_every:
                     last_print = now
                     self._print(now - started)
         finally:
             now = time.perf_counter()
             metrics.set_progress(self._state(started, now))
-            metrics.publish()
+            metrics.send()
             if printing:
                 self._print(now - started)
 

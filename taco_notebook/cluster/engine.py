@@ -1,0 +1,150 @@
+"""Everything the kernel asks an engine to do.
+
+The notebook kernel drives its engines only through the plain functions below, called with
+``view.apply(engine.func, ...)`` (``apply_sync`` where the kernel needs the answer, ``apply_async`` where it
+only needs the order): the user's cell is the one thing sent as source. A module-level function travels as
+its code and runs on the engine with this module's globals (ipyparallel re-imports the module there), so
+the engine's state (the metrics sender) lives here and a rename fails at import, not in a cell at run time.
+
+What ``taco`` is on the engines is defined here, in :func:`setup_namespace`: the rank's API,
+:mod:`taco_notebook.comm` (``taco.rank()``, ``taco.allreduce``…), as in ``import taco_notebook.comm as taco``
+under plain ``mpiexec``. In the notebook itself ``%load_ext taco_notebook`` binds ``taco`` to the package
+:mod:`taco_notebook` (``taco.dashboard()``): the kernel has no rank, so it has no rank API.
+
+The engine's side of the live dashboard is here too: while a cell runs, ``taco.metrics`` hands snapshots to
+the sender installed by :func:`begin_cell`, which sends them on the engine's IOPub as an ipyparallel
+``data_message``; they land in the cell's ``AsyncResult`` metadata (``md["data"][KEY]``, latest value
+wins), which the kernel's wait loop (``run.py``) reads. After every execution the engine sends once more if
+anything changed, so the dashboard's final picture is the cell's true end state, not the last throttled one.
+
+The user namespace is reached as ``get_ipython().user_ns`` (the dict ipyparallel runs cells and applied
+functions in) rather than through ``@interactive``, which would rebuild a function with the user namespace
+as its globals and so cut it off from this module's state and helpers.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+__all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
+           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result"]
+
+KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
+SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
+RESULT_NAME = "__taco_result__"  # the kernel rewrites a cell's last expression into an assignment to it
+UNPICKLABLE = "__taco_unpicklable__"  # fetch_result's mark for a value that cannot travel: (UNPICKLABLE, repr)
+
+
+def _shell() -> Any:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        raise RuntimeError("taco_notebook.cluster.engine runs on ipyparallel engines, which have an IPython shell")
+    return shell
+
+
+class _Sender:
+    """The metrics sender: remembers what it last sent so the post-execute flush sends only news."""
+
+    def __init__(self) -> None:
+        self.sent: tuple[int, Any] | None = None
+
+    def __call__(self, payload: dict[str, Any]) -> None:
+        from ipyparallel.datapub import publish_data
+
+        progress = payload.get("progress")
+        self.sent = (payload["metrics"]["steps"], progress and progress.get("n"))
+        publish_data({KEY: payload})
+
+    def flush(self) -> None:
+        """post_execute: send the end state if steps or progress moved since the last send."""
+        from ..comm import metrics
+
+        if metrics.sender() is not self:
+            return
+        progress = metrics.progress_state()
+        now = (metrics.steps(), progress and progress.get("n"))
+        if now != self.sent and (now[0] or progress is not None):
+            metrics.send()
+
+
+_sender = _Sender()
+
+
+def setup_namespace() -> None:
+    """Once per engine at cluster start: ``taco`` and ``torch`` in the user namespace, the process group up,
+    and the end-of-execution flush of the metrics sender installed."""
+    import torch
+
+    import taco_notebook.comm as taco
+
+    shell = _shell()
+    # Plain tracebacks: IPython's richer modes cache every failed frame's variables, the process group among
+    # them, and a group kept alive keeps its sockets open: peers blocked on a failed rank would never be
+    # released (abort() clears the frames, not those caches).
+    shell.run_line_magic("xmode", "Plain")
+    shell.user_ns.update(taco=taco, torch=torch)  # what a cell sees as `taco`: the rank's API (module docstring)
+    taco.init()
+    if _sender.flush not in shell.events.callbacks["post_execute"]:
+        shell.events.register("post_execute", _sender.flush)
+
+
+def rank_info() -> dict[str, Any]:
+    """This engine's rank, host, pid, placement and what its host offers (a ``RankInfo``'s fields)."""
+    from ..comm import topology
+    from ..comm.hardware import gpu_names, hugepages, visible_gpus
+
+    topo = topology()
+    return {"rank": topo.rank, "host": topo.hostname, "pid": os.getpid(),
+            "local_rank": topo.local_rank, "node": topo.node, "gpus": visible_gpus(), "hugepages": hugepages(),
+            "gpu_names": gpu_names()}
+
+
+def begin_cell(dashboard: bool = True, interval: float = SEND_S) -> None:
+    """Before a ``%%taco_run`` cell: count from zero, and send metrics only if the cell has a dashboard."""
+    from ..comm import metrics
+
+    metrics.reset()
+    _sender.sent = None
+    metrics.set_sender(_sender if dashboard else None, interval)
+
+
+def configure_cell(settings: dict[str, Any]) -> None:
+    """``taco.configure(**settings)`` for the next cell (``%%taco_run --algorithm/--compression/--fusion-mb``)."""
+    from ..comm import configure
+
+    configure(**settings)
+
+
+def reset_settings() -> None:
+    """After such a cell: back to the rank's defaults (``taco.configure(reset=True)``)."""
+    from ..comm import configure
+
+    configure(reset=True)
+
+
+def reinit() -> None:
+    """Rebuild the process group (collective: every rank) after a cell that failed, was interrupted or aborted."""
+    from ..comm import reinit as _reinit
+
+    _reinit()
+
+
+def abort() -> None:
+    """Drop this rank's process group now so peers blocked on it fail fast (not collective; see bootstrap.abort)."""
+    from ..comm.bootstrap import abort as _abort
+
+    _abort()
+
+
+def fetch_result() -> Any:
+    """The value of the cell's last expression on this rank, or ``(UNPICKLABLE, repr)`` if it cannot travel."""
+    value = _shell().user_ns.get(RESULT_NAME)
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - any pickling failure: the notebook shows the repr instead
+        return (UNPICKLABLE, repr(value))
+    return value
