@@ -1,0 +1,142 @@
+"""The package's import structure: no import loops between modules, and no lower layer importing a higher one.
+
+Layers, lowest first (DESIGN.md): ``errors`` and ``model`` (no imports from the package) < ``comm`` (runs on
+every rank under plain mpiexec: no IPython, widgets, cluster) < ``widgets`` (renders what it is handed) <
+``cluster`` < ``server`` < ``magics`` < the package root. Imports inside functions count as much as those at
+the top (a lazy import is still a dependency); imports under ``if TYPE_CHECKING:`` do not. Read from the
+source with :mod:`ast`, so a loop is found whether or not a test happens to execute it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import taco_notebook
+
+PACKAGE = Path(taco_notebook.__file__).parent
+LAYERS = ["_version", "errors", "model", "comm", "widgets", "cluster", "server", "magics"]
+RANK = {"_version": 0, "errors": 0, "model": 0, "comm": 1, "widgets": 2, "cluster": 3, "server": 4, "magics": 5}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "labextension" not in p.parts}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports (outside TYPE_CHECKING blocks)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "taco_notebook")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "taco_notebook":
+                for alias in node.names:  # "from . import session" imports the submodule
+                    sub = f"{target}.{alias.name}"
+                    found.add(sub if sub in known else target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m in known and m != name}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANK else None
+
+
+def test_the_graph_is_read(graph: dict[str, set[str]]) -> None:
+    """The reader sees real edges (a parser that found nothing would pass every other test)."""
+    assert "taco_notebook.comm.config" in graph["taco_notebook.comm"]
+    assert "taco_notebook.cluster.session" in graph["taco_notebook.cluster.run"]
+    assert all(layer in {_layer(m) for m in graph} for layer in LAYERS)
+
+
+def test_no_lower_layer_imports_a_higher_one(graph: dict[str, set[str]]) -> None:
+    wrong = []
+    for module, targets in graph.items():
+        layer = _layer(module)
+        if layer is None:
+            continue
+        for target in targets:
+            other = _layer(target)
+            if target == "taco_notebook" or (other is not None and other != layer and RANK[other] >= RANK[layer]):
+                wrong.append(f"{module} ({layer}) imports {target} ({other or 'the package root'})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_loops(graph: dict[str, set[str]]) -> None:
+    """Tarjan's strongly connected components: any component of more than one module is a loop. A package's
+    ``__init__`` importing its own submodules (which import their siblings) is not one: only edges that leave the
+    package __init__ upward count."""
+    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    loops: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            connect(v)
+    assert not loops, "import loops: " + "; ".join(" <-> ".join(c) for c in loops)
+
+
+def test_no_module_over_400_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if "labextension" not in p.parts and (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines (split them): {long}"
