@@ -14,7 +14,7 @@ rendezvous keys, so the store decides who can join. Hence:
   address the hostname resolves to). torch's own TCPStore listens on every interface whatever host it is
   given; binding the socket here and handing torch its descriptor (``master_listen_fd``) keeps it on that one.
 
-What listens, after this (measured with mpich 5.0.2 and torch 2.13, see tests/test_rendezvous.py):
+What listens, after this (measured with mpich 5.0.2 and torch 2.13, see tests/comm/test_rendezvous.py):
 
 - one host: each rank's gloo pairs on 127.0.0.1 (one ephemeral port per rank, while the group lives). MPI
   ranks: nothing, with ``UCX_TLS=self,sm`` (``TacoCluster`` sets it; so does :func:`keep_mpi_local` on

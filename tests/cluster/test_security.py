@@ -33,10 +33,10 @@ from taco_notebook.cluster.session import TacoCluster, clusters
 from taco_notebook.server.manager import ClusterManager, UnsafeRegistry
 from taco_notebook.server.requests import MAX_BODY_BYTES
 
-from . import test_server
-from .conftest import cluster_pids
+from ..conftest import cluster_pids
+from ..server import test_server
+from ..server.test_server import API, Fetch
 from .test_registry import dead_pid, make_entry, wait_for
-from .test_server import API, Fetch
 
 # the REST fixtures of test_server.py (a server with the extension, its manager, a registry of the test's own)
 api, manager, registry_dir, jp_server_config = (test_server.api, test_server.manager, test_server.registry_dir,

@@ -40,9 +40,9 @@ from taco_notebook.cluster.mpijob import (
     to_yaml,
 )
 
-from .k8s_checks import check_against_crd, check_object_meta, check_pod_template, crd_schema, model_mismatches
+from ..k8s_checks import check_against_crd, check_object_meta, check_pod_template, crd_schema, model_mismatches
 
-CRD_FILE = Path(__file__).parent / "data" / "kubeflow.org_mpijobs.yaml"
+CRD_FILE = Path(__file__).parents[1] / "data" / "kubeflow.org_mpijobs.yaml"
 CONTROLLER: dict[str, Any] = {"controller_address": "10.0.0.5", "controller_port": 45123}
 # (ranks, GPUs per node, hugepages, MPI) -> workers: 1x8, 2x8, 16 nodes x 8, with and without huge pages
 SHAPES = [

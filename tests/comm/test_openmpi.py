@@ -16,9 +16,9 @@ import pytest
 
 from taco_notebook.cluster.mpi import find_mpi, mpi4py_environment
 
-from .openmpi import OpenMPI, prepare_openmpi
+from ..openmpi import OpenMPI, prepare_openmpi
 
-SCRIPTS = Path(__file__).parent / "mpi"
+SCRIPTS = Path(__file__).parents[1] / "mpi"
 # one write() per rank, so the ranks' lines cannot interleave in mpiexec's output
 MISMATCH_SCRIPT = "import os, taco_notebook.comm as taco; os.write(1, f'size {taco.size()}\\n'.encode())"
 

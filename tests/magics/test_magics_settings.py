@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from taco_notebook.cluster.session import clusters
 from taco_notebook.magics.settings import TacoSettings
 
-from .conftest import session_processes
+from ..conftest import session_processes
 
 pytestmark = pytest.mark.cluster
 

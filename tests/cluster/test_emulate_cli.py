@@ -31,7 +31,7 @@ from taco_notebook.emulate import parse_spec
 
 from .test_emulated import MPIEXEC, NETNS_SKIP
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SSH_SKIP = NETNS_SKIP or next((f"needs `{tool}` (apt-get install -y openssh-server)" for tool in ("ssh", "ssh-keygen")
                                if shutil.which(tool) is None), None)
 if SSH_SKIP is None and find_sshd() is None:

@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 
-from .conftest import session_processes
+from ..conftest import session_processes
 
 pytestmark = pytest.mark.cluster
 

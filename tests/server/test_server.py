@@ -35,8 +35,8 @@ from taco_notebook.cluster.session import TacoCluster
 from taco_notebook.server import MANAGER_SETTING, handlers
 from taco_notebook.server.manager import ClusterManager
 
-from . import test_registry
-from .test_registry import dead_pid, make_entry, wait_for
+from ..cluster import test_registry
+from ..cluster.test_registry import dead_pid, make_entry, wait_for
 
 sleeper = test_registry.sleeper  # a fixture: processes that stand in for a dead kernel's leftovers
 

@@ -13,7 +13,7 @@ import pytest
 
 import taco_notebook
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTENSION_NAME = "taco-notebook"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-SCRIPTS = Path(__file__).parent / "mpi"
+SCRIPTS = Path(__file__).parents[1] / "mpi"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 from taco_notebook.comm.topology import Topology, intra_size_from_env
 
-SCRIPTS = Path(__file__).parent / "mpi"
+SCRIPTS = Path(__file__).parents[1] / "mpi"
 
 
 def run_mpi(mpiexec: str, n: int, script: str, env: dict[str, str] | None = None,

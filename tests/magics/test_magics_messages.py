@@ -17,7 +17,7 @@ from taco_notebook.cluster.reporting import error_kinds, error_line, ranks_phras
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import RankFailedError
 
-from .conftest import session_processes
+from ..conftest import session_processes
 from .test_magics import engine_pids
 
 pytestmark = pytest.mark.cluster

@@ -31,7 +31,7 @@ from taco_notebook.cluster.slurm_launchers import (
     wait_for_engines,
 )
 
-from .slurm import PARTITION, SlurmCluster, slurm  # noqa: F401 - the fixture
+from ..slurm import PARTITION, SlurmCluster, slurm  # noqa: F401 - the fixture
 
 ENGINE_CMD = [sys.executable, "-m", "taco_notebook.cluster.rankwrap", sys.executable, "-m", "ipyparallel.engine"]
 

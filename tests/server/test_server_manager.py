@@ -16,8 +16,8 @@ from taco_notebook.cluster import registry_files as registry
 from taco_notebook.server.manager import BadRequest, ClusterManager, Conflict, NotFound
 from taco_notebook.server.requests import parse_scale_request, parse_start_request
 
-from . import test_registry
-from .test_registry import dead_pid, make_entry
+from ..cluster import test_registry
+from ..cluster.test_registry import dead_pid, make_entry
 
 sleeper = test_registry.sleeper  # a fixture: processes that stand in for a dead kernel's leftovers
 

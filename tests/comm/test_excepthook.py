@@ -14,7 +14,7 @@ import pytest
 
 from taco_notebook.errors import RankFailedError
 
-SCRIPTS = Path(__file__).parent / "mpi"
+SCRIPTS = Path(__file__).parents[1] / "mpi"
 
 
 @pytest.mark.parametrize("block_in", ["mpi", "taco"])

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from .conftest import session_processes
+from ..conftest import session_processes
 
 pytestmark = pytest.mark.cluster
 

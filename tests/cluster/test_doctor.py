@@ -32,11 +32,11 @@ from taco_notebook.cluster.doctor import (
     require_hugepages,
 )
 from taco_notebook.cluster.mpi import find_mpi
+from taco_notebook.cluster.nodefacts import _parse_gpu_csv, library_identity, node_facts
 from taco_notebook.comm import hardware
 from taco_notebook.comm.linkspeed import measure_link, receive, send, start_receiver
-from taco_notebook.cluster.nodefacts import _parse_gpu_csv, library_identity, node_facts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 POOL_2M = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to reserve huge pages and mount hugetlbfs")

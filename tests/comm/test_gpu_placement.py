@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from taco_notebook.comm import hardware
-from taco_notebook.comm import placement
+from taco_notebook.comm import hardware, placement
 from taco_notebook.comm.mpicheck import launcher_size, mismatch_message
 from taco_notebook.comm.placement import PlacementError, backend_for, check_gpus, decide, launcher_local
 
-SCRIPTS = Path(__file__).parent / "mpi"
+SCRIPTS = Path(__file__).parents[1] / "mpi"
 
 
 @pytest.fixture
