@@ -15,6 +15,7 @@ directory's owner wrote it and its size passes :func:`~taco_notebook.cluster.lim
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -52,6 +53,7 @@ def _unlink(path: Path) -> None:
         pass
 
 
+@functools.lru_cache(maxsize=4)  # only this process's own pid is asked: its start time never changes
 def _create_time(pid: int) -> float | None:
     import psutil
 
@@ -83,7 +85,9 @@ def write_entry(cluster: TacoCluster, directory: Path) -> None:
     model = cluster.model()
     entry: RegistryEntry = {
         "model": model, "owner_create_time": _create_time(os.getpid()),
-        "processes": [(p.pid, p.create_time()) for p in cluster.processes if _create_time(p.pid)],
+        # create_time() is cached by psutil: no /proc reads per write (a cell writes twice). A process that died
+        # since stays listed; readers judge every (pid, create time) themselves, so a reused pid is never taken.
+        "processes": [(p.pid, p.create_time()) for p in cluster.processes],
         "rank_pids": [(r.rank, r.pid) for r in cluster.ranks],
     }
     write_atomic(entry_path(directory, model["id"]), entry)
