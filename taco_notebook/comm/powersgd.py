@@ -182,9 +182,9 @@ class PowerSGDCompressor(Compressor):
             residual = self.state.residuals[key] = flat.new_zeros(rows * cols, dtype=dtype)
         elif residual.numel() != rows * cols or residual.dtype != dtype or residual.device != flat.device:
             raise ValueError(
-                f"key {key!r} was a {rows}x{cols}-viewed tensor on {residual.device}, now {tensor.shape} "
-                f"{tensor.dtype} on {flat.device}; call state.reset({key!r}) after changing buckets, or use "
-                "a different key")
+                f"key {key!r} holds a {residual.numel()}-element {residual.dtype} residual on {residual.device}, "
+                f"now a {tuple(tensor.shape)} {tensor.dtype} tensor ({rows}x{cols}) on {flat.device}; call "
+                f"state.reset({key!r}) after changing buckets, or use a different key")
         residual[:numel].add_(flat)
         return residual.view(rows, cols)
 
@@ -297,4 +297,5 @@ def parse_powersgd(spec: str) -> PowerSGDCompressor:
             numbers[what] = -1
         if numbers[what] < low:
             raise ValueError(f"powersgd {what} in {spec!r} must be an integer >= {low}, got {value!r}; {_USAGE}")
-    return PowerSGDCompressor(**numbers)
+    return PowerSGDCompressor(numbers["rank"], warmup=numbers.get("warmup", DEFAULT_POWERSGD_WARMUP),
+                              min_size=numbers.get("min_size", DEFAULT_POWERSGD_MIN_SIZE))
