@@ -10,7 +10,9 @@ Per variant: median over ``--iters`` (after ``--warmup``, which also lets PowerS
 warm-start Q) of the slowest rank's time. ``allreduce``: ``taco.allreduce`` of a float32 buffer of
 ``--size-mib``. ``step``: forward, backward and ``DistributedOptimizer.step()`` of a bias-free
 ``Linear(k, k)`` holding ``--size-mib`` of parameters, batch 32 per rank (the gradient is rank <= 32*4, a
-best case for PowerSGD's accuracy, not for its speed: the cost is the same for any gradient).
+best case for PowerSGD's accuracy, not for its speed: the cost is the same for any gradient). The ``ddp``
+rows run the same step under DistributedDataParallel: plain, with torch's PowerSGD hook (rank 4) and with
+taco's hook (``powersgd:4``, flat).
 """
 
 from __future__ import annotations
@@ -90,10 +92,42 @@ def worker(args: argparse.Namespace) -> None:
             er.write_result(args.worker, result)
             print(f"{label}: allreduce {row['allreduce_s'] * 1e3:.1f} ms, step {row['step_s'] * 1e3:.1f} ms",
                   flush=True)
+    for label, hook in (("ddp", None), ("ddp+torch powersgd:4", "torch"), ("ddp+taco powersgd:4", "taco")):
+        row = {"variant": label, "allreduce_s": None, "step_s": slowest(ddp_step(side, x, hook))}
+        if rank == 0:
+            result["rows"].append(row)
+            er.write_result(args.worker, result)
+            print(f"{label}: step {row['step_s'] * 1e3:.1f} ms", flush=True)
     if rank == 0:
         result["complete"] = True
         er.write_result(args.worker, result)
     er.shutdown_process_group(taco)
+
+
+def ddp_step(side: int, x: Any, hook: str | None) -> Any:
+    """One DDP training step (one bucket: gloo fails torch's PowerSGD hook with several, ENVIRONMENT.md),
+    plain, with torch's PowerSGD hook (rank 4, compressing from the 2nd step) or with taco's hook."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    import taco_notebook.comm as taco
+
+    model = DistributedDataParallel(torch.nn.Linear(side, side, bias=False), bucket_cap_mb=64)
+    if hook == "torch":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                            start_powerSGD_iter=2, min_compression_rate=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook == "taco":
+        model.register_comm_hook(taco.hooks.TacoHookState(compression="powersgd:4:warmup=0", algorithm="flat"),
+                                 taco.hooks.allreduce_hook)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        sgd.zero_grad()
+        model(x).square().mean().backward()
+        sgd.step()
+    return step
 
 
 def report(args: argparse.Namespace, result: dict[str, Any], meta: dict[str, Any]) -> tuple[str, Any, str]:
@@ -101,7 +135,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], meta: dict[str, Any
     fp16 = {r["variant"].split("+")[0]: r for r in rows if r["variant"].endswith("+fp16")}
     table = er.markdown_table(
         ["variant", "allreduce ms", "step ms", "step vs fp16 (same algorithm)"],
-        [[r["variant"], f"{r['allreduce_s'] * 1e3:.1f}", f"{r['step_s'] * 1e3:.1f}",
+        [[r["variant"], f"{r['allreduce_s'] * 1e3:.1f}" if r["allreduce_s"] else "", f"{r['step_s'] * 1e3:.1f}",
           f"{fp16[r['variant'].split('+')[0]]['step_s'] / r['step_s']:.2f}×"
           if r["variant"].split("+")[0] in fp16 else ""] for r in rows])
     caption = (f"{args.size_mib:g} MiB of float32 gradients, {meta['world_size']} ranks ({er.describe_setup(args)}); "
