@@ -155,6 +155,24 @@ def test_bad_use_is_a_clear_error() -> None:
             PowerSGDCompressor(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (checks device placement and host syncs)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_stays_on_the_device_without_host_syncs(dtype: torch.dtype) -> None:
+    t = torch.outer(_randn(512, seed=11), _randn(256, seed=12)).to("cuda", dtype)
+    c = _psgd(4)
+    c.compress(t, "g")  # the first call makes the seeded Q on the host and copies it over, once
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call from here on raises
+    try:
+        for _ in range(3):
+            payload, ctx = c.compress(t, "g")
+            out = c.decompress(payload, ctx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.device == t.device and out.dtype == dtype
+    assert c.state.residuals["g"].device == t.device and c.state.residuals["g"].dtype == torch.float32
+    torch.testing.assert_close(out.float(), t.float(), rtol=2e-2, atol=2e-2)
+
+
 # --- specs ----------------------------------------------------------------------------------------------
 
 

@@ -50,6 +50,14 @@ for algorithm, rows, cols in (("flat", 64, 64), ("2d", 64, 32)):
     err = float((g - want).norm() / want.norm())
     assert err < 1e-5, (algorithm, err)
 
+# --- half-precision gradients: factors in float32, the result back in the gradient's dtype, the same everywhere
+for dtype in (torch.float16, torch.bfloat16):
+    g = torch.outer(u, torch.linspace(-1, 1, 64) * (r + 1)).reshape(-1).to(dtype)
+    want = torch.outer(u, torch.linspace(-1, 1, 64) * sum(range(1, n + 1))).reshape(-1)
+    taco.allreduce(g, compression=SPEC, algorithm="flat", name=("half", str(dtype)))
+    assert g.dtype == dtype and same_everywhere(g), dtype
+    assert float((g.float() - want).abs().max() / want.abs().max()) < 2e-2, dtype
+
 # --- error feedback keeps what was not sent: sent_r + residual_r = g_r, and the result is the sum of sent_r
 compressor = compressor_for(SPEC)
 for algorithm in ("flat", "2d"):
