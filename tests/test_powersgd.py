@@ -137,14 +137,17 @@ def test_does_not_modify_its_input_and_reset_forgets() -> None:
     assert c.state.residuals == c.state.qs == c.state.steps == {}
 
 
-def test_bad_use_is_a_clear_error() -> None:
+def test_bad_use_is_a_clear_error_and_a_changed_key_starts_over() -> None:
     c = _psgd(2)
     with pytest.raises(ValueError, match="needs a key naming the tensor"):
         c.compress(_randn(20, 20))
     c.compress(_randn(20, 20), "g")
-    changed = r"key 'g' holds a 400-element torch.float32 residual on cpu, now a \(30, 30\) .*state.reset\('g'\)"
-    with pytest.raises(ValueError, match=changed):
-        c.compress(_randn(30, 30), "g")
+    c.compress(_randn(20, 20), "g")
+    assert c.state.steps["g"] == 2
+    # A key whose tensor changed size (DDP's rebuilt buckets, a new model in a re-run cell) starts over.
+    t = torch.outer(_randn(30, seed=1), _randn(30, seed=2))
+    torch.testing.assert_close(_round_trip(c, t), t, rtol=1e-5, atol=1e-5)
+    assert c.state.steps["g"] == 1 and c.state.residuals["g"].numel() == 900 and c.state.qs["g"].shape == (30, 2)
     payload, ctx = c.compress(_randn(20, 20), "h")
     with pytest.raises(TypeError, match="needs a PowerSGDContext"):
         c.decompress(payload, None)

@@ -160,6 +160,22 @@ class PowerSGDCompressor(Compressor):
     def _count(self, key: Hashable | None) -> None:
         self.state.steps[key] = self.state.steps.get(key, 0) + 1
 
+    def _forget_if_changed(self, tensor: torch.Tensor, key: Hashable | None) -> None:
+        """Start ``key`` over when its tensor changed size, dtype or device since the last call.
+
+        Why not an error (as TopK raises): the allreduce cannot tell when buckets change under a key (DDP
+        rebuilds its buckets after the first iteration; a notebook re-runs a cell with another model), and
+        every rank of the group sees the same change at the same call, so all of them start over alike.
+        A same-size tensor under a reused key keeps the old residual: reset the key for a new model.
+        """
+        rows, cols = matrix_shape(tensor.shape)
+        residual, q = self.state.residuals.get(key), self.state.qs.get(key)
+        if residual is not None and (residual.numel() != rows * cols or residual.device != tensor.device
+                                     or residual.dtype != _compute_dtype(tensor.dtype)):
+            self.state.reset(key)
+        elif q is not None and (q.shape[0] != cols or q.device != tensor.device):
+            self.state.reset(key)
+
     # ------------------------------------------------------------ the power iteration
     def _matrix(self, tensor: torch.Tensor, key: Hashable | None, rows: int, cols: int) -> torch.Tensor:
         """``tensor`` (plus ``key``'s residual) as a ``rows x cols`` matrix in the compute dtype.
@@ -180,21 +196,16 @@ class PowerSGDCompressor(Compressor):
         residual = self.state.residuals.get(key)
         if residual is None:
             residual = self.state.residuals[key] = flat.new_zeros(rows * cols, dtype=dtype)
-        elif residual.numel() != rows * cols or residual.dtype != dtype or residual.device != flat.device:
-            raise ValueError(
-                f"key {key!r} holds a {residual.numel()}-element {residual.dtype} residual on {residual.device}, "
-                f"now a {tuple(tensor.shape)} {tensor.dtype} tensor ({rows}x{cols}) on {flat.device}; call "
-                f"state.reset({key!r}) after changing buckets, or use a different key")
         residual[:numel].add_(flat)
         return residual.view(rows, cols)
 
     def _start_q(self, key: Hashable | None, matrix: torch.Tensor) -> torch.Tensor:
         """The warm-start Q of ``key``, or the seeded first one (the same on every rank)."""
         q = self.state.qs.get(key)
-        cols, rank = matrix.shape[1], self.state.rank
-        if q is None or q.shape != (cols, rank):
+        if q is None:
             generator = torch.Generator().manual_seed(self.state.seed)
-            q = torch.randn(cols, rank, generator=generator, dtype=matrix.dtype).to(matrix.device)
+            q = torch.randn(matrix.shape[1], self.state.rank, generator=generator, dtype=matrix.dtype)
+            q = q.to(matrix.device)
         return q
 
     def _factorise(self, tensor: torch.Tensor, key: Hashable | None,
@@ -220,6 +231,7 @@ class PowerSGDCompressor(Compressor):
 
     # ------------------------------------------------------------ the Compressor interface
     def _compress(self, tensor: torch.Tensor, key: Hashable | None) -> tuple[Payload, Any]:
+        self._forget_if_changed(tensor, key)
         rows, cols = matrix_shape(tensor.shape)
         lowrank = self.compresses(tensor, key)
         self._count(key)
@@ -248,6 +260,7 @@ class PowerSGDCompressor(Compressor):
         On ``2d`` the group is the cross-node one, so only what crosses nodes is compressed. Tensors left
         dense (small, warming up) take the base class's dense allreduce.
         """
+        self._forget_if_changed(shard, key)
         lowrank = self.compresses(shard, key)
         self._count(key)
         raw = shard.numel() * shard.element_size()
