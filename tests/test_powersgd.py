@@ -216,8 +216,8 @@ def test_bad_specs(spec: str, message: str) -> None:
 
 
 def test_powersgd_on_four_ranks_flat_and_2d(mpiexec):
-    """Identical replicas, rank-1 exactness, error feedback, DistributedOptimizer and DDP training (the
-    checks are in tests/mpi/powersgd.py; ~50 s on 2 busy cores)."""
+    """Identical replicas, rank-1 exactness, half precision, error feedback, per-tensor layouts,
+    DistributedOptimizer and DDP training (the checks are in tests/mpi/powersgd.py; ~60 s on 2 busy cores)."""
     import os
 
     env = {**os.environ, "LIGHT_INTRA_SIZE": "2"}
@@ -226,7 +226,8 @@ def test_powersgd_on_four_ranks_flat_and_2d(mpiexec):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(line for line in result.stdout.splitlines() if line.startswith("OK")) == [
         f"OK {r}" for r in range(4)]
-    assert "flat: loss after 300 steps" in result.stdout and "2d: loss after 300 steps" in result.stdout
+    for line in ("flat: loss after 300 steps", "2d: loss after 300 steps", "momentum 0.9, per-tensor layout"):
+        assert line in result.stdout, result.stdout
 
 
 @pytest.mark.cluster
