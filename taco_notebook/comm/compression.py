@@ -1,4 +1,4 @@
-"""Gradient compression for communication: none, fp16, bf16 and TopK with error feedback.
+"""Gradient compression for communication: none, fp16, bf16, TopK and PowerSGD (both with error feedback).
 
 The interface follows Horovod's ``horovod/torch/compression.py``: ``compress(tensor, key)`` returns
 ``(payload, ctx)``; the payload goes on the wire, ``ctx`` stays on this rank, and ``decompress(payload, ctx)``
@@ -7,7 +7,8 @@ steps so that TopK can keep a residual per tensor (error feedback), in a slotted
 ``PowerSGDState`` does. Every compressor counts raw and wire bytes in :class:`CompressionStats`.
 
 Imports only torch and the standard library: this module runs on every rank. Specs are parsed in
-:mod:`.specs`; each compressor also owns how its payload is reduced across ranks (:meth:`Compressor.reduce`).
+:mod:`.specs` (``powersgd:RANK`` in :mod:`.powersgd`); each compressor also owns how its payload is reduced
+across ranks (:meth:`Compressor.reduce`). The interface itself lives in :mod:`.compressor`.
 
 >>> c = parse_compression("topk:0.01:threshold=0")
 >>> payload, ctx = c.compress(grad, key="fc.weight")   # payload = [values, int32/int64 indices]
@@ -17,15 +18,15 @@ Imports only torch and the standard library: this module runs on every rank. Spe
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .reduction import Reduced, all_gather, ring_sends, spread
+from .compressor import CompressionStats, Compressor, Payload
+from .powersgd import PowerSGDCompressor, parse_powersgd
+from .reduction import Reduced, all_gather, spread
 from .specs import (
     DEFAULT_TOPK_RATIO,
     DEFAULT_TOPK_THRESHOLD,
@@ -35,111 +36,11 @@ from .specs import (
 )
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor", "TopKState",
-           "TopKContext", "CompressionStats", "Payload", "DEFAULT_TOPK_THRESHOLD", "DEFAULT_TOPK_RATIO",
-           "parse_compression", "compression_from_env", "build"]
-
-Payload = list[torch.Tensor] | torch.Tensor
+           "TopKContext", "PowerSGDCompressor", "CompressionStats", "Payload", "DEFAULT_TOPK_THRESHOLD",
+           "DEFAULT_TOPK_RATIO", "parse_compression", "compression_from_env", "build"]
 
 # Entries sampled to estimate the top-k threshold of a large tensor (see _top_indices).
 _SAMPLE_SIZE = 1 << 17
-
-
-def _nbytes(payload: Payload) -> int:
-    tensors = [payload] if isinstance(payload, torch.Tensor) else payload
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@dataclass
-class CompressionStats:
-    """Bytes before and after compression, accumulated over every ``compress()`` call.
-
-    ``ratio`` is raw / wire (100.0 means the wire carries 1% of the bytes); it is 1.0 before any bytes passed.
-    Read by the metrics layer once per step; ``reset()`` starts a new window.
-    """
-
-    tensors: int = 0
-    raw_bytes: int = 0
-    wire_bytes: int = 0
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
-
-    def add(self, raw_bytes: int, wire_bytes: int) -> None:
-        self.tensors += 1
-        self.raw_bytes += raw_bytes
-        self.wire_bytes += wire_bytes
-
-    def reset(self) -> None:
-        self.tensors = self.raw_bytes = self.wire_bytes = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return {"tensors": self.tensors, "raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes,
-                "ratio": self.ratio}
-
-
-class Compressor(ABC):
-    """Turns a tensor into a wire payload and back.
-
-    Subclasses implement ``_compress`` and ``decompress``; :meth:`compress` checks the input, runs without
-    autograd and records :attr:`stats`. ``decompress`` may return the payload itself (no copy) when nothing
-    was changed, as Horovod's compressors do.
-    """
-
-    name: str = "abstract"
-
-    def __init__(self) -> None:
-        self.stats = CompressionStats()
-
-    def compress(self, tensor: torch.Tensor, key: Hashable | None = None) -> tuple[Payload, Any]:
-        """Compress ``tensor``; ``key`` names it across steps (needed by stateful compressors)."""
-        if not isinstance(tensor, torch.Tensor):
-            got = type(tensor).__name__
-            raise TypeError(f"{type(self).__name__}.compress needs a torch.Tensor, got {got}")
-        with torch.no_grad():
-            payload, ctx = self._compress(tensor, key)
-        self.stats.add(tensor.numel() * tensor.element_size(), self.wire_bytes(payload))
-        return payload, ctx
-
-    @abstractmethod
-    def _compress(self, tensor: torch.Tensor, key: Hashable | None) -> tuple[Payload, Any]: ...
-
-    @abstractmethod
-    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
-        """Rebuild a dense tensor with the shape and dtype ``compress`` saw."""
-
-    def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
-               me: int) -> Reduced:
-        """Sum ``shard`` over ``group`` (ranks ``peers``, this one ``me``) in place, sending it compressed.
-
-        The default suits dense payloads (none, fp16, bf16): an allreduce of the payload, then decompress.
-        A compressor whose payloads cannot be summed on the wire (TopK's values and indices, a low-rank
-        factorisation) overrides it; the allreduce algorithm only ever calls this method.
-        """
-        payload, ctx = self.compress(shard, key)
-        if not isinstance(payload, torch.Tensor):
-            raise TypeError(f"{type(self).__name__} makes multi-tensor payloads; it must override reduce()")
-        return self._reduce_dense(shard, payload, ctx, group, peers, me)
-
-    def _reduce_dense(self, shard: torch.Tensor, payload: torch.Tensor, ctx: Any, group: Any,
-                      peers: tuple[int, ...], me: int) -> Reduced:
-        """Allreduce a dense ``payload`` of ``shard`` and write the decompressed sum back into ``shard``."""
-        raw = shard.numel() * shard.element_size()
-        dist.all_reduce(payload, group=group)
-        reduced = self.decompress(payload, ctx)
-        if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
-            shard.copy_(reduced.view_as(shard))
-        wire = payload.numel() * payload.element_size()
-        sends = ring_sends(peers, me, wire)
-        factor = sum(sends.values()) / wire if wire else 0.0
-        return Reduced(int(factor * raw), sum(sends.values()), sends)
-
-    def wire_bytes(self, payload: Payload) -> int:
-        """Bytes ``payload`` occupies on the wire."""
-        return _nbytes(payload)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r}>"
 
 
 class NoneCompressor(Compressor):
@@ -377,13 +278,21 @@ def build(spec: CompressionSpec) -> Compressor:
 
 
 def parse_compression(spec: str | None) -> Compressor:
-    """Build a compressor from a spec: ``None``/``"none"``, ``"fp16"``, ``"bf16"``, ``"topk:RATIO"`` or
-    ``"topk:RATIO:threshold=N"`` (the ``--compression`` option of ``%%taco_run``; grammar in :mod:`.specs`).
+    """Build a compressor from a spec: ``None``/``"none"``, ``"fp16"``, ``"bf16"``, ``"topk:RATIO"``,
+    ``"topk:RATIO:threshold=N"`` (grammar in :mod:`.specs`) or ``"powersgd:RANK[:warmup=N][:min_size=N]"``
+    (:func:`.powersgd.parse_powersgd`): the ``--compression`` option of ``%%taco_run``.
 
     >>> parse_compression("topk:0.01:threshold=1000").name
     'topk:0.01:threshold=1000'
     """
-    return build(parse_compression_spec(spec))
+    if isinstance(spec, str) and spec.strip().lower().partition(":")[0] == "powersgd":
+        return parse_powersgd(spec)
+    try:
+        return build(parse_compression_spec(spec))
+    except ValueError as exc:
+        if not str(exc).startswith("unknown compression"):
+            raise
+        raise ValueError(f"{exc}, or powersgd:RANK (e.g. powersgd:4)") from None
 
 
 def compression_from_env(environ: Mapping[str, str] | None = None) -> Compressor:

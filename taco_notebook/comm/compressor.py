@@ -1,0 +1,121 @@
+"""The compressor interface: ``compress`` / ``decompress`` / ``reduce``, and the byte counts every compressor keeps.
+
+Split out of :mod:`.compression` so that compressors living in their own module (:mod:`.powersgd`) can
+subclass :class:`Compressor` while :mod:`.compression` still maps every spec to its class without an import
+loop. Imports only torch and the standard library: this module runs on every rank.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .reduction import Reduced, ring_sends
+
+__all__ = ["Compressor", "CompressionStats", "Payload", "payload_nbytes"]
+
+
+Payload = list[torch.Tensor] | torch.Tensor
+
+def payload_nbytes(payload: Payload) -> int:
+    """Bytes a payload (one tensor or several) occupies."""
+    tensors = [payload] if isinstance(payload, torch.Tensor) else payload
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class CompressionStats:
+    """Bytes before and after compression, accumulated over every ``compress()`` call.
+
+    ``ratio`` is raw / wire (100.0 means the wire carries 1% of the bytes); it is 1.0 before any bytes passed.
+    Read by the metrics layer once per step; ``reset()`` starts a new window.
+    """
+
+    tensors: int = 0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def add(self, raw_bytes: int, wire_bytes: int) -> None:
+        self.tensors += 1
+        self.raw_bytes += raw_bytes
+        self.wire_bytes += wire_bytes
+
+    def reset(self) -> None:
+        self.tensors = self.raw_bytes = self.wire_bytes = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"tensors": self.tensors, "raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes,
+                "ratio": self.ratio}
+
+
+class Compressor(ABC):
+    """Turns a tensor into a wire payload and back.
+
+    Subclasses implement ``_compress`` and ``decompress``; :meth:`compress` checks the input, runs without
+    autograd and records :attr:`stats`. ``decompress`` may return the payload itself (no copy) when nothing
+    was changed, as Horovod's compressors do.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.stats = CompressionStats()
+
+    def compress(self, tensor: torch.Tensor, key: Hashable | None = None) -> tuple[Payload, Any]:
+        """Compress ``tensor``; ``key`` names it across steps (needed by stateful compressors)."""
+        if not isinstance(tensor, torch.Tensor):
+            got = type(tensor).__name__
+            raise TypeError(f"{type(self).__name__}.compress needs a torch.Tensor, got {got}")
+        with torch.no_grad():
+            payload, ctx = self._compress(tensor, key)
+        self.stats.add(tensor.numel() * tensor.element_size(), self.wire_bytes(payload))
+        return payload, ctx
+
+    @abstractmethod
+    def _compress(self, tensor: torch.Tensor, key: Hashable | None) -> tuple[Payload, Any]: ...
+
+    @abstractmethod
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        """Rebuild a dense tensor with the shape and dtype ``compress`` saw."""
+
+    def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
+               me: int) -> Reduced:
+        """Sum ``shard`` over ``group`` (ranks ``peers``, this one ``me``) in place, sending it compressed.
+
+        The default suits dense payloads (none, fp16, bf16): an allreduce of the payload, then decompress.
+        A compressor whose payloads cannot be summed on the wire (TopK's values and indices, a low-rank
+        factorisation) overrides it; the allreduce algorithm only ever calls this method.
+        """
+        payload, ctx = self.compress(shard, key)
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} makes multi-tensor payloads; it must override reduce()")
+        return self._reduce_dense(shard, payload, ctx, group, peers, me)
+
+    def _reduce_dense(self, shard: torch.Tensor, payload: torch.Tensor, ctx: Any, group: Any,
+                      peers: tuple[int, ...], me: int) -> Reduced:
+        """Allreduce a dense ``payload`` of ``shard`` and write the decompressed sum back into ``shard``."""
+        raw = shard.numel() * shard.element_size()
+        dist.all_reduce(payload, group=group)
+        reduced = self.decompress(payload, ctx)
+        if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
+            shard.copy_(reduced.view_as(shard))
+        wire = payload.numel() * payload.element_size()
+        sends = ring_sends(peers, me, wire)
+        factor = sum(sends.values()) / wire if wire else 0.0
+        return Reduced(int(factor * raw), sum(sends.values()), sends)
+
+    def wire_bytes(self, payload: Payload) -> int:
+        """Bytes ``payload`` occupies on the wire."""
+        return payload_nbytes(payload)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
