@@ -117,6 +117,9 @@ class TopKState:
         # Local to this rank; must be reset when the fusion buckets or the membership change.
         self.residuals: dict[Hashable, torch.Tensor] = {}
 
+    def keys(self) -> list[Hashable]:
+        return list(self.residuals)
+
     def reset(self, key: Hashable | None = None) -> None:
         """Forget every residual, or only ``key``'s (after a restore, a re-bucketing or an elastic change)."""
         if key is None:

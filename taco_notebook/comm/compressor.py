@@ -8,7 +8,7 @@ loop. Imports only torch and the standard library: this module runs on every ran
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +112,20 @@ class Compressor(ABC):
         sends = ring_sends(peers, me, wire)
         factor = sum(sends.values()) / wire if wire else 0.0
         return Reduced(int(factor * raw), sum(sends.values()), sends)
+
+    def describe_buffer(self, name: Hashable, shapes: Sequence[Sequence[int]]) -> None:
+        """The buffers allreduced under ``name`` pack tensors of ``shapes``, in order (DistributedOptimizer
+        says so for each bucket). Compressors that see only flat buffers ignore it; PowerSGD compresses each
+        tensor as its own matrix."""
+        return None
+
+    def forget(self, name: Hashable) -> None:
+        """Drop what was kept for the allreduce named ``name`` (residuals, warm starts), so that a new model
+        reusing the name does not inherit an old one's. The algorithms key their shards ``(name, where)``."""
+        state = getattr(self, "state", None)
+        if state is not None:
+            for key in [k for k in state.keys() if isinstance(k, tuple) and k and k[0] == name]:
+                state.reset(key)
 
     def wire_bytes(self, payload: Payload) -> int:
         """Bytes ``payload`` occupies on the wire."""

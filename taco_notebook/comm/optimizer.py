@@ -75,6 +75,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buckets: list[Bucket] = build_buckets(reversed(_named(optimizer, named_parameters)),
                                                    int(mb * 1024 * 1024))
         self._bucket_of = bucket_of(self.buckets)
+        compressor = compressor_for(self.compression)
+        for bucket in self.buckets:  # a new model: nothing kept from the last one under the same bucket name
+            compressor.forget(("bucket", bucket.index))
+            compressor.describe_buffer(("bucket", bucket.index), [p.shape for p in bucket.params])
         self._passes: dict[Any, int] = {}
         self._waiting = [len(b.params) for b in self.buckets]  # per bucket: gradients still to come
         self._ready: set[int] = set()

@@ -17,9 +17,9 @@ Shapes: taco's allreduce hands a compressor flat 1-D buffers (a fusion bucket, o
 that crosses nodes), so a 1-D tensor is viewed as a near-square matrix (PyTorch's ``batched_powerSGD_hook``
 does the same with a DDP bucket); a tensor of 2 or more dimensions given to :meth:`compress` is viewed as
 ``(shape[0], rest)``, as PyTorch's per-parameter hook does, and so is each tensor of a flat buffer whose
-layout was registered (:meth:`PowerSGDCompressor.register_layout`, flat algorithm): much better with heavy
-momentum, where the square view of a fused bucket loses too much. Half-precision gradients are computed in float32
-(the QR and the residual); everything stays on the gradient's device, with no host synchronisation.
+layout is described (:meth:`PowerSGDCompressor.describe_buffer`, which DistributedOptimizer calls for each
+bucket; flat algorithm): much better with heavy momentum, where the square view of a fused bucket loses too
+much. Half precision is computed in float32 (QR, residual) on the gradient's device, with no host sync.
 
 Orthogonalisation is ``torch.linalg.qr``: on one CPU core it was 5-10x cheaper than Gram-Schmidt for
 2048 x 4 (24 us vs 233 us) up to 8192 x 16 (0.7 ms vs 2.9 ms), and a zero column (a gradient of lower rank
@@ -95,11 +95,14 @@ class PowerSGDState:
         self.qs: dict[Hashable, torch.Tensor] = {}
         # key -> calls so far, for the warm-up.
         self.steps: dict[Hashable, int] = {}
-        # allreduce name -> shapes of the tensors its flat buffer packs (register_layout): each is then
+        # allreduce name -> shapes of the tensors its flat buffer packs (describe_buyout): each is then
         # its own matrix, as in PyTorch's per-parameter hook. A layer's gradient is low-rank as (out, in),
         # not as a square cut of a fused bucket: with momentum 0.9 rank 4 ended +5% above dense per
         # tensor and +220% on the square view (tests/mpi/powersgd.py's regression).
         self.layouts: dict[Hashable, tuple[torch.Size, ...]] = {}
+
+    def keys(self) -> list[Hashable]:
+        return list(self.steps)
 
     def reset(self, key: Hashable | None = None) -> None:
         """Forget every tensor's state, or only ``key``'s (after a restore, a re-bucketing or an elastic
@@ -260,14 +263,14 @@ class PowerSGDCompressor(Compressor):
         numel = math.prod(ctx.shape)
         return (p @ q.t()).view(-1)[:numel].to(ctx.dtype).view(ctx.shape)
 
-    def register_layout(self, name: Hashable, shapes: Sequence[Sequence[int]]) -> None:
+    def describe_buffer(self, name: Hashable, shapes: Sequence[Sequence[int]]) -> None:
         """Say that the flat buffer allreduced under ``name`` packs tensors of ``shapes``, in order.
 
         On the flat algorithm each tensor of 2 or more dimensions is then compressed as its own
         ``(shape[0], rest)`` matrix and 1-D ones travel dense, in 3 collectives for the whole buffer (dense
         part, every P, every Q). On ``2d`` a shard cuts tensors at arbitrary points: it stays one matrix.
 
-        >>> compressor.register_layout(("bucket", 0), [p.shape for p in bucket.params])
+        >>> compressor.describe_buffer(("bucket", 0), [p.shape for p in bucket.params])
         """
         self.state.layouts[name] = tuple(torch.Size(shape) for shape in shapes)
 

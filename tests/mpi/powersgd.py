@@ -90,7 +90,7 @@ grads = [torch.outer(u, torch.randn(s[-1], generator=torch.Generator().manual_se
          else torch.randn(s, generator=torch.Generator().manual_seed(50 + r)) for u, s in zip(us, shapes, strict=True)]
 g = torch.cat([t.reshape(-1) for t in grads])
 want = dense_sum(g)
-compressor.register_layout("layout", shapes)
+compressor.describe_buffer("layout", shapes)
 for name, exact in (("layout", True), ("no layout", False)):
     out = g.clone()
     taco.allreduce(out, compression=SPEC, algorithm="flat", name=name)
@@ -115,11 +115,8 @@ def train(spec: str, algorithm: str, steps: int, momentum: float = 0.5, layout: 
                                     named_parameters=model.named_parameters(), compression=spec,
                                     algorithm=algorithm)
     chosen = compressor_for(spec)
-    if isinstance(chosen, PowerSGDCompressor):
-        chosen.state.reset()  # a new model: no residual or warm start from the last one
-        if layout:
-            for bucket in opt.buckets:  # DistributedOptimizer names a bucket's allreduce ("bucket", index)
-                chosen.register_layout(("bucket", bucket.index), [p.shape for p in bucket.params])
+    if isinstance(chosen, PowerSGDCompressor) and not layout:  # the optimizer described its buckets: undo,
+        chosen.state.layouts.clear()  # to measure the one-matrix view it replaced
     replicas = True
     for _ in range(steps):
         opt.zero_grad()

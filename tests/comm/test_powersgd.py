@@ -18,7 +18,7 @@ from taco_notebook.comm.powersgd import (
     matrix_shape,
 )
 
-SCRIPTS = Path(__file__).parent / "mpi"
+SCRIPTS = Path(__file__).parents[1] / "mpi"
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
