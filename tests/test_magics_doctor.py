@@ -199,3 +199,22 @@ def test_require_hugepages_passes_with_2mb_pages_reserved(ip, capsys):
         with open("/proc/sys/vm/nr_hugepages", "w") as f:
             f.write(str(before))
     assert sys_int("/proc/sys/vm/nr_hugepages") == before
+
+
+# ---------------------------------------------------------------- in a notebook's kernel
+
+def test_doctor_in_a_jupyter_kernel_displays_the_html_table():
+    from jupyter_client.manager import start_new_kernel
+
+    from .test_kernel import execute
+
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        reply, messages = execute(client, "%load_ext taco_notebook\n%taco_doctor")
+        assert reply["status"] == "ok"
+        [shown] = [m["content"]["data"] for _, m in messages if m["msg_type"] == "display_data"]
+        assert "<table" in shown["text/html"] and socket.gethostname() in shown["text/html"]
+        assert "huge pages 2 MB" in shown["text/plain"]  # the text table beside it, for other front ends
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
