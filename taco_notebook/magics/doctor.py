@@ -57,7 +57,11 @@ def _measure(cluster: TacoCluster, sender: RankInfo, receiver: RankInfo, address
 
 
 def _links(cluster: TacoCluster, nodes: dict[str, RankInfo], seconds: float) -> list[dict[str, Any]]:
-    """A ring of one-at-a-time measurements (n0→n1, n1→n2, …, back to n0 for three or more nodes)."""
+    """A ring of one-at-a-time measurements (n0→n1, n1→n2, …, back to n0 for three or more nodes).
+
+    The receiver listens on its address on the route to the controller (which every engine reaches): a NIC's
+    address across hosts, loopback for nodes emulated on one host (``--intra-size``).
+    """
     names = list(nodes)
     if len(names) < 2:
         return []
@@ -68,6 +72,9 @@ def _links(cluster: TacoCluster, nodes: dict[str, RankInfo], seconds: float) -> 
     for sender, receiver in pairs:
         try:
             address = cluster.client[nodes[receiver].rank].apply_sync(_route_address, controller)
+            if address.startswith("127.") and nodes[sender].host != nodes[receiver].host:
+                raise RuntimeError(f"{receiver} reaches the controller over loopback ({controller}): no address "
+                                   f"of it that {sender} can reach is known")
             result = _measure(cluster, nodes[sender], nodes[receiver], address, seconds)
             links.append({"from": sender, "to": receiver, "gbit_per_s": result["gbit_per_s"],
                           "bytes": result["bytes"], "seconds": result["seconds"]})
