@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._version import __version__
+
 __all__ = ["__version__", "dashboard", "load_ipython_extension", "unload_ipython_extension"]
 
 
@@ -33,7 +34,7 @@ def _jupyter_server_extension_points() -> list[dict[str, Any]]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext taco_notebook``: register ``%%taco_run`` and ``%taco_cluster``; in the notebook, ``taco`` is
+    """``%load_ext taco_notebook``: register ``%%taco_run``, ``%taco_cluster`` and ``%taco_doctor``; ``taco`` is
     this package (``taco.dashboard()``) unless the name is already taken."""
     import sys
 

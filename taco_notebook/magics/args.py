@@ -18,7 +18,8 @@ from IPython.core.magic_arguments import argument
 from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings
 
 __all__ = ["cluster_args", "run_args", "comm_settings", "cluster_settings", "usage_errors", "positive_int",
-           "cluster_size", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option"]
+           "cluster_size", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option",
+           "required_hugepages"]
 
 DEFAULT_NP = 4
 
@@ -51,6 +52,9 @@ cluster_args = _stack(
     argument("--collective-timeout", dest="collective_timeout", default=None, metavar="SECONDS",
              help="how long a collective waits for its peers (default 1800; TacoMagics.collective_timeout, "
                   "TACO_COLLECTIVE_TIMEOUT). A change restarts the cluster"),
+    argument("--require-hugepages", dest="require_hugepages", default=None, metavar="N",
+             help="every node must have N free huge pages of its default size, else the cluster just started "
+                  "is stopped, naming the nodes (TacoMagics.require_hugepages, TACO_REQUIRE_HUGEPAGES)"),
 )
 
 run_args = _stack(
@@ -139,6 +143,16 @@ def cluster_settings(config: TacoSettings, args: Any, size: int) -> dict[str, st
     if timeout is not None:
         env[CLUSTER_ENV["collective_timeout"]] = repr(float(timeout))
     return env
+
+
+def required_hugepages(config: TacoSettings, args: Any) -> int | None:
+    """``--require-hugepages N``, else its trait, else ``TACO_REQUIRE_HUGEPAGES``; None: nothing required.
+    Checked before anything starts."""
+    from .settings import require_hugepages_from_env
+
+    with usage_errors():
+        wanted = config.chosen("require_hugepages", args.require_hugepages, "--require-hugepages")
+        return wanted if wanted is not None else require_hugepages_from_env()
 
 
 def positive_int(value: str | None, option: str) -> int | None:

@@ -1,4 +1,5 @@
-"""``%%taco_run`` runs a cell on every MPI rank; ``%taco_cluster`` starts, stops and inspects clusters.
+"""``%%taco_run`` runs a cell on every MPI rank; ``%taco_cluster`` starts, stops and inspects clusters (and writes
+Kubernetes manifests, :mod:`.manifest`); ``%taco_doctor`` reports on the nodes (:mod:`.doctor`).
 
 Their defaults are :class:`TacoMagics`'s traits, then the environment (:mod:`.settings`).
 """
@@ -27,6 +28,8 @@ from .args import (
     cluster_size,
     comm_settings,
     parse_targets,
+    positive_int,
+    required_hugepages,
     run_args,
     usage,
     usage_errors,
@@ -140,6 +143,28 @@ def _attach(name: str, size: int | None, say: RankOutput) -> TacoCluster | None:
     return cluster
 
 
+def _check_hugepages(cluster: TacoCluster, need: int | None, started: bool) -> None:
+    """``--require-hugepages N``: every node of ``cluster`` has ``N`` free huge pages of its default size, else a
+    UsageError naming the nodes and the remedy, after stopping the cluster when this magic ``started`` it (one
+    it found running, or attached from the sidebar, is left as it was)."""
+    if need is None:
+        return
+    from ..cluster.attach import AttachedCluster
+    from ..cluster.doctor import HugePagesError, require_hugepages
+    from .doctor import hugepage_nodes
+
+    try:
+        require_hugepages(hugepage_nodes(cluster), need)
+    except HugePagesError as exc:
+        if started and not isinstance(cluster, AttachedCluster):
+            if clusters.get(cluster.name) is cluster:
+                clusters.pop(cluster.name)
+            cluster.stop()
+            raise UsageError(f"cluster {cluster.name!r} stopped: --require-hugepages {need}: {exc}") from None
+        raise UsageError(f"cluster {cluster.name!r} (left running) does not meet --require-hugepages {need}: "
+                         f"{exc}") from None
+
+
 def format_status(cluster: TacoCluster) -> str:
     status = cluster.model()
     lines = [f"cluster {status['name']!r}: {status['state']}, {status['engines_up']}/{status['size']} engines up"]
@@ -212,7 +237,9 @@ class TacoMagics(Magics, TacoSettings):
         env = cluster_settings(self, args, planned)
         if intra_size:
             env["LIGHT_INTRA_SIZE"] = str(intra_size)
+        need = required_hugepages(self, args)
         cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, env, launcher, self.max_ranks)
+        _check_hugepages(cluster, need, started=cluster is not running)
         monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
@@ -244,13 +271,21 @@ class TacoMagics(Magics, TacoSettings):
         return None if gbits is None else gbits * 1e9 / 8
 
     @magic_arguments()
-    @argument("action", choices=["start", "stop", "restart", "status", "list"], help="what to do")
+    @argument("action", choices=["start", "stop", "restart", "status", "list", "manifest"],
+              help="what to do (manifest: a Kubernetes MPIJob; %%taco_cluster manifest --help)")
     @argument("-n", "-np", dest="np", default=None, metavar="N", help="ranks for start/restart")
     @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
     @cluster_args
     @line_magic
     def taco_cluster(self, line: str) -> None:
-        """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | status | list [--cluster NAME]``."""
+        """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | status | list [--cluster NAME]``;
+        ``%taco_cluster manifest --k8s -np 16 --gpus-per-node 8 …`` prints a Kubernetes MPIJob."""
+        words = line.split(None, 1)
+        if words and words[0] == "manifest":  # its own options: see magics/manifest.py
+            from .manifest import run_manifest
+
+            run_manifest(words[1] if len(words) > 1 else "")
+            return
         if wants_help(line):
             print(usage(self.taco_cluster, "%taco_cluster"))
             return
@@ -285,21 +320,66 @@ class TacoMagics(Magics, TacoSettings):
     def _cluster_start(self, name: str, size: int | None, args: Any) -> None:
         running = clusters.get(name)
         env, launcher = self._cluster_options(args, size or (running.size if running else self._new_size()))
+        need = required_hugepages(self, args)
         if (running is not None and running.running and size in (None, running.size)
                 and _restart_reason(running, env) is None):
             RankOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
+            cluster = running
         else:
-            ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks, self._new_size())
+            cluster = ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks,
+                                     self._new_size())
+        _check_hugepages(cluster, need, started=cluster is not running)
 
     def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
         previous = clusters.get(name)
         ranks = size or (previous.size if previous else self._new_size())
         env, launcher = self._cluster_options(args, ranks)  # checked before the running cluster is stopped
+        need = required_hugepages(self, args)
         previous = clusters.pop(name, None)
         if previous is not None:
             RankOutput().warn(f"restarting cluster {name!r}: {LOST}")
             previous.stop()
-        _start(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks)
+        _check_hugepages(_start(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks), need,
+                         started=True)
+
+    @magic_arguments()
+    @argument("--cluster", default=None, metavar="NAME",
+              help="read the nodes of this running cluster through its engines (default: 'default' when it runs, "
+                   "else this machine alone)")
+    @argument("--json", action="store_true", help="return the report as a dict instead of showing it")
+    @argument("--require-hugepages", dest="require_hugepages", default=None, metavar="N",
+              help="a UsageError naming the nodes with fewer than N free huge pages of their default size")
+    @line_magic
+    def taco_doctor(self, line: str) -> Any:
+        """One table, a row per node: huge pages, GPUs, NICs, CPUs/NUMA, MPI, torch and NCCL, the measured links;
+        then each problem with its remedy. Problems are shown, not raised (but see --require-hugepages)."""
+        if wants_help(line):
+            print(usage(self.taco_doctor, "%taco_doctor"))
+            return None
+        args = parse_argstring(self.taco_doctor, line)
+        need = positive_int(args.require_hugepages, "--require-hugepages")
+        cluster = clusters.get(args.cluster or "default")
+        if cluster is not None and not cluster.running:
+            cluster = None
+        if args.cluster is not None and cluster is None:
+            running = sorted(n for n, c in clusters.items() if c.running) or "none"
+            raise UsageError(f"no cluster named {args.cluster!r} is running (running: {running}): start it with "
+                             "%taco_cluster start, or leave --cluster out to examine this machine alone")
+        from .doctor import doctor_report, show_report
+
+        if cluster is not None:
+            RankOutput().notice(f"reading the nodes of cluster {cluster.name!r} through its engines…")
+        report = doctor_report(cluster)
+        if not args.json:
+            show_report(report)
+        if need is not None:
+            from ..cluster.doctor import HugePagesError, require_hugepages
+
+            try:
+                require_hugepages(report, need)
+            except HugePagesError as exc:
+                raise UsageError(f"--require-hugepages {need}: {exc}") from None
+        return report.to_dict() if args.json else None
 
     def _cluster_options(self, args: Any, size: int) -> tuple[dict[str, str], str | None]:
         """The engines' environment (``--gpus``, ``--shm``, ``--collective-timeout``) and the MPI launcher."""

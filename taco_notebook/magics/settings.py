@@ -22,12 +22,14 @@ option                        trait (``TacoMagics.…``)   environment          
 ``--mpi-launcher``            ``mpi_launcher``           ``TACO_MPI_LAUNCHER``       auto
 ``--dashboard``               ``dashboard``              ``TACO_DASHBOARD``          auto
 ``--link-gbits G``            ``link_gbits``             ``TACO_LINK_GBITS``         unknown (heatmaps self-scale)
+``--require-hugepages N``     ``require_hugepages``      ``TACO_REQUIRE_HUGEPAGES``  none required
 -                             ``max_ranks``              ``TACO_MAX_RANKS``          4 × cores, at least 8
 ============================  =========================  ==========================  ===========================
 
 Where each takes effect: ``algorithm``, ``compression`` and ``fusion_mb`` are the ranks' ``taco.configure()``
 for the cell; ``shm``, ``collective_timeout`` and ``gpus`` are fixed when the ranks build their process group,
 so they travel in the cluster's environment and a change restarts the cluster (as ``--gpus`` always did);
+``require_hugepages`` is checked against every node once its cluster has started (a shortfall stops it);
 the rest are the kernel's.
 """
 
@@ -39,9 +41,11 @@ from typing import Any
 from traitlets import Bool, Float, Int, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
-__all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "check_setting", "link_gbits_from_env"]
+__all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "check_setting", "link_gbits_from_env",
+           "require_hugepages_from_env"]
 
 LINK_GBITS_ENV = "TACO_LINK_GBITS"
+REQUIRE_HUGEPAGES_ENV = "TACO_REQUIRE_HUGEPAGES"
 
 RANK_SETTINGS = ("algorithm", "compression", "fusion_mb")  # sent to the ranks' taco.configure() per cell
 CLUSTER_ENV = {"gpus": "TACO_GPUS", "shm": "TACO_SHM", "collective_timeout": "TACO_COLLECTIVE_TIMEOUT"}
@@ -129,6 +133,7 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "mpi_launcher": _choice(_launchers),
     "dashboard": _choice(_dashboard_modes),
     "link_gbits": _positive("Gbit/s"),
+    "require_hugepages": _positive("free huge pages per node", int),
 }
 
 
@@ -147,6 +152,18 @@ def link_gbits_from_env() -> float | None:
     what = "a positive number of Gbit/s"
     value = number_from_env(os.environ, LINK_GBITS_ENV, float, what)
     return None if value is None else float(check_positive(value, LINK_GBITS_ENV, "Gbit/s"))
+
+
+def require_hugepages_from_env() -> int | None:
+    """``TACO_REQUIRE_HUGEPAGES``: free huge pages (of each node's default size) every node must have, None
+    when unset; a ValueError naming the variable when it is not a positive integer."""
+    import os
+
+    from ..comm.specs import check_positive, number_from_env
+
+    what = "a positive integer (free huge pages per node)"
+    value = number_from_env(os.environ, REQUIRE_HUGEPAGES_ENV, int, what)
+    return None if value is None else int(check_positive(value, REQUIRE_HUGEPAGES_ENV, "free huge pages per node", int))
 
 
 class TacoSettings(Configurable):
@@ -180,6 +197,9 @@ class TacoSettings(Configurable):
                                                     "auto").tag(config=True)
     link_gbits = Float(None, allow_none=True, help="a node's link in Gbit/s, the scale of the link heatmaps; "
                                                    "default TACO_LINK_GBITS").tag(config=True)
+    require_hugepages = Int(None, allow_none=True, help="free huge pages (each node's default size) every node "
+                                                        "must have, else the cluster is stopped; default "
+                                                        "TACO_REQUIRE_HUGEPAGES, else none").tag(config=True)
 
     @validate(*_CHECKS)
     def _check_trait(self, proposal: Any) -> Any:

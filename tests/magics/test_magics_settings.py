@@ -42,7 +42,8 @@ def config(ip: Any, line: str) -> None:
 
 def test_every_setting_is_a_trait_listed_by_config(ip, magics, capsys):
     assert TRAITS == ["algorithm", "collective_timeout", "compression", "dashboard", "fusion_mb", "gpus",
-                      "intra_size", "link_gbits", "max_ranks", "mpi_launcher", "np", "shm", "timeout"]
+                      "intra_size", "link_gbits", "max_ranks", "mpi_launcher", "np", "require_hugepages", "shm",
+                      "timeout"]
     config(ip, "TacoMagics")
     listed = capsys.readouterr().out
     for name in TRAITS:
@@ -72,6 +73,8 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
     ("TacoMagics.link_gbits = -1", "TacoMagics.link_gbits must be a positive number of Gbit/s, got -1"),
     ("TacoMagics.fusion_mb = -1", "TacoMagics.fusion_mb must be a number of megabytes >= 0, got -1.0"),
     ("TacoMagics.collective_timeout = 0", "TacoMagics.collective_timeout must be a positive number of seconds"),
+    ("TacoMagics.require_hugepages = 0",
+     "TacoMagics.require_hugepages must be a positive integer (free huge pages per node), got 0"),
 ])
 def test_a_bad_trait_value_is_refused_naming_the_trait_and_the_choices(ip, magics, caplog, line, message):
     name = line.split("=")[0].strip().split(".")[1]
