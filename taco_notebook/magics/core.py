@@ -202,7 +202,8 @@ class TacoMagics(Magics, TacoSettings):
     @run_args
     @line_cell_magic
     def taco_run(self, line: str, cell: str | None = None) -> Any:
-        """Run the cell on every MPI rank of a cluster (started on first use); ``taco`` is the rank's API.
+        """Run the cell on every MPI rank of a cluster (started on first use); ``taco`` is the rank's API
+        (``taco_notebook.comm``; in the notebook itself ``taco`` is the package, for ``taco.dashboard()``).
 
         Example::
 
