@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from ..errors import ClusterStartError, RankDiedError
+from ..errors import ClusterStartError, MPINotFoundError, RankDiedError
 from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
 from . import engine
 from .deaths import death_report, engine_output, ranks_text
@@ -29,6 +29,7 @@ from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
 from .mpi import MPIInfo, find_mpi, for_one_host
 from .private import private_ipython_profile
 from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files
+from .profiles import LOCAL, Profile
 from .rankwrap import LAUNCHED_BY_ENV
 from .teardown import stop_processes
 
@@ -65,9 +66,12 @@ class TacoCluster:
     cluster_id: str | None = None
 
     def __init__(self, name: str = "default", size: int = 4, mpiexec: str | None = None,
-                 start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 profile: Profile | None = None) -> None:
         if size <= 0:
             raise ValueError(f"size must be a positive integer, got {size}")
+        self.profile = profile or LOCAL  # where the engines run (cluster/profiles.py)
+        self.profile.check_size(size)
         self.name = name
         self.size = size
         self.mpiexec = mpiexec
@@ -150,8 +154,11 @@ class TacoCluster:
         env = {"TACO_CLUSTER_NAME": self.name, "PYTHONUNBUFFERED": "1"}
         if "OMP_NUM_THREADS" not in os.environ:
             # N ranks on one machine share its cores; torch would otherwise start cores-many threads per rank.
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
-        if self.mpi is not None:  # every rank on this host: MPI stays off the network unless the user chose
+            per_node = self.profile.ranks_per_node(self.size)
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_node))
+        env.update(self.profile.environment)  # hosts: the nodes' interface for gloo and UCX
+        # every rank on this host (local profile): MPI stays off the network unless the user chose
+        if self.mpi is not None and self.profile.single_host:
             from .mpi import single_host_env
 
             env.update({k: v for k, v in single_host_env(self.mpi).items() if k not in os.environ})
@@ -168,7 +175,7 @@ class TacoCluster:
         config = Config()
         launcher = config.MPIEngineSetLauncher
         launcher.mpi_cmd = [mpi.mpiexec]
-        launcher.mpi_args = list(mpi.extra_args)
+        launcher.mpi_args = list(mpi.extra_args) + self.profile.mpiexec_args()
         launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.rankwrap",
                                sys.executable, "-m", "ipyparallel.engine"]
         launcher.environment = {**mpi.environment, **self._engine_environment()}  # mpi4py loads mpiexec's MPI
@@ -185,15 +192,14 @@ class TacoCluster:
         """
         import ipyparallel as ipp
 
-        explicit = self.mpiexec is not None  # --mpiexec PATH: exactly that program
-        self.mpi = for_one_host(self.mpi, explicit) if self.mpi else find_mpi(self.mpiexec, single_host=True)
+        self.mpi = self._find_mpi()
         cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
         self.error, self._phase, _live[cluster_id] = None, "starting", self
         self._emit("starting")
         try:
             private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
             self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
-                                           controller_ip="127.0.0.1", log_level=logging.ERROR,
+                                           controller_ip=self.profile.controller_ip, log_level=logging.ERROR,
                                            shutdown_atexit=False, config=self._ipp_config(self.mpi))
             self.ipp_cluster.start_cluster_sync()
             self._engine_launchers = self._engine_sets()
@@ -215,6 +221,18 @@ class TacoCluster:
         self._shared_memory, self._phase = shared_memory_files(self.ranks), None
         self._emit("running")
         return self
+
+    def _find_mpi(self) -> MPIInfo:
+        """The MPI to launch with: ``local`` takes the one-host launcher; ``hosts`` needs mpich's hydra (its
+        ssh launcher places the ranks), an MPINotFoundError otherwise."""
+        explicit = self.mpiexec is not None  # --mpiexec PATH: exactly that program
+        if self.profile.single_host:
+            return for_one_host(self.mpi, explicit) if self.mpi else find_mpi(self.mpiexec, single_host=True)
+        mpi = self.mpi if self.mpi is not None and self.mpi.launcher == "hydra" else find_mpi(self.mpiexec)
+        if mpi.launcher != "hydra":
+            raise MPINotFoundError(f"--profile {self.profile.name} starts ranks with mpich's hydra over ssh, but "
+                                   f"{mpi.description} is not hydra: pass --mpiexec PATH/TO/mpich/mpiexec")
+        return mpi
 
     def _wait_for_engines(self) -> None:
         # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and

@@ -51,6 +51,12 @@ cluster_args = _stack(
     argument("--collective-timeout", dest="collective_timeout", default=None, metavar="SECONDS",
              help="how long a collective waits for its peers (default 1800; TacoMagics.collective_timeout, "
                   "TACO_COLLECTIVE_TIMEOUT). A change restarts the cluster"),
+    argument("--profile", default=None, metavar="NAME",
+             help="where the engines run: local (this machine, default) or hosts (TacoMagics.profile)"),
+    argument("--hosts", default=None, metavar="SPEC",
+             help="hosts profile: HOST:SLOTS,… such as n0:2,n1:2, ranks filled in order (TacoMagics.hosts)"),
+    argument("--hostfile", default=None, metavar="FILE",
+             help="hosts profile: a file with HOST:SLOTS per line (TacoMagics.hostfile)"),
 )
 
 run_args = _stack(

@@ -15,6 +15,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
+from ..cluster.profiles import LOCAL, Profile, profile_for
 from ..cluster.registry_writer import track
 from ..cluster.run import CellOptions, run_cell
 from ..cluster.session import TacoCluster, clusters
@@ -48,17 +49,34 @@ def _find_mpi(mpiexec: str | None, launcher: str | None) -> MPIInfo:
     return for_one_host(find_mpi(mpiexec), explicit=mpiexec is not None, environ={LAUNCHER_ENV: launcher})
 
 
+def _profile(config: TacoSettings, args: Any, size: int) -> Profile:
+    """``--profile/--hosts/--hostfile`` (else their traits) as a checked :class:`Profile` that fits ``size`` ranks.
+    ``--hosts``/``--hostfile`` replace both traits; ``--profile local`` ignores the hosts traits."""
+    with usage_errors():
+        name = config.chosen("profile", args.profile, "--profile")
+        if args.hosts is not None or args.hostfile is not None:
+            hosts = config.chosen("hosts", args.hosts, "--hosts") if args.hosts is not None else None
+            hostfile = args.hostfile
+        elif args.profile == "local":
+            hosts = hostfile = None
+        else:
+            hosts, hostfile = config.hosts, config.hostfile
+        profile = profile_for(name, hosts, hostfile, controller_ip=config.controller_ip)
+        profile.check_size(size)
+    return profile
+
+
 def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, env: Mapping[str, str] | None = None,
-           launcher: str | None = None, limit: int | None = None) -> TacoCluster:
+           launcher: str | None = None, limit: int | None = None, profile: Profile = LOCAL) -> TacoCluster:
     cluster_size(str(size), "-np", limit)  # the limit, once more where every start goes through
     try:
-        mpi = _find_mpi(mpiexec, launcher)
+        mpi = _find_mpi(mpiexec, launcher) if profile.single_host else find_mpi(mpiexec)
     except MPINotFoundError as exc:
         raise UsageError(str(exc)) from None
     # TacoCluster.start() picks the one-host launcher again from TACO_MPI_LAUNCHER unless its mpiexec was named:
     # a launcher chosen here names the program it resolved to (gforker is kept as it is)
     chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
-    cluster = track(TacoCluster(name, size, mpiexec=chosen, env=dict(env or {})))  # the sidebar lists it
+    cluster = track(TacoCluster(name, size, mpiexec=chosen, env=dict(env or {}), profile=profile))  # sidebar lists it
     cluster.mpi = mpi
     say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
     began = time.monotonic()
@@ -99,7 +117,7 @@ def _restart_reason(cluster: TacoCluster, env: Mapping[str, str]) -> str | None:
 
 def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput,
                    env: Mapping[str, str] | None = None, launcher: str | None = None, limit: int | None = None,
-                   default_size: int = DEFAULT_NP) -> TacoCluster:
+                   default_size: int = DEFAULT_NP, profile: Profile = LOCAL) -> TacoCluster:
     """The running cluster ``name`` with ``size`` ranks and ``env`` (``LIGHT_INTRA_SIZE``, ``TACO_GPUS``, …) in
     its engines' environment, reusing, repairing, resizing or restarting it as needed."""
     env = dict(env or {})
@@ -115,13 +133,18 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
         say.warn(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
+    if cluster is not None and cluster.profile != profile:
+        say.warn(f"cluster {name!r} runs elsewhere; restarting it with --profile {profile.name}: {LOST}")
+        clusters.pop(name).stop()
+        cluster = None
     reason = _restart_reason(cluster, env) if cluster is not None else None
     if reason is not None:
         say.warn(f"cluster {name!r} {reason}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     if cluster is None:
-        return _attach(name, size, say) or _start(name, size or default_size, mpiexec, say, env, launcher, limit)
+        shared = _attach(name, size, say) if profile.single_host else None  # the sidebar's clusters are local
+        return shared or _start(name, size or default_size, mpiexec, say, env, launcher, limit, profile)
     return cluster
 
 
@@ -212,7 +235,9 @@ class TacoMagics(Magics, TacoSettings):
         env = cluster_settings(self, args, planned)
         if intra_size:
             env["LIGHT_INTRA_SIZE"] = str(intra_size)
-        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, env, launcher, self.max_ranks)
+        profile = _profile(self, args, planned)
+        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, env, launcher, self.max_ranks,
+                                 profile=profile)
         monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
@@ -284,22 +309,26 @@ class TacoMagics(Magics, TacoSettings):
 
     def _cluster_start(self, name: str, size: int | None, args: Any) -> None:
         running = clusters.get(name)
-        env, launcher = self._cluster_options(args, size or (running.size if running else self._new_size()))
+        ranks = size or (running.size if running else self._new_size())
+        env, launcher = self._cluster_options(args, ranks)
+        profile = _profile(self, args, ranks)
         if (running is not None and running.running and size in (None, running.size)
-                and _restart_reason(running, env) is None):
+                and running.profile == profile and _restart_reason(running, env) is None):
             RankOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
         else:
-            ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks, self._new_size())
+            ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks, self._new_size(),
+                           profile)
 
     def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
         previous = clusters.get(name)
         ranks = size or (previous.size if previous else self._new_size())
         env, launcher = self._cluster_options(args, ranks)  # checked before the running cluster is stopped
+        profile = _profile(self, args, ranks)
         previous = clusters.pop(name, None)
         if previous is not None:
             RankOutput().warn(f"restarting cluster {name!r}: {LOST}")
             previous.stop()
-        _start(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks)
+        _start(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks, profile)
 
     def _cluster_options(self, args: Any, size: int) -> tuple[dict[str, str], str | None]:
         """The engines' environment (``--gpus``, ``--shm``, ``--collective-timeout``) and the MPI launcher."""
