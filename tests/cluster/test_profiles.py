@@ -8,12 +8,15 @@ openssh-server and skip with the reason otherwise. The state lives under $HOME (
 
 from __future__ import annotations
 
+import logging
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from IPython.core.error import UsageError
 
@@ -90,6 +93,28 @@ def test_bad_input_is_a_usage_error_and_starts_nothing(ip, line: str, message: s
     assert "badprofile" not in clusters and session_processes() == before
 
 
+def _unset_traits(ip) -> None:
+    magics = ip.magics_manager.registry["TacoMagics"]
+    magics.config.pop("TacoMagics", None)  # or the next %config would load these values again
+    magics.profile = magics.hosts = magics.hostfile = magics.controller_ip = None
+
+
+@pytest.mark.parametrize("line, message", [
+    ('TacoMagics.profile = "cloud"', "TacoMagics.profile must be one of local, hosts, got 'cloud'"),
+    ('TacoMagics.hosts = "n0:x"', "TacoMagics.hosts: 'n0:x' is not HOST[:SLOTS]"),
+    ('TacoMagics.controller_ip = "0.0.0.0"', "TacoMagics.controller_ip must be this machine's address"),
+])
+def test_a_bad_trait_is_refused_naming_it(ip, caplog, line: str, message: str) -> None:
+    try:
+        with caplog.at_level(logging.ERROR):
+            ip.run_line_magic("config", line)  # IPython logs what the trait raised, and keeps the old value
+        assert message in caplog.text
+        magics = ip.magics_manager.registry["TacoMagics"]
+        assert (magics.profile, magics.hosts, magics.controller_ip) == (None, None, None)
+    finally:
+        _unset_traits(ip)
+
+
 def test_np_larger_than_slots_is_a_usage_error(ip) -> None:
     ip.run_line_magic("config", "TacoMagics.controller_ip = '127.0.0.1'")
     try:
@@ -98,7 +123,7 @@ def test_np_larger_than_slots_is_a_usage_error(ip) -> None:
         with pytest.raises(UsageError, match="-n 3 does not fit|-np 3 does not fit"):
             ip.run_line_magic("taco_cluster", "start --profile hosts --hosts localhost:2 -n 3 --cluster badprofile")
     finally:
-        ip.run_line_magic("config", "TacoMagics.controller_ip = None")
+        _unset_traits(ip)
     assert "badprofile" not in clusters
 
 
@@ -115,22 +140,72 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedHosts]:
         shutil.rmtree(home_dir, ignore_errors=True)
 
 
+def _link_bytes(veth: str) -> int:
+    stats = Path("/sys/class/net", veth, "statistics")
+    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+def _command(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline()[:4]) or str(pid)
+    except psutil.Error:
+        return str(pid)
+
+
+def _left_on_nodes(hosts: EmulatedHosts, wait_s: float = 15.0) -> dict[str, list[str]]:
+    """What still runs in each node's namespace besides its sshd (ranks reach there through ssh, so they are no
+    children of this process and conftest's leak check would not see them)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = {}
+        for host in hosts.nodes.nodes:
+            pids = subprocess.run(["ip", "netns", "pids", hosts.nodes.namespace_of(host)], capture_output=True,
+                                  text=True, timeout=30).stdout.split()
+            others = [_command(int(p)) for p in pids if int(p) != hosts.sshd[host].pid and psutil.pid_exists(int(p))]
+            if others:
+                left[host] = others
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 @needs_hosts
 @pytest.mark.timeout(300, method="signal")
 def test_cell_runs_on_emulated_hosts_over_ssh(ip, emulated: EmulatedHosts, capsys) -> None:
-    began = time.monotonic()
+    prefix = emulated.nodes.namespace_of("n0").rsplit("-", 1)[0]
+    veths = [f"{prefix}-h{i}" for i in range(2)]
     try:
-        ranks = ip.run_cell_magic("taco_run", "--profile hosts --hosts n0:2,n1:2 -np 4 --gather --cluster hosts "
-                                  "--no-dashboard", CELL)
-        elapsed = time.monotonic() - began
+        began = time.monotonic()
+        ip.run_line_magic("taco_cluster", "start --profile hosts --hosts n0:2,n1:2 -n 4 --cluster hosts")
+        started = time.monotonic() - began
         cluster = clusters["hosts"]
         assert cluster.profile.controller_ip == emulated.nodes.bridge_address
         assert [r.host for r in cluster.ranks] == ["n0", "n0", "n1", "n1"]
         assert cluster.mpi is not None and cluster.mpi.launcher == "hydra"
+        running = _left_on_nodes(emulated, wait_s=0)  # the ranks, seen in the namespaces: the check below sees
+        assert sorted(running) == ["n0", "n1"] and all(len(p) >= 2 for p in running.values()), running
+        # the profile as a settings file names it (c.TacoMagics.profile/hosts): the running cluster serves the cell
+        ip.run_line_magic("config", 'TacoMagics.profile = "hosts"')
+        ip.run_line_magic("config", 'TacoMagics.hosts = "n0:2,n1:2"')
+        began = time.monotonic()
+        ranks = ip.run_cell_magic("taco_run", "-np 4 --gather --cluster hosts --no-dashboard", CELL)
+        first_cell = time.monotonic() - began
+        assert clusters["hosts"] is cluster
+        before = [_link_bytes(v) for v in veths]
+        ip.run_cell_magic("taco_run", "--cluster hosts --profile hosts --hosts n0:2,n1:2 --no-dashboard",
+                          "t = torch.ones(1 << 20); taco.allreduce(t); assert t[0].item() == 4")
+        crossed = [_link_bytes(v) - b for v, b in zip(veths, before, strict=True)]
     finally:
+        _unset_traits(ip)
         if "hosts" in clusters:
             ip.run_line_magic("taco_cluster", "stop --cluster hosts")
-    print(f"start + first cell on 2 emulated hosts: {elapsed:.1f} s")
+    left = _left_on_nodes(emulated)
+    out = capsys.readouterr().out
+    with capsys.disabled():
+        print(f"\n2 emulated hosts x 2 ranks: start {started:.1f} s, first cell {first_cell:.2f} s; "
+              f"bytes through each node's link in a 4 MiB allreduce: {crossed}")
     assert [(rank, host) for rank, host, _ in ranks] == [(0, "n0"), (1, "n0"), (2, "n1"), (3, "n1")]
     assert all(total == [10.0, 10.0, 10.0] for _, _, total in ranks), ranks
-    assert "4 ranks on n0, n1" in capsys.readouterr().out
+    assert "4 ranks on n0, n1" in out
+    assert all(c >= 4 << 20 for c in crossed), crossed  # the allreduce crossed each node's shaped link
+    assert left == {}, f"left running on the nodes after stop: {left}"
