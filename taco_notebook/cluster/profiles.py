@@ -12,7 +12,9 @@ A :class:`Profile` says how the engines launch (the mpiexec arguments and enviro
   state directory) the bridge's address, else this machine's address on the route to the first host. Never
   0.0.0.0.
 
-The ``slurm`` profile's launchers are in :mod:`~taco_notebook.cluster.slurm_launchers`; it is not wired here yet.
+* ``slurm``: the engines are a Slurm job (sbatch outside an allocation, an srun step inside one), through
+  :mod:`~taco_notebook.cluster.slurm_launchers`; the controller listens on ``controller_ip``, else on the address
+  this machine's name resolves to (where the job's nodes reach it).
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Profile", "ProfileError", "PROFILES", "LOCAL", "parse_hosts", "read_hostfile", "hosts_profile",
-           "profile_for", "route_address"]
+from ..errors import MPINotFoundError
+from .mpi import MPIInfo, find_mpi, for_one_host
+from .slurm import SlurmOptions
 
-PROFILES = ("local", "hosts")
+__all__ = ["Profile", "ProfileError", "PROFILES", "LOCAL", "parse_hosts", "read_hostfile", "hosts_profile",
+           "profile_for", "route_address", "mpi_for"]
+
+PROFILES = ("local", "hosts", "slurm")
 _HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -44,6 +50,7 @@ class Profile:
     launcher_exec: str | None = None  # stands in for ssh (hydra's -launcher-exec); None: ssh on PATH
     controller_ip: str = "127.0.0.1"
     environment: dict[str, str] = field(default_factory=dict)  # for mpiexec, which copies it to every rank
+    slurm: SlurmOptions | None = None  # the slurm profile's job (engines through slurm_launchers)
 
     @property
     def single_host(self) -> bool:
@@ -64,8 +71,8 @@ class Profile:
                                f"use {option} {self.slots} or fewer, or give more hosts or slots")
 
     def mpiexec_args(self) -> list[str]:
-        """hydra's arguments for this profile (none for ``local``)."""
-        if self.single_host:
+        """hydra's arguments for this profile (none for ``local`` and ``slurm``)."""
+        if self.single_host or self.slurm is not None:
             return []
         launcher = ["-launcher-exec", self.launcher_exec] if self.launcher_exec else []
         return ["-launcher", "ssh", *launcher, "-localhost", self.controller_ip, "-hosts", self.hosts_string]
@@ -144,6 +151,16 @@ def _emulated(hosts: tuple[tuple[str, int], ...]) -> Profile | None:
     return Profile("hosts", hosts, str(emulated.launcher), emulated.nodes.bridge_address, env)
 
 
+def _checked(controller_ip: str) -> str:
+    try:
+        if not ipaddress.ip_address(controller_ip).is_unspecified:
+            return controller_ip
+    except ValueError:
+        pass
+    raise ProfileError(f"controller address {controller_ip!r} is not one address the hosts can reach: give "
+                       f"this machine's address on their network (never 0.0.0.0)")
+
+
 def hosts_profile(hosts: str | None = None, hostfile: str | None = None, launcher_exec: str | None = None,
                   controller_ip: str | None = None) -> Profile:
     """The ``hosts`` profile from a spec or a hostfile (exactly one of them)."""
@@ -154,14 +171,7 @@ def hosts_profile(hosts: str | None = None, hostfile: str | None = None, launche
     if emulated is not None:
         launcher_exec = launcher_exec or emulated.launcher_exec
         controller_ip = controller_ip or emulated.controller_ip
-    if controller_ip is None:
-        controller_ip = route_address(parsed[0][0])
-    try:
-        if ipaddress.ip_address(controller_ip).is_unspecified:
-            raise ValueError
-    except ValueError:
-        raise ProfileError(f"controller address {controller_ip!r} is not one address the hosts can reach: give "
-                           f"this machine's address on their network (never 0.0.0.0)") from None
+    controller_ip = _checked(controller_ip or route_address(parsed[0][0]))
     env = emulated.environment if emulated is not None else {}
     return Profile("hosts", parsed, launcher_exec, controller_ip, env)
 
@@ -172,8 +182,31 @@ def profile_for(name: str | None, hosts: str | None = None, hostfile: str | None
     chosen = (name or ("hosts" if hosts or hostfile else "local")).strip().lower()
     if chosen not in PROFILES:
         raise ProfileError(f"--profile {name!r} is not a profile: choose one of {', '.join(PROFILES)}")
+    if chosen == "slurm":
+        if hosts is not None or hostfile is not None:
+            raise ProfileError("--hosts/--hostfile are for --profile hosts; Slurm chooses the slurm profile's nodes")
+        return Profile("slurm", (), None, _checked(controller_ip or socket.gethostbyname(socket.gethostname())),
+                       slurm=SlurmOptions())
     if chosen == "local":
         if hosts is not None or hostfile is not None:
             raise ProfileError("--hosts/--hostfile need --profile hosts (the local profile runs on this machine)")
         return LOCAL
     return hosts_profile(hosts, hostfile, launcher_exec, controller_ip)
+
+
+def mpi_for(profile: Profile, mpi: MPIInfo | None, mpiexec: str | None) -> MPIInfo:
+    """The MPI a cluster of ``profile`` launches with (``mpi``: one already chosen, ``mpiexec``: the user's).
+
+    ``local`` takes the one-host launcher (gforker); ``hosts`` needs mpich's hydra (its ssh launcher places the
+    ranks), an MPINotFoundError otherwise; ``slurm`` uses only its mpi4py environment (srun starts the ranks).
+    """
+    explicit = mpiexec is not None  # --mpiexec PATH: exactly that program
+    if profile.slurm is not None:
+        return mpi or find_mpi(mpiexec)
+    if profile.single_host:
+        return for_one_host(mpi, explicit) if mpi else find_mpi(mpiexec, single_host=True)
+    mpi = mpi if mpi is not None and mpi.launcher == "hydra" else find_mpi(mpiexec)
+    if mpi.launcher != "hydra":
+        raise MPINotFoundError(f"--profile {profile.name} starts ranks with mpich's hydra over ssh, but "
+                               f"{mpi.description} is not hydra: pass --mpiexec PATH/TO/mpich/mpiexec")
+    return mpi

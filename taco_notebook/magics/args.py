@@ -52,7 +52,8 @@ cluster_args = _stack(
              help="how long a collective waits for its peers (default 1800; TacoMagics.collective_timeout, "
                   "TACO_COLLECTIVE_TIMEOUT). A change restarts the cluster"),
     argument("--profile", default=None, metavar="NAME",
-             help="where the engines run: local (this machine, default) or hosts (TacoMagics.profile)"),
+             help="where the engines run: local (this machine, default), hosts (over ssh) or slurm (a Slurm job, "
+                  "or a step of the allocation this kernel runs in) (TacoMagics.profile)"),
     argument("--hosts", default=None, metavar="SPEC",
              help="hosts profile: HOST:SLOTS,… such as n0:2,n1:2, ranks filled in order (TacoMagics.hosts)"),
     argument("--hostfile", default=None, metavar="FILE",

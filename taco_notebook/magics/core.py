@@ -78,6 +78,7 @@ def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, env: Mapp
     chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
     cluster = track(TacoCluster(name, size, mpiexec=chosen, env=dict(env or {}), profile=profile))  # sidebar lists it
     cluster.mpi = mpi
+    cluster.progress = say.notice  # the slurm profile's job id and queue state
     say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
     began = time.monotonic()
     cluster.start()

@@ -213,7 +213,7 @@ class TacoSettings(Configurable):
     link_gbits = Float(None, allow_none=True, help="a node's link in Gbit/s, the scale of the link heatmaps; "
                                                    "default TACO_LINK_GBITS").tag(config=True)
 
-    profile = Unicode(None, allow_none=True, help="where engines run: local or hosts").tag(config=True)
+    profile = Unicode(None, allow_none=True, help="where engines run: local, hosts or slurm").tag(config=True)
     hosts = Unicode(None, allow_none=True, help="the hosts profile's HOST:SLOTS,… (n0:2,n1:2)").tag(config=True)
     hostfile = Unicode(None, allow_none=True, help="the hosts profile's hostfile, HOST:SLOTS per line").tag(
         config=True)

@@ -33,6 +33,7 @@ from taco_notebook.cluster.profiles import (
 from taco_notebook.cluster.session import TacoCluster, clusters
 
 from ..conftest import session_processes
+from ..slurm import slurm  # noqa: F401 - the fixture
 from .test_emulate_cli import SSH_SKIP
 from .test_emulated import MPIEXEC
 
@@ -62,7 +63,7 @@ def test_hosts_spec_and_hostfile(tmp_path: Path) -> None:
 
 def test_profiles_checked() -> None:
     assert profile_for(None) is LOCAL and profile_for("local") is LOCAL and LOCAL.mpiexec_args() == []
-    with pytest.raises(ProfileError, match="not a profile: choose one of local, hosts"):
+    with pytest.raises(ProfileError, match="not a profile: choose one of local, hosts, slurm"):
         profile_for("cloud")
     with pytest.raises(ProfileError, match="need --profile hosts"):
         profile_for("local", hosts="n0:2")
@@ -80,7 +81,7 @@ def test_profiles_checked() -> None:
 
 
 @pytest.mark.parametrize("line, message", [
-    ("--profile cloud -np 2", "--profile must be one of local, hosts"),
+    ("--profile cloud -np 2", "--profile must be one of local, hosts, slurm"),
     ("--profile hosts -np 2", "--hosts HOST:SLOTS"),
     ("--profile hosts --hosts n0:zero -np 2", "not HOST"),
     ("--profile hosts --hostfile /nonexistent/hosts -np 2", "cannot be read"),
@@ -100,7 +101,7 @@ def _unset_traits(ip) -> None:
 
 
 @pytest.mark.parametrize("line, message", [
-    ('TacoMagics.profile = "cloud"', "TacoMagics.profile must be one of local, hosts, got 'cloud'"),
+    ('TacoMagics.profile = "cloud"', "TacoMagics.profile must be one of local, hosts, slurm, got 'cloud'"),
     ('TacoMagics.hosts = "n0:x"', "TacoMagics.hosts: 'n0:x' is not HOST[:SLOTS]"),
     ('TacoMagics.controller_ip = "0.0.0.0"', "TacoMagics.controller_ip must be this machine's address"),
 ])
@@ -209,3 +210,55 @@ def test_cell_runs_on_emulated_hosts_over_ssh(ip, emulated: EmulatedHosts, capsy
     assert "4 ranks on n0, n1" in out
     assert all(c >= 4 << 20 for c in crossed), crossed  # the allreduce crossed each node's shaped link
     assert left == {}, f"left running on the nodes after stop: {left}"
+
+
+SLURM_CELL = """\
+import os
+t = torch.full((2,), float(taco.rank() + 1))
+taco.allreduce(t)
+(taco.rank(), os.environ["SLURM_JOB_ID"], int(os.environ["SLURM_PROCID"]), t.tolist())
+"""
+
+
+def _job_processes(job_id: str) -> list[str]:
+    """Live processes of a job: its tasks (SLURM_JOB_ID in their environment) and slurmstepd for it."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if proc.environ().get("SLURM_JOB_ID") == job_id or f"slurmstepd: [{job_id}." in cmd:
+                found.append(f"{proc.pid} {cmd}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.timeout(300, method="signal")
+def test_slurm_profile_submits_runs_a_cell_and_stop_cancels(ip, slurm, capsys,  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "self,sm")  # the test Slurm's one node is this machine; sbatch exports it
+    ip.run_line_magic("config", "TacoMagics.controller_ip = '127.0.0.1'")
+    job = ""
+    try:
+        began = time.monotonic()
+        ip.run_line_magic("taco_cluster", "start --profile slurm -n 2 --cluster slurm")
+        started = time.monotonic() - began
+        cluster = clusters["slurm"]
+        job = cluster._engine_launchers[0].job_id
+        ranks = ip.run_cell_magic("taco_run", "--profile slurm -np 2 --gather --cluster slurm --no-dashboard",
+                                  SLURM_CELL)
+        assert clusters["slurm"] is cluster and cluster.state == "running"
+    finally:
+        _unset_traits(ip)
+        if "slurm" in clusters:
+            ip.run_line_magic("taco_cluster", "stop --cluster slurm")
+    out = capsys.readouterr().out
+    with capsys.disabled():
+        print(f"\nslurm profile, 2 engines: start (sbatch to engines up) {started:.1f} s")
+    assert f"job {job} submitted: 2 engine tasks" in out and f"job {job} RUNNING" in out
+    assert ranks == [(0, job, 0, [3.0, 3.0]), (1, job, 1, [3.0, 3.0])]
+    assert slurm.run("squeue", "-h", "-o", "%i %T").stdout.strip() == ""
+    deadline = time.monotonic() + 15  # slurmstepd reaps the tasks after the job's state is already CANCELLED
+    while _job_processes(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _job_processes(job) == []
