@@ -26,9 +26,10 @@ from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
 from . import engine
 from .deaths import death_report, engine_output, ranks_text
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
-from .mpi import MPIInfo, find_mpi, for_one_host
+from .mpi import MPIInfo
 from .private import private_ipython_profile
 from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files
+from .profiles import LOCAL, Profile, mpi_for
 from .rankwrap import LAUNCHED_BY_ENV
 from .teardown import stop_processes
 
@@ -65,9 +66,13 @@ class TacoCluster:
     cluster_id: str | None = None
 
     def __init__(self, name: str = "default", size: int = 4, mpiexec: str | None = None,
-                 start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 profile: Profile | None = None) -> None:
         if size <= 0:
             raise ValueError(f"size must be a positive integer, got {size}")
+        self.profile = profile or LOCAL  # where the engines run (cluster/profiles.py)
+        self._engines: Any = "mpi"  # ipp.Cluster's engines: "mpi", or the slurm profile's launcher class
+        self.profile.check_size(size)
         self.name = name
         self.size = size
         self.mpiexec = mpiexec
@@ -89,6 +94,7 @@ class TacoCluster:
         self._engine_logs: list[str] = []  # ipyparallel forgets a stopped engine set, and with it its log's path
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
+        self.progress: Callable[[str], None] | None = None  # the slurm profile's queue-state lines go here
 
     # ---------------------------------------------------------------- state
     @property
@@ -150,8 +156,11 @@ class TacoCluster:
         env = {"TACO_CLUSTER_NAME": self.name, "PYTHONUNBUFFERED": "1"}
         if "OMP_NUM_THREADS" not in os.environ:
             # N ranks on one machine share its cores; torch would otherwise start cores-many threads per rank.
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
-        if self.mpi is not None:  # every rank on this host: MPI stays off the network unless the user chose
+            per_node = self.profile.ranks_per_node(self.size)
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_node))
+        env.update(self.profile.environment)  # hosts: the nodes' interface for gloo and UCX
+        # every rank on this host (local profile): MPI stays off the network unless the user chose
+        if self.mpi is not None and self.profile.single_host:
             from .mpi import single_host_env
 
             env.update({k: v for k, v in single_host_env(self.mpi).items() if k not in os.environ})
@@ -165,13 +174,18 @@ class TacoCluster:
     def _ipp_config(self, mpi: MPIInfo) -> Any:
         from traitlets.config import Config
 
-        config = Config()
+        config, self._engines = Config(), "mpi"
         launcher = config.MPIEngineSetLauncher
         launcher.mpi_cmd = [mpi.mpiexec]
-        launcher.mpi_args = list(mpi.extra_args)
+        launcher.mpi_args = list(mpi.extra_args) + self.profile.mpiexec_args()
         launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.rankwrap",
                                sys.executable, "-m", "ipyparallel.engine"]
         launcher.environment = {**mpi.environment, **self._engine_environment()}  # mpi4py loads mpiexec's MPI
+        if self.profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
+            from .slurm_engines import engine_config
+
+            self._engines = engine_config(config, self.profile.slurm, launcher.engine_cmd, launcher.environment,
+                                          self.progress)
         if self.cluster_id:
             config.LocalControllerLauncher.environment = {CLUSTER_ID_ENV: self.cluster_id}
         return config
@@ -185,16 +199,16 @@ class TacoCluster:
         """
         import ipyparallel as ipp
 
-        explicit = self.mpiexec is not None  # --mpiexec PATH: exactly that program
-        self.mpi = for_one_host(self.mpi, explicit) if self.mpi else find_mpi(self.mpiexec, single_host=True)
+        self.mpi = mpi_for(self.profile, self.mpi, self.mpiexec)
         cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
         self.error, self._phase, _live[cluster_id] = None, "starting", self
         self._emit("starting")
         try:
             private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
-            self.ipp_cluster = ipp.Cluster(engines="mpi", n=self.size, profile=PROFILE, cluster_id=cluster_id,
-                                           controller_ip="127.0.0.1", log_level=logging.ERROR,
-                                           shutdown_atexit=False, config=self._ipp_config(self.mpi))
+            config = self._ipp_config(self.mpi)
+            self.ipp_cluster = ipp.Cluster(engines=self._engines, n=self.size, profile=PROFILE, config=config,
+                                           controller_ip=self.profile.controller_ip, log_level=logging.ERROR,
+                                           shutdown_atexit=False, cluster_id=cluster_id)
             self.ipp_cluster.start_cluster_sync()
             self._engine_launchers = self._engine_sets()
             self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
@@ -219,6 +233,10 @@ class TacoCluster:
     def _wait_for_engines(self) -> None:
         # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
         # stayed stuck in the notebook; the magic says "ready in … s" itself.
+        if self.profile.slurm is not None:  # as long as the queue holds the job, then start_timeout
+            from .slurm_engines import wait
+
+            return wait(self.client, self._engine_launchers[0], self.size, self.start_timeout)
         future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout, interactive=False)
         while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
             death = self.death()
@@ -315,6 +333,10 @@ class TacoCluster:
 
     def engines_alive(self) -> bool:
         engine_sets = self._engine_sets()
+        if self.profile.slurm is not None:  # no local process: the job's watcher says whether it ended
+            from .slurm_engines import job_alive
+
+            return bool(engine_sets) and all(job_alive(es) for es in engine_sets)
         return bool(engine_sets) and all(alive(getattr(es, "process", None)) for es in engine_sets)
 
     def engine_output(self) -> str:

@@ -55,6 +55,13 @@ cluster_args = _stack(
     argument("--require-hugepages", dest="require_hugepages", default=None, metavar="N",
              help="every node must have N free huge pages of its default size, else the cluster just started "
                   "is stopped, naming the nodes (TacoMagics.require_hugepages, TACO_REQUIRE_HUGEPAGES)"),
+    argument("--profile", default=None, metavar="NAME",
+             help="where the engines run: local (this machine, default), hosts (over ssh) or slurm (a Slurm job, "
+                  "or a step of the allocation this kernel runs in) (TacoMagics.profile)"),
+    argument("--hosts", default=None, metavar="SPEC",
+             help="hosts profile: HOST:SLOTS,… such as n0:2,n1:2, ranks filled in order (TacoMagics.hosts)"),
+    argument("--hostfile", default=None, metavar="FILE",
+             help="hosts profile: a file with HOST:SLOTS per line (TacoMagics.hostfile)"),
 )
 
 run_args = _stack(

@@ -6,21 +6,14 @@ Their defaults are :class:`TacoMagics`'s traits, then the environment (:mod:`.se
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Mapping
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
-from ..cluster.registry_writer import track
 from ..cluster.run import CellOptions, run_cell
 from ..cluster.session import TacoCluster, clusters
-from ..comm.specs import shm_from_env, timeout_from_env
-from ..errors import MPINotFoundError
 from .args import (
     DEFAULT_NP,
     cluster_args,
@@ -35,155 +28,21 @@ from .args import (
     usage_errors,
     wants_help,
 )
+from .clusters import (
+    LOST,
+    check_hugepages,
+    chosen_profile,
+    ensure_cluster,
+    format_status,
+    restart_reason,
+    shared_size,
+    start_cluster,
+)
 from .output import RankOutput
-from .settings import CLUSTER_ENV, TacoSettings, link_gbits_from_env
+from .settings import TacoSettings, link_gbits_from_env
 
-__all__ = ["TacoMagics", "ensure_cluster", "format_status"]
+__all__ = ["TacoMagics"]
 
-LOST = "the engines' variables are lost"  # said whenever a cluster is restarted under the user's feet
-
-
-def _find_mpi(mpiexec: str | None, launcher: str | None) -> MPIInfo:
-    """The MPI for a cluster on this host; ``launcher`` (``--mpi-launcher`` or its trait) in place of
-    ``TACO_MPI_LAUNCHER`` when given."""
-    if launcher is None:
-        return find_mpi(mpiexec, single_host=True)
-    return for_one_host(find_mpi(mpiexec), explicit=mpiexec is not None, environ={LAUNCHER_ENV: launcher})
-
-
-def _start(name: str, size: int, mpiexec: str | None, say: RankOutput, env: Mapping[str, str] | None = None,
-           launcher: str | None = None, limit: int | None = None) -> TacoCluster:
-    cluster_size(str(size), "-np", limit)  # the limit, once more where every start goes through
-    try:
-        mpi = _find_mpi(mpiexec, launcher)
-    except MPINotFoundError as exc:
-        raise UsageError(str(exc)) from None
-    # TacoCluster.start() picks the one-host launcher again from TACO_MPI_LAUNCHER unless its mpiexec was named:
-    # a launcher chosen here names the program it resolved to (gforker is kept as it is)
-    chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
-    cluster = track(TacoCluster(name, size, mpiexec=chosen, env=dict(env or {})))  # the sidebar lists it
-    cluster.mpi = mpi
-    say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
-    began = time.monotonic()
-    cluster.start()
-    clusters[name] = cluster
-    hosts = ", ".join(sorted({r.host for r in cluster.ranks}))
-    say.notice(f"cluster {name!r} ready in {time.monotonic() - began:.1f} s: {size} ranks on {hosts}")
-    return cluster
-
-
-def _environment_default(key: str) -> str | None:
-    """What the engines of a cluster started without ``key`` in its env read for it (the kernel's environment)."""
-    if key == CLUSTER_ENV["gpus"]:
-        return (os.environ.get(key) or "auto").strip().lower()
-    if key == CLUSTER_ENV["shm"]:
-        return "1" if shm_from_env() else "0"
-    if key == CLUSTER_ENV["collective_timeout"]:
-        return repr(timeout_from_env())
-    return None
-
-
-def _restart_reason(cluster: TacoCluster, env: Mapping[str, str]) -> str | None:
-    """Why the running ``cluster`` cannot serve a cell that wants ``env`` in its engines' environment, if so."""
-    for key, wanted in env.items():
-        with usage_errors():
-            current = cluster.env.get(key) or _environment_default(key)
-        if current == wanted:
-            continue
-        if key == "LIGHT_INTRA_SIZE":
-            return f"has another node layout; restarting it with --intra-size {wanted}"
-        if key == CLUSTER_ENV["gpus"]:
-            return f"places GPUs otherwise; restarting it with --gpus {wanted}"
-        if key == CLUSTER_ENV["shm"]:
-            return f"uses shared memory otherwise; restarting it with {'--shm' if wanted == '1' else '--no-shm'}"
-        return f"has another collective timeout; restarting it with --collective-timeout {float(wanted):g}"
-    return None
-
-
-def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput,
-                   env: Mapping[str, str] | None = None, launcher: str | None = None, limit: int | None = None,
-                   default_size: int = DEFAULT_NP) -> TacoCluster:
-    """The running cluster ``name`` with ``size`` ranks and ``env`` (``LIGHT_INTRA_SIZE``, ``TACO_GPUS``, …) in
-    its engines' environment, reusing, repairing, resizing or restarting it as needed."""
-    env = dict(env or {})
-    cluster = clusters.get(name)
-    if cluster is not None and cluster.error:
-        say.warn(f"cluster {name!r} is unusable ({cluster.error}); starting a fresh one: {LOST}")
-        clusters.pop(name).stop()
-        cluster = None
-    if cluster is not None and cluster.ipp_cluster is None:
-        clusters.pop(name)
-        cluster = None
-    if cluster is not None and size is not None and size != cluster.size:
-        say.warn(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}: {LOST}")
-        clusters.pop(name).stop()
-        cluster = None
-    reason = _restart_reason(cluster, env) if cluster is not None else None
-    if reason is not None:
-        say.warn(f"cluster {name!r} {reason}: {LOST}")
-        clusters.pop(name).stop()
-        cluster = None
-    if cluster is None:
-        return _attach(name, size, say) or _start(name, size or default_size, mpiexec, say, env, launcher, limit)
-    return cluster
-
-
-def _attach(name: str, size: int | None, say: RankOutput) -> TacoCluster | None:
-    """The cluster ``name`` started from the sidebar (owned by the Jupyter server), if there is one."""
-    from ..cluster.attach import attach, find_shared
-
-    model = find_shared(name)
-    if model is None:
-        return None
-    if size is not None and size != model["size"]:
-        raise UsageError(f"cluster {name!r} was started from the sidebar with {model['size']} ranks: scale it "
-                         f"there, or use -np {model['size']} or another --cluster name")
-    cluster = clusters[name] = attach(model)
-    say.notice(f"using cluster {name!r} started from the sidebar: {model['size']} ranks")
-    return cluster
-
-
-def _check_hugepages(cluster: TacoCluster, need: int | None, started: bool) -> None:
-    """``--require-hugepages N``: every node of ``cluster`` has ``N`` free huge pages of its default size, else a
-    UsageError naming the nodes and the remedy, after stopping the cluster when this magic ``started`` it (one
-    it found running, or attached from the sidebar, is left as it was)."""
-    if need is None:
-        return
-    from ..cluster.attach import AttachedCluster
-    from ..cluster.doctor import HugePagesError, require_hugepages
-    from .doctor import hugepage_nodes
-
-    try:
-        require_hugepages(hugepage_nodes(cluster), need)
-    except HugePagesError as exc:
-        if started and not isinstance(cluster, AttachedCluster):
-            if clusters.get(cluster.name) is cluster:
-                clusters.pop(cluster.name)
-            cluster.stop()
-            raise UsageError(f"cluster {cluster.name!r} stopped: --require-hugepages {need}: {exc}") from None
-        raise UsageError(f"cluster {cluster.name!r} (left running) does not meet --require-hugepages {need}: "
-                         f"{exc}") from None
-
-
-def format_status(cluster: TacoCluster) -> str:
-    status = cluster.model()
-    lines = [f"cluster {status['name']!r}: {status['state']}, {status['engines_up']}/{status['size']} engines up"]
-    if status["mpi"]:
-        lines.append(f"  MPI: {status['mpi']}")
-    if status["started_at"]:
-        hosts = ", ".join(sorted({n["host"] for n in status["nodes"]}))
-        lines.append(f"  up for {time.time() - status['started_at']:.0f} s; hosts: {hosts}")
-    if cluster.ranks:
-        lines.append("  rank  node  local  host                 pid")
-        lines += [f"  {r.rank:>4}  {r.node:>4}  {r.local_rank:>5}  {r.host:<20} {r.pid:>6}" for r in cluster.ranks]
-    return "\n".join(lines)
-
-
-def _shared_size(name: str) -> int | None:
-    from ..cluster.attach import find_shared
-
-    model = find_shared(name)
-    return model["size"] if model is not None else None
 
 
 def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str, capacity: float | None) -> Any:
@@ -228,7 +87,7 @@ class TacoMagics(Magics, TacoSettings):
             intra_size = self.chosen("intra_size", args.intra_size, "--intra-size")
         settings = comm_settings(self, args)
         running = clusters.get(args.cluster)
-        planned = size or (running.size if running is not None else _shared_size(args.cluster) or self._new_size())
+        planned = size or (running.size if running is not None else shared_size(args.cluster) or self._new_size())
         targets = parse_targets(args.targets, planned)
         say = RankOutput(live=args.stream, quiet=args.quiet)
         if intra_size is not None and planned % intra_size:
@@ -239,8 +98,10 @@ class TacoMagics(Magics, TacoSettings):
         if intra_size:
             env["LIGHT_INTRA_SIZE"] = str(intra_size)
         need = required_hugepages(self, args)
-        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, env, launcher, self.max_ranks)
-        _check_hugepages(cluster, need, started=cluster is not running)
+        profile = chosen_profile(self, args, planned)
+        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, env, launcher, self.max_ranks,
+                                 profile=profile)
+        check_hugepages(cluster, need, started=cluster is not running)
         monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
@@ -320,28 +181,31 @@ class TacoMagics(Magics, TacoSettings):
 
     def _cluster_start(self, name: str, size: int | None, args: Any) -> None:
         running = clusters.get(name)
-        env, launcher = self._cluster_options(args, size or (running.size if running else self._new_size()))
+        ranks = size or (running.size if running else self._new_size())
+        env, launcher = self._cluster_options(args, ranks)
         need = required_hugepages(self, args)
+        profile = chosen_profile(self, args, ranks)
         if (running is not None and running.running and size in (None, running.size)
-                and _restart_reason(running, env) is None):
+                and running.profile == profile and restart_reason(running, env) is None):
             RankOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
             cluster = running
         else:
             cluster = ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks,
-                                     self._new_size())
-        _check_hugepages(cluster, need, started=cluster is not running)
+                                     self._new_size(), profile)
+        check_hugepages(cluster, need, started=cluster is not running)
 
     def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
         previous = clusters.get(name)
         ranks = size or (previous.size if previous else self._new_size())
         env, launcher = self._cluster_options(args, ranks)  # checked before the running cluster is stopped
         need = required_hugepages(self, args)
+        profile = chosen_profile(self, args, ranks)
         previous = clusters.pop(name, None)
         if previous is not None:
             RankOutput().warn(f"restarting cluster {name!r}: {LOST}")
             previous.stop()
-        _check_hugepages(_start(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks), need,
-                         started=True)
+        check_hugepages(start_cluster(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks, profile),
+                         need, started=True)
 
     @magic_arguments()
     @argument("--cluster", default=None, metavar="NAME",

@@ -24,6 +24,10 @@ option                        trait (``TacoMagics.…``)   environment          
 ``--link-gbits G``            ``link_gbits``             ``TACO_LINK_GBITS``         unknown (heatmaps self-scale)
 ``--require-hugepages N``     ``require_hugepages``      ``TACO_REQUIRE_HUGEPAGES``  none required
 -                             ``max_ranks``              ``TACO_MAX_RANKS``          4 × cores, at least 8
+``--profile NAME``            ``profile``                -                           local (hosts if given)
+``--hosts SPEC``              ``hosts``                  -                           none
+``--hostfile FILE``           ``hostfile``               -                           none
+-                             ``controller_ip``          -                           route to the first host
 ============================  =========================  ==========================  ===========================
 
 Where each takes effect: ``algorithm``, ``compression`` and ``fusion_mb`` are the ranks' ``taco.configure()``
@@ -99,6 +103,30 @@ def _dashboard_modes() -> tuple[str, ...]:
     return DASHBOARD_MODES
 
 
+def _profiles() -> tuple[str, ...]:
+    from ..cluster.profiles import PROFILES
+
+    return PROFILES
+
+
+def _hosts(value: Any, what: str) -> str:
+    from ..cluster.profiles import parse_hosts
+
+    parse_hosts(str(value), what)  # a ProfileError (a ValueError) naming the entry and the form
+    return str(value)
+
+
+def _address(value: Any, what: str) -> str:
+    import ipaddress
+
+    try:
+        if not ipaddress.ip_address(str(value)).is_unspecified:
+            return str(value)
+    except ValueError:
+        pass
+    raise ValueError(f"{what} must be this machine's address that the hosts reach, got {value!r}")
+
+
 def _positive(unit: str, convert: Callable[[Any], Any] = float) -> Callable[[Any, str], Any]:
     def check(value: Any, what: str) -> Any:
         from ..comm.specs import check_positive
@@ -134,6 +162,10 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "dashboard": _choice(_dashboard_modes),
     "link_gbits": _positive("Gbit/s"),
     "require_hugepages": _positive("free huge pages per node", int),
+    "profile": _choice(_profiles),
+    "hosts": _hosts,
+    "hostfile": lambda value, what: str(value),
+    "controller_ip": _address,
 }
 
 
@@ -200,6 +232,14 @@ class TacoSettings(Configurable):
     require_hugepages = Int(None, allow_none=True, help="free huge pages (each node's default size) every node "
                                                         "must have, else the cluster is stopped; default "
                                                         "TACO_REQUIRE_HUGEPAGES, else none").tag(config=True)
+
+    profile = Unicode(None, allow_none=True, help="where engines run: local, hosts or slurm").tag(config=True)
+    hosts = Unicode(None, allow_none=True, help="the hosts profile's HOST:SLOTS,… (n0:2,n1:2)").tag(config=True)
+    hostfile = Unicode(None, allow_none=True, help="the hosts profile's hostfile, HOST:SLOTS per line").tag(
+        config=True)
+    controller_ip = Unicode(None, allow_none=True, help="the hosts profile's controller address; default: "
+                                                        "emulated nodes' bridge, else the route to the first host"
+                            ).tag(config=True)
 
     @validate(*_CHECKS)
     def _check_trait(self, proposal: Any) -> Any:

@@ -41,9 +41,9 @@ def config(ip: Any, line: str) -> None:
 # ---------------------------------------------------------------- %config in a real shell
 
 def test_every_setting_is_a_trait_listed_by_config(ip, magics, capsys):
-    assert TRAITS == ["algorithm", "collective_timeout", "compression", "dashboard", "fusion_mb", "gpus",
-                      "intra_size", "link_gbits", "max_ranks", "mpi_launcher", "np", "require_hugepages", "shm",
-                      "timeout"]
+    assert TRAITS == ["algorithm", "collective_timeout", "compression", "controller_ip", "dashboard", "fusion_mb",
+                      "gpus", "hostfile", "hosts", "intra_size", "link_gbits", "max_ranks", "mpi_launcher", "np",
+                      "profile", "require_hugepages", "shm", "timeout"]
     config(ip, "TacoMagics")
     listed = capsys.readouterr().out
     for name in TRAITS:

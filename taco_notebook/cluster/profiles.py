@@ -1,0 +1,212 @@
+"""Where a cluster's engines run: the ``local`` and ``hosts`` profiles (``--profile NAME``).
+
+A :class:`Profile` says how the engines launch (the mpiexec arguments and environment ipyparallel's
+``MPIEngineSetLauncher`` runs them with) and where the controller listens. No process management of its own:
+
+* ``local`` (default, today's behaviour): every rank on this machine, MPICH's gforker (or hydra) on one host,
+  the controller on loopback, MPI kept off the network (``UCX_TLS=self,sm``, gloo on ``lo``).
+* ``hosts``: ``--hosts n0:2,n1:2`` or ``--hostfile FILE`` (``HOST[:SLOTS]`` per line, ``#`` comments); mpich
+  hydra starts the ranks over ssh (``-launcher ssh``, the user's ssh or ``launcher_exec``), ``SLOTS`` ranks per
+  node in order, and ``-np`` must fit the slots. The controller listens on the address the hosts reach: the
+  given ``controller_ip``, else for emulated hosts (``python -m taco_notebook.emulate up``, found through its
+  state directory) the bridge's address, else this machine's address on the route to the first host. Never
+  0.0.0.0.
+
+* ``slurm``: the engines are a Slurm job (sbatch outside an allocation, an srun step inside one), through
+  :mod:`~taco_notebook.cluster.slurm_launchers`; the controller listens on ``controller_ip``, else on the address
+  this machine's name resolves to (where the job's nodes reach it).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import MPINotFoundError
+from .mpi import MPIInfo, find_mpi, for_one_host
+from .slurm import SlurmOptions
+
+__all__ = ["Profile", "ProfileError", "PROFILES", "LOCAL", "parse_hosts", "read_hostfile", "hosts_profile",
+           "profile_for", "route_address", "mpi_for"]
+
+PROFILES = ("local", "hosts", "slurm")
+_HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class ProfileError(ValueError):
+    """A bad profile, hosts spec, hostfile or size: the message names the thing and the fix."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How a cluster's engines launch. ``hosts``: ``(host, slots)`` in rank order (empty for ``local``)."""
+
+    name: str = "local"
+    hosts: tuple[tuple[str, int], ...] = ()
+    launcher_exec: str | None = None  # stands in for ssh (hydra's -launcher-exec); None: ssh on PATH
+    controller_ip: str = "127.0.0.1"
+    environment: dict[str, str] = field(default_factory=dict)  # for mpiexec, which copies it to every rank
+    slurm: SlurmOptions | None = None  # the slurm profile's job (engines through slurm_launchers)
+
+    @property
+    def single_host(self) -> bool:
+        return self.name == "local"
+
+    @property
+    def slots(self) -> int:
+        return sum(slots for _, slots in self.hosts)
+
+    @property
+    def hosts_string(self) -> str:
+        return ",".join(f"{host}:{slots}" for host, slots in self.hosts)
+
+    def check_size(self, size: int, option: str = "-np") -> None:
+        """ProfileError when ``size`` ranks do not fit the hosts' slots."""
+        if self.hosts and size > self.slots:
+            raise ProfileError(f"{option} {size} does not fit the hosts' {self.slots} slots ({self.hosts_string}): "
+                               f"use {option} {self.slots} or fewer, or give more hosts or slots")
+
+    def mpiexec_args(self) -> list[str]:
+        """hydra's arguments for this profile (none for ``local`` and ``slurm``)."""
+        if self.single_host or self.slurm is not None:
+            return []
+        launcher = ["-launcher-exec", self.launcher_exec] if self.launcher_exec else []
+        return ["-launcher", "ssh", *launcher, "-localhost", self.controller_ip, "-hosts", self.hosts_string]
+
+    def ranks_per_node(self, size: int) -> int:
+        """The most ranks any node runs (for the engines' thread count)."""
+        return size if not self.hosts else min(size, max(slots for _, slots in self.hosts))
+
+
+LOCAL = Profile()
+
+
+def parse_hosts(spec: str, what: str = "--hosts") -> tuple[tuple[str, int], ...]:
+    """``"n0:2,n1:2"`` → ``(("n0", 2), ("n1", 2))``; a host without ``:SLOTS`` has 1 slot."""
+    entries = [part.strip() for part in re.split(r"[,\n]", spec) if part.strip()]
+    if not entries:
+        raise ProfileError(f"{what} names no host: give HOST:SLOTS,… such as n0:2,n1:2")
+    hosts: dict[str, int] = {}
+    for entry in entries:
+        host, _, slots_text = entry.partition(":")
+        host = host.strip()
+        try:
+            slots = int(slots_text) if slots_text.strip() else 1
+        except ValueError:
+            slots = 0
+        if not _HOST.match(host) or slots <= 0:
+            raise ProfileError(f"{what}: {entry!r} is not HOST[:SLOTS] with SLOTS a positive integer "
+                               f"(example: n0:2,n1:2)")
+        if host in hosts:
+            raise ProfileError(f"{what}: host {host!r} is named twice; give it once with all its slots")
+        hosts[host] = slots
+    return tuple(hosts.items())
+
+
+def read_hostfile(path: str | os.PathLike[str]) -> tuple[tuple[str, int], ...]:
+    """A hostfile's hosts: ``HOST[:SLOTS]`` (or ``HOST slots=N``) per line, ``#`` starts a comment."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProfileError(f"--hostfile {str(path)!r} cannot be read ({exc.strerror or exc}): give an existing "
+                           f"file with one HOST:SLOTS per line") from None
+    lines = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        match = re.match(r"^(\S+)\s+slots\s*=\s*(\S+)$", line)
+        lines.append(f"{match.group(1)}:{match.group(2)}" if match else line)
+    return parse_hosts("\n".join(lines), f"--hostfile {str(path)!r}")
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP socket's source address; nothing is sent)."""
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            source = str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ProfileError(f"cannot find this machine's address towards host {host!r} ({exc}): check the name, or "
+                           f"set the controller's address (TacoMagics.controller_ip)") from None
+    if ipaddress.ip_address(source).is_unspecified:
+        raise ProfileError(f"no route to host {host!r}: set the controller's address (TacoMagics.controller_ip)")
+    return source
+
+
+def _emulated(hosts: tuple[tuple[str, int], ...]) -> Profile | None:
+    """The emulated nodes' launcher, bridge address and node environment, when they are up and hold ``hosts``."""
+    from .emulated_hosts import EmulatedHosts, default_state_dir
+
+    state_dir = default_state_dir()
+    if not (state_dir / "hosts.json").exists():
+        return None
+    emulated = EmulatedHosts.load(state_dir)
+    if emulated is None or not {host for host, _ in hosts} <= set(emulated.nodes.nodes):
+        return None
+    env = emulated.mpiexec_env({})
+    return Profile("hosts", hosts, str(emulated.launcher), emulated.nodes.bridge_address, env)
+
+
+def _checked(controller_ip: str) -> str:
+    try:
+        if not ipaddress.ip_address(controller_ip).is_unspecified:
+            return controller_ip
+    except ValueError:
+        pass
+    raise ProfileError(f"controller address {controller_ip!r} is not one address the hosts can reach: give "
+                       f"this machine's address on their network (never 0.0.0.0)")
+
+
+def hosts_profile(hosts: str | None = None, hostfile: str | None = None, launcher_exec: str | None = None,
+                  controller_ip: str | None = None) -> Profile:
+    """The ``hosts`` profile from a spec or a hostfile (exactly one of them)."""
+    if (hosts is None) == (hostfile is None):
+        raise ProfileError("--profile hosts needs --hosts HOST:SLOTS,… or --hostfile FILE (one of them)")
+    parsed = parse_hosts(hosts) if hosts is not None else read_hostfile(str(hostfile))
+    emulated = _emulated(parsed)
+    if emulated is not None:
+        launcher_exec = launcher_exec or emulated.launcher_exec
+        controller_ip = controller_ip or emulated.controller_ip
+    controller_ip = _checked(controller_ip or route_address(parsed[0][0]))
+    env = emulated.environment if emulated is not None else {}
+    return Profile("hosts", parsed, launcher_exec, controller_ip, env)
+
+
+def profile_for(name: str | None, hosts: str | None = None, hostfile: str | None = None,
+                launcher_exec: str | None = None, controller_ip: str | None = None) -> Profile:
+    """The profile ``name`` (None: ``local``, or ``hosts`` when hosts are given) with its settings checked."""
+    chosen = (name or ("hosts" if hosts or hostfile else "local")).strip().lower()
+    if chosen not in PROFILES:
+        raise ProfileError(f"--profile {name!r} is not a profile: choose one of {', '.join(PROFILES)}")
+    if chosen == "slurm":
+        if hosts is not None or hostfile is not None:
+            raise ProfileError("--hosts/--hostfile are for --profile hosts; Slurm chooses the slurm profile's nodes")
+        return Profile("slurm", (), None, _checked(controller_ip or socket.gethostbyname(socket.gethostname())),
+                       slurm=SlurmOptions())
+    if chosen == "local":
+        if hosts is not None or hostfile is not None:
+            raise ProfileError("--hosts/--hostfile need --profile hosts (the local profile runs on this machine)")
+        return LOCAL
+    return hosts_profile(hosts, hostfile, launcher_exec, controller_ip)
+
+
+def mpi_for(profile: Profile, mpi: MPIInfo | None, mpiexec: str | None) -> MPIInfo:
+    """The MPI a cluster of ``profile`` launches with (``mpi``: one already chosen, ``mpiexec``: the user's).
+
+    ``local`` takes the one-host launcher (gforker); ``hosts`` needs mpich's hydra (its ssh launcher places the
+    ranks), an MPINotFoundError otherwise; ``slurm`` uses only its mpi4py environment (srun starts the ranks).
+    """
+    explicit = mpiexec is not None  # --mpiexec PATH: exactly that program
+    if profile.slurm is not None:
+        return mpi or find_mpi(mpiexec)
+    if profile.single_host:
+        return for_one_host(mpi, explicit) if mpi else find_mpi(mpiexec, single_host=True)
+    mpi = mpi if mpi is not None and mpi.launcher == "hydra" else find_mpi(mpiexec)
+    if mpi.launcher != "hydra":
+        raise MPINotFoundError(f"--profile {profile.name} starts ranks with mpich's hydra over ssh, but "
+                               f"{mpi.description} is not hydra: pass --mpiexec PATH/TO/mpich/mpiexec")
+    return mpi

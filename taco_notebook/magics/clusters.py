@@ -1,0 +1,196 @@
+"""Which cluster a magic runs on: the running one when it fits, one started from the sidebar (attached), or a
+new one started here with the chosen profile, MPI and environment; and the checks made right after a start
+(huge pages). Split out of :mod:`.core`, which parses the magics' lines and calls these.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from ..cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
+from ..cluster.profiles import LOCAL, Profile, profile_for
+from ..cluster.registry_writer import track
+from ..cluster.session import TacoCluster, clusters
+from ..comm.specs import shm_from_env, timeout_from_env
+from ..errors import MPINotFoundError
+from .args import DEFAULT_NP, cluster_size, usage_errors
+from .output import RankOutput
+from .settings import CLUSTER_ENV, TacoSettings
+
+__all__ = ["LOST", "chosen_profile", "start_cluster", "ensure_cluster", "restart_reason", "check_hugepages",
+           "format_status", "shared_size"]
+
+LOST = "the engines' variables are lost"  # said whenever a cluster is restarted under the user's feet
+
+
+def mpi_for_launcher(mpiexec: str | None, launcher: str | None) -> MPIInfo:
+    """The MPI for a cluster on this host; ``launcher`` (``--mpi-launcher`` or its trait) in place of
+    ``TACO_MPI_LAUNCHER`` when given."""
+    if launcher is None:
+        return find_mpi(mpiexec, single_host=True)
+    return for_one_host(find_mpi(mpiexec), explicit=mpiexec is not None, environ={LAUNCHER_ENV: launcher})
+
+
+def chosen_profile(config: TacoSettings, args: Any, size: int) -> Profile:
+    """``--profile/--hosts/--hostfile`` (else their traits) as a checked :class:`Profile` that fits ``size`` ranks.
+    ``--hosts``/``--hostfile`` replace both traits; ``--profile local`` ignores the hosts traits."""
+    with usage_errors():
+        name = config.chosen("profile", args.profile, "--profile")
+        if args.hosts is not None or args.hostfile is not None:
+            hosts = config.chosen("hosts", args.hosts, "--hosts") if args.hosts is not None else None
+            hostfile = args.hostfile
+        elif args.profile == "local":
+            hosts = hostfile = None
+        else:
+            hosts, hostfile = config.hosts, config.hostfile
+        profile = profile_for(name, hosts, hostfile, controller_ip=config.controller_ip)
+        profile.check_size(size)
+    return profile
+
+
+def start_cluster(name: str, size: int, mpiexec: str | None, say: RankOutput, env: Mapping[str, str] | None = None,
+           launcher: str | None = None, limit: int | None = None, profile: Profile = LOCAL) -> TacoCluster:
+    cluster_size(str(size), "-np", limit)  # the limit, once more where every start goes through
+    try:
+        mpi = mpi_for_launcher(mpiexec, launcher) if profile.single_host else find_mpi(mpiexec)
+    except MPINotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    # TacoCluster.start() picks the one-host launcher again from TACO_MPI_LAUNCHER unless its mpiexec was named:
+    # a launcher chosen here names the program it resolved to (gforker is kept as it is)
+    chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
+    cluster = track(TacoCluster(name, size, mpiexec=chosen, env=dict(env or {}), profile=profile))  # sidebar lists it
+    cluster.mpi = mpi
+    cluster.progress = say.notice  # the slurm profile's job id and queue state
+    say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
+    began = time.monotonic()
+    cluster.start()
+    clusters[name] = cluster
+    hosts = ", ".join(sorted({r.host for r in cluster.ranks}))
+    say.notice(f"cluster {name!r} ready in {time.monotonic() - began:.1f} s: {size} ranks on {hosts}")
+    return cluster
+
+
+def environment_default(key: str) -> str | None:
+    """What the engines of a cluster started without ``key`` in its env read for it (the kernel's environment)."""
+    if key == CLUSTER_ENV["gpus"]:
+        return (os.environ.get(key) or "auto").strip().lower()
+    if key == CLUSTER_ENV["shm"]:
+        return "1" if shm_from_env() else "0"
+    if key == CLUSTER_ENV["collective_timeout"]:
+        return repr(timeout_from_env())
+    return None
+
+
+def restart_reason(cluster: TacoCluster, env: Mapping[str, str]) -> str | None:
+    """Why the running ``cluster`` cannot serve a cell that wants ``env`` in its engines' environment, if so."""
+    for key, wanted in env.items():
+        with usage_errors():
+            current = cluster.env.get(key) or environment_default(key)
+        if current == wanted:
+            continue
+        if key == "LIGHT_INTRA_SIZE":
+            return f"has another node layout; restarting it with --intra-size {wanted}"
+        if key == CLUSTER_ENV["gpus"]:
+            return f"places GPUs otherwise; restarting it with --gpus {wanted}"
+        if key == CLUSTER_ENV["shm"]:
+            return f"uses shared memory otherwise; restarting it with {'--shm' if wanted == '1' else '--no-shm'}"
+        return f"has another collective timeout; restarting it with --collective-timeout {float(wanted):g}"
+    return None
+
+
+def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput,
+                   env: Mapping[str, str] | None = None, launcher: str | None = None, limit: int | None = None,
+                   default_size: int = DEFAULT_NP, profile: Profile = LOCAL) -> TacoCluster:
+    """The running cluster ``name`` with ``size`` ranks and ``env`` (``LIGHT_INTRA_SIZE``, ``TACO_GPUS``, …) in
+    its engines' environment, reusing, repairing, resizing or restarting it as needed."""
+    env = dict(env or {})
+    cluster = clusters.get(name)
+    if cluster is not None and cluster.error:
+        say.warn(f"cluster {name!r} is unusable ({cluster.error}); starting a fresh one: {LOST}")
+        clusters.pop(name).stop()
+        cluster = None
+    if cluster is not None and cluster.ipp_cluster is None:
+        clusters.pop(name)
+        cluster = None
+    if cluster is not None and size is not None and size != cluster.size:
+        say.warn(f"cluster {name!r} has {cluster.size} ranks; restarting it with -np {size}: {LOST}")
+        clusters.pop(name).stop()
+        cluster = None
+    if cluster is not None and cluster.profile != profile:
+        say.warn(f"cluster {name!r} runs elsewhere; restarting it with --profile {profile.name}: {LOST}")
+        clusters.pop(name).stop()
+        cluster = None
+    reason = restart_reason(cluster, env) if cluster is not None else None
+    if reason is not None:
+        say.warn(f"cluster {name!r} {reason}: {LOST}")
+        clusters.pop(name).stop()
+        cluster = None
+    if cluster is None:
+        shared = attach_shared(name, size, say) if profile.single_host else None  # the sidebar's clusters are local
+        return shared or start_cluster(name, size or default_size, mpiexec, say, env, launcher, limit, profile)
+    return cluster
+
+
+def attach_shared(name: str, size: int | None, say: RankOutput) -> TacoCluster | None:
+    """The cluster ``name`` started from the sidebar (owned by the Jupyter server), if there is one."""
+    from ..cluster.attach import attach, find_shared
+
+    model = find_shared(name)
+    if model is None:
+        return None
+    if size is not None and size != model["size"]:
+        raise UsageError(f"cluster {name!r} was started from the sidebar with {model['size']} ranks: scale it "
+                         f"there, or use -np {model['size']} or another --cluster name")
+    cluster = clusters[name] = attach(model)
+    say.notice(f"using cluster {name!r} started from the sidebar: {model['size']} ranks")
+    return cluster
+
+
+def check_hugepages(cluster: TacoCluster, need: int | None, started: bool) -> None:
+    """``--require-hugepages N``: every node of ``cluster`` has ``N`` free huge pages of its default size, else a
+    UsageError naming the nodes and the remedy, after stopping the cluster when this magic ``started`` it (one
+    it found running, or attached from the sidebar, is left as it was)."""
+    if need is None:
+        return
+    from ..cluster.attach import AttachedCluster
+    from ..cluster.doctor import HugePagesError, require_hugepages
+    from .doctor import hugepage_nodes
+
+    try:
+        require_hugepages(hugepage_nodes(cluster), need)
+    except HugePagesError as exc:
+        if started and not isinstance(cluster, AttachedCluster):
+            if clusters.get(cluster.name) is cluster:
+                clusters.pop(cluster.name)
+            cluster.stop()
+            raise UsageError(f"cluster {cluster.name!r} stopped: --require-hugepages {need}: {exc}") from None
+        raise UsageError(f"cluster {cluster.name!r} (left running) does not meet --require-hugepages {need}: "
+                         f"{exc}") from None
+
+
+def format_status(cluster: TacoCluster) -> str:
+    status = cluster.model()
+    lines = [f"cluster {status['name']!r}: {status['state']}, {status['engines_up']}/{status['size']} engines up"]
+    if status["mpi"]:
+        lines.append(f"  MPI: {status['mpi']}")
+    if status["started_at"]:
+        hosts = ", ".join(sorted({n["host"] for n in status["nodes"]}))
+        lines.append(f"  up for {time.time() - status['started_at']:.0f} s; hosts: {hosts}")
+    if cluster.ranks:
+        lines.append("  rank  node  local  host                 pid")
+        lines += [f"  {r.rank:>4}  {r.node:>4}  {r.local_rank:>5}  {r.host:<20} {r.pid:>6}" for r in cluster.ranks]
+    return "\n".join(lines)
+
+
+def shared_size(name: str) -> int | None:
+    from ..cluster.attach import find_shared
+
+    model = find_shared(name)
+    return model["size"] if model is not None else None
+
+
