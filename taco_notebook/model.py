@@ -81,7 +81,7 @@ class ClusterModel(TypedDict):
 
     id: str
     name: str
-    profile: str
+    profile: str  # how its engines launch: local, hosts or slurm (cluster/profiles.py)
     owner: Owner
     this_server: bool
     state: State

@@ -37,7 +37,7 @@ __all__ = ["RankInfo", "Event", "Subscriber", "TacoCluster", "clusters", "stop_a
 
 log = logging.getLogger("taco_notebook")
 
-PROFILE = "taco"
+PROFILE = "taco"  # the IPython profile (directory) ipyparallel keeps its files in; not the launch profile
 
 
 Event = Literal["starting", "running", "stopping", "stopped", "broken", "run"]
@@ -119,8 +119,9 @@ class TacoCluster:
         up = state in ("running", "broken")
         nodes = nodes_of(self.ranks) if state != "starting" else []
         return {
-            "id": self.cluster_id or "", "name": self.name, "profile": PROFILE, "owner": owner_of(self.owner_kind),
-            "this_server": False, "state": state, "size": self.size, "engines_up": len(self.ranks) if up else 0,
+            "id": self.cluster_id or "", "name": self.name, "profile": self.profile.name,
+            "owner": owner_of(self.owner_kind), "this_server": False, "state": state, "size": self.size,
+            "engines_up": len(self.ranks) if up else 0,
             "mpi": self.mpi.description if self.mpi else "", "nodes": nodes, "gpus": sum(n["gpus"] for n in nodes),
             "hugepages": hugepages_of(self.ranks) if state != "starting" else None,
             "started_at": self.started_at if state != "starting" else None, "updated_at": time.time(),
