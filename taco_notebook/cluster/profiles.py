@@ -1,4 +1,4 @@
-"""Where a cluster's engines run: the ``local`` and ``hosts`` profiles (``--profile NAME``).
+"""Where a cluster's engines run: the ``local``, ``hosts`` and ``slurm`` profiles (``--profile NAME``).
 
 A :class:`Profile` says how the engines launch (the mpiexec arguments and environment ipyparallel's
 ``MPIEngineSetLauncher`` runs them with) and where the controller listens. No process management of its own:
@@ -11,7 +11,6 @@ A :class:`Profile` says how the engines launch (the mpiexec arguments and enviro
   given ``controller_ip``, else for emulated hosts (``python -m taco_notebook.emulate up``, found through its
   state directory) the bridge's address, else this machine's address on the route to the first host. Never
   0.0.0.0.
-
 * ``slurm``: the engines are a Slurm job (sbatch outside an allocation, an srun step inside one), through
   :mod:`~taco_notebook.cluster.slurm_launchers`; the controller listens on ``controller_ip``, else on the address
   this machine's name resolves to (where the job's nodes reach it).
