@@ -180,6 +180,8 @@ def test_the_ranks_command_registers_engines_with_the_notebooks_controller(tmp_p
         ranks = rank_shell_command(spec).replace(f"{ENGINE_DIR}/{ENGINE_FILE}", str(secret / ENGINE_FILE))
         line = f"exec {shlex.join([info.mpiexec, *info.extra_args])} -n 2 {ranks}"
         env = {**os.environ, **info.environment, **single_host_env(info), **rank_env(spec)}
+        # the manifest runs the image's `python`: here this venv's (pytest may run without an activated venv)
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
         proc = subprocess.Popen(["sh", "-c", line], env=env, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = cluster.connect_client_sync()
