@@ -8,6 +8,7 @@ the session's shared cluster.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -91,6 +92,18 @@ def shared_memory_in_use() -> set[str]:
             except OSError:
                 continue
     return used
+
+
+@pytest.fixture(autouse=True)
+def keeps_the_sigint_handler(request) -> Iterator[None]:
+    """Fail a test that leaves this process's SIGINT handler changed (and put it back): the Ctrl-C tests need
+    Python's own handler, as a notebook kernel has it, and a changed one made them pass or fail by test order."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        pytest.fail(f"{request.node.nodeid} left the SIGINT handler changed: {after!r} instead of {before!r}")
 
 
 @pytest.fixture(autouse=True)

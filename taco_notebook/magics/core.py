@@ -232,7 +232,7 @@ class TacoMagics(Magics, TacoSettings):
                              "%taco_cluster start, or leave --cluster out to examine this machine alone")
         from .doctor import doctor_report, show_report
 
-        if cluster is not None:
+        if cluster is not None and not args.json:  # --json returns the dict and prints nothing
             RankOutput().notice(f"reading the nodes of cluster {cluster.name!r} through its engines…")
         report = doctor_report(cluster)
         if not args.json:
