@@ -10,6 +10,7 @@ is always used as given.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import MPINotFoundError
 
 __all__ = ["MPIInfo", "find_mpi", "single_host_env", "library_dir", "mpi4py_environment", "LAUNCHER_ENV",
-           "LAUNCHERS", "launcher_choice", "gforker_beside", "for_one_host"]
+           "LAUNCHERS", "launcher_choice", "gforker_beside", "for_one_host", "library_identity"]
 
 LAUNCHER_ENV = "TACO_MPI_LAUNCHER"  # the user's choice of MPICH launcher for a one-host cluster
 LAUNCHERS = ("auto", "hydra", "gforker")
@@ -60,24 +61,24 @@ def _candidates(explicit: str | None) -> list[str]:
     return found
 
 
-def _identify(version_text: str) -> tuple[str, str]:
-    lowered = version_text.lower()
+def library_identity(text: str) -> tuple[str, str]:
+    """(implementation, version) from an MPI's own words: ``mpiexec --version`` or ``MPI_Get_library_version``.
+
+    >>> library_identity("MPICH Version:      5.0.2\\nMPICH Release date: ...")
+    ('mpich', '5.0.2')
+    >>> library_identity("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4")
+    ('openmpi', '4.1.4')
+    """
+    lowered = text.lower()
     if "open mpi" in lowered or "openrte" in lowered or "open-mpi" in lowered:
         impl = "openmpi"
-    elif "hydra" in lowered or "mpich" in lowered:
+    elif "mpich" in lowered or "hydra" in lowered:
         impl = "mpich"
     else:
         impl = "unknown"
-    version = "?"
-    for line in version_text.splitlines():
-        stripped = line.strip()
-        if stripped.lower().startswith("version:"):
-            version = stripped.split(":", 1)[1].strip()
-            break
-        if "open mpi" in stripped.lower() or "openrte" in stripped.lower():
-            version = stripped.split()[-1]
-            break
-    return impl, version
+    labelled = re.search(r"version:\s*v?(\d+(?:\.\d+)+)", text, re.IGNORECASE)
+    first = labelled or re.search(r"\bv?(\d+\.\d+(?:\.\d+)*)", text)
+    return impl, first.group(1) if first else "?"
 
 
 def _implementation_args(impl: str) -> list[str]:
@@ -192,7 +193,7 @@ def find_mpi(mpiexec: str | None = None, single_host: bool = False) -> MPIInfo:
         import mpi4py  # noqa: F401
     except ImportError:
         raise MPINotFoundError(f"mpi4py is not installed in {sys.executable}: {INSTALL_HINT}") from None
-    impl, version = _identify(out.stdout + out.stderr)
+    impl, version = library_identity(out.stdout + out.stderr)
     launcher = ""
     if os.path.basename(path) == GFORKER:  # answers --version with its usage: the MPICH beside it says which
         impl, version, launcher = "mpich", _mpich_version(path), "gforker"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import sys
 from typing import Any
 
 from ..comm import hardware
+from .mpi import library_identity
 
 __all__ = ["node_facts", "gpu_facts", "mpi_facts", "torch_facts", "hugepage_facts", "library_identity",
            "SCHEMA", "main"]
@@ -88,26 +88,6 @@ def gpu_facts() -> dict[str, Any]:
         topo_ok, topo = _run_tool([tool, "topo", "-m"])
         facts["topology"] = topo.rstrip() if topo_ok else None
     return facts
-
-
-def library_identity(text: str) -> tuple[str, str]:
-    """(implementation, version) from an MPI's own words: ``mpiexec --version`` or ``MPI_Get_library_version``.
-
-    >>> library_identity("MPICH Version:      5.0.2\\nMPICH Release date: ...")
-    ('mpich', '5.0.2')
-    >>> library_identity("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4")
-    ('openmpi', '4.1.4')
-    """
-    lowered = text.lower()
-    if "open mpi" in lowered or "openrte" in lowered or "open-mpi" in lowered:
-        impl = "openmpi"
-    elif "mpich" in lowered or "hydra" in lowered:
-        impl = "mpich"
-    else:
-        impl = "unknown"
-    labelled = re.search(r"version:\s*v?(\d+(?:\.\d+)+)", text, re.IGNORECASE)
-    first = labelled or re.search(r"\bv?(\d+\.\d+(?:\.\d+)*)", text)
-    return impl, first.group(1) if first else "?"
 
 
 def _mpi4py_library(env: dict[str, str] | None) -> dict[str, Any]:
