@@ -75,13 +75,15 @@ def test_open_mpi_is_left_as_it_is():
 
 RANK = """
 import os, signal, sys, time
-print("rank", os.environ["PMI_RANK"], os.environ.get("MPI_LOCALRANKID"), os.environ.get("MPI_LOCALNRANKS"),
-      flush=True)
+# one write per line: print() writes each piece on its own under PYTHONUNBUFFERED, and ranks interleave them
+local = os.environ.get("MPI_LOCALRANKID"), os.environ.get("MPI_LOCALNRANKS")
+sys.stdout.write(f"rank {os.environ['PMI_RANK']} {local[0]} {local[1]}\\n")
+sys.stdout.flush()
 if os.environ["PMI_RANK"] == "1":
     time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGKILL)
 time.sleep(float(sys.argv[1]))
-print("rank", os.environ["PMI_RANK"], "outlived its peer", flush=True)
+sys.stdout.write(f"rank {os.environ['PMI_RANK']} outlived its peer\\n")
 """
 
 
@@ -128,7 +130,8 @@ import os, sys
 for i in range(100):
     sys.stderr.write(f"rank {os.environ['PMI_RANK']} line {i} " + "é…🌮" * 300 + "\\n")
     sys.stderr.flush()
-print("rank", os.environ["PMI_RANK"], "done", flush=True)
+sys.stdout.write(f"rank {os.environ['PMI_RANK']} done\\n")  # one write, as in RANK
+sys.stdout.flush()
 """
 
 
