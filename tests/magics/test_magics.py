@@ -144,11 +144,17 @@ def test_failed_rank_releases_peers_blocked_in_a_collective(ip, shared_cluster):
 def seconds_to_return_after_ctrl_c(ip, line: str, cell: str, after: float = 2.0) -> float:
     """Run the cell, press Ctrl-C (a real SIGINT) ``after`` seconds in, expect KeyboardInterrupt; returns how
     long the magic took to give the notebook back after the interrupt."""
-    timer = interrupt_after(after)
-    began = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        ip.run_cell_magic("taco_run", line, cell)
-    timer.join()
+    # ipykernel installs Python's own handler while it executes a cell; do the same, since a pytest started in
+    # the background by a shell without job control inherits SIGINT ignored (and then never sees the Ctrl-C)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer = interrupt_after(after)
+        began = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            ip.run_cell_magic("taco_run", line, cell)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return time.monotonic() - began - after
 
 
