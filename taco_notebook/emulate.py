@@ -6,6 +6,8 @@ on its own private address with generated keys, so that ``ssh -F STATE/ssh/confi
 and mpich's hydra (``-launcher ssh``) or a ``--profile hosts --hosts n0:2,n1:2`` cluster can use them as hosts.
 It prints that hosts string, the ssh config and the mpiexec arguments. ``status`` lists the nodes and whether
 their sshd still runs; ``down`` removes everything ``up`` made. Needs root (namespaces), iproute2 and OpenSSH.
+``up --down-with PID`` also leaves a watcher (``down --when-gone PID``, in its own session) that takes the nodes
+down once process PID ends, however it ends: a notebook's kernel killed by its client still leaves nothing behind.
 
 Exit codes: 0 done / all healthy; 1 refused or failed (already up, a node dead); 2 bad input or this machine
 cannot run it (not root, a tool missing; nothing is made); 3 ``status`` with nothing up.
@@ -17,7 +19,9 @@ import argparse
 import json
 import re
 import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .cluster.emulated import parse_rate
@@ -70,9 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--link", type=parse_link, default="1gbit",
                     help="each node's link rate, both ways: 1gbit (default), 100mbit, 125mbps, none")
     up.add_argument("--interface", default="taco0", help="the nodes' interface name (default taco0)")
+    up.add_argument("--down-with", dest="down_with", type=int, default=None, metavar="PID",
+                    help="take the nodes down when process PID ends, even if it is killed (a notebook's kernel: "
+                         "os.getpid()); `down` before then works as always")
     status = sub.add_parser("status", parents=[common], help="list the nodes; nonzero if one is dead")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    sub.add_parser("down", parents=[common], help="remove the nodes and every file up made")
+    down_cmd = sub.add_parser("down", parents=[common], help="remove the nodes and every file up made")
+    down_cmd.add_argument("--when-gone", dest="when_gone", type=int, default=None, metavar="PID",
+                          help="first wait until process PID ends (returns at once if the nodes go down before)")
     return parser
 
 
@@ -90,16 +99,58 @@ def _print_usage_hints(hosts: EmulatedHosts) -> None:
           f"{shlex.join(genv)} python train.py")
 
 
+def _spawn_down_watcher(pid: int, state_dir: Path) -> int:
+    """Start ``down --when-gone PID`` in a session of its own (no terminal, no output), so that it outlives
+    this command and whatever kills PID's process group; returns its pid."""
+    argv = [sys.executable, "-m", "taco_notebook.emulate", "down", "--state-dir", str(state_dir),
+            "--when-gone", str(pid)]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True).pid
+
+
+def _wait_until_gone(pid: int, state_dir: Path, poll_s: float = 0.5) -> bool:
+    """Wait until process ``pid`` (the one running now, not a later one given its number) has ended or is a
+    zombie; False when the state directory went first (someone ran ``down``: nothing is left to do)."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+            if not state_dir.exists():
+                return False
+            time.sleep(poll_s)
+    except psutil.NoSuchProcess:
+        pass
+    return True
+
+
 def _up(args: argparse.Namespace) -> int:
     num_nodes, slots = args.spec
+    if args.down_with is not None and (args.down_with <= 0 or not _pid_exists(args.down_with)):
+        raise EmulateError(f"--down-with {args.down_with}: no such process; give the pid of a running process "
+                           "(a notebook's kernel: os.getpid())", 2)
     hosts = EmulatedHosts.up(num_nodes, slots, args.link, args.state_dir, interface=args.interface)
+    if args.down_with is not None:
+        try:
+            watcher = _spawn_down_watcher(args.down_with, hosts.state_dir)
+        except OSError:
+            hosts.remove()
+            raise
     nodes = hosts.nodes
     print(f"{num_nodes} emulated nodes up, {slots} slots each, links {_rate_text(nodes.rate_bits_per_s)}, "
           f"subnet {nodes.subnet}, state in {hosts.state_dir}")
     for host in nodes.nodes:
         print(f"  {host}  {nodes.address_of(host):<15} sshd pid {hosts.sshd[host].pid}")
+    if args.down_with is not None:
+        print(f"they go down when process {args.down_with} ends (watcher pid {watcher})")
     _print_usage_hints(hosts)
     return 0
+
+
+def _pid_exists(pid: int) -> bool:
+    import psutil
+
+    return bool(psutil.pid_exists(pid))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -130,6 +181,9 @@ def _status(args: argparse.Namespace) -> int:
 
 def _down(args: argparse.Namespace) -> int:
     state_dir = (args.state_dir or default_state_dir()).absolute()
+    if args.when_gone is not None and not _wait_until_gone(args.when_gone, state_dir):
+        print(f"the nodes in {state_dir} went down before process {args.when_gone} ended: nothing to remove")
+        return 0
     if not state_dir.exists():
         print(f"no emulated nodes are up (no state in {state_dir}): nothing to remove")
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -137,6 +138,7 @@ def test_a_state_file_cannot_name_what_is_not_the_sets(tmp_path: Path) -> None:
     (["up", "2x"], "NODESxSLOTS such as 2x2"),
     (["up", "abc"], "NODESxSLOTS such as 2x2"),
     (["up", "2x2", "--link", "fast"], "rate must look like '1gbit'"),
+    (["up", "2x2", "--down-with", "0"], "--down-with 0: no such process"),
     (["up"], "NODESxSLOTS"),
     (["sideways"], "invalid choice"),
 ])
@@ -305,3 +307,42 @@ def test_failed_up_removes_what_it_made(state_dir: Path, monkeypatch: pytest.Mon
     namespace, sshd = started[0]
     assert not psutil.pid_exists(sshd.pid) or psutil.Process(sshd.pid).status() == psutil.STATUS_ZOMBIE
     assert _traces(namespace.rsplit("-", 1)[0], state_dir) == []
+
+
+def _wait_gone(pid: int, timeout: float = 60.0) -> bool:
+    """Wait for a process that is not our child (``up``'s watcher, reparented once ``up`` exits) to end."""
+    try:
+        psutil.Process(pid).wait(timeout=timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+@needs_sshd
+@pytest.mark.timeout(180, method="signal")
+def test_nodes_go_down_when_the_named_process_is_killed(cli: Cli, state_dir: Path) -> None:
+    """``up --down-with PID``: a SIGKILL of PID (as a notebook client kills its kernel) takes the nodes down; a
+    ``down`` before that leaves the watcher nothing to do, and it ends too."""
+    owners = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+    try:
+        up = cli("up", "1x1", "--link", "none", "--down-with", str(owners[0].pid))
+        assert up.returncode == 0, up
+        watcher = int(re.search(r"watcher pid (\d+)", up.stdout)[1])
+        prefix = _status(cli)["nodes"][0]["namespace"].rsplit("-", 1)[0]
+        assert not _wait_gone(watcher, timeout=1.5) and _status(cli)["healthy"]  # up while its owner runs
+        owners[0].kill()
+        owners[0].wait()
+        assert _wait_gone(watcher), "the watcher did not end after its process was killed"
+        assert _traces(prefix, state_dir) == []
+        # down first: the watcher ends by itself, its process still running
+        up = cli("up", "1x1", "--link", "none", "--down-with", str(owners[1].pid))
+        assert up.returncode == 0, up
+        watcher = int(re.search(r"watcher pid (\d+)", up.stdout)[1])
+        assert cli("down").returncode == 0
+        assert _wait_gone(watcher, timeout=15) and owners[1].poll() is None
+    finally:
+        for owner in owners:
+            owner.kill()
+            owner.wait()
