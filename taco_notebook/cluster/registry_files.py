@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from ..model import Action, ClusterModel, PendingModel
 from .private import check_private_dir, read_private_json, write_private_json
@@ -43,6 +43,7 @@ class RegistryEntry(TypedDict):
     owner_create_time: float | None
     processes: list[tuple[int, float]]  # (pid, create time) of the local controller/mpiexec/rank processes
     rank_pids: list[tuple[int, int]]  # (rank, pid)
+    shared_memory: NotRequired[list[str]]  # MPI's /dev/shm segments of this machine's ranks (a killed rank's stay)
 
 
 def registry_dir(directory: str | os.PathLike[str] | None = None) -> Path:
@@ -256,6 +257,23 @@ def discard_stale(directory: Path, cluster_id: str) -> list[int]:
             killed.append(process.pid)
         except psutil.Error:
             pass
+    if entry is not None:
+        _unlink_own_shared_memory(entry.get("shared_memory", []))
     _unlink(entry_path(directory, cluster_id))
     _unlink(request_path(directory, cluster_id))
     return killed
+
+
+def _unlink_own_shared_memory(paths: Any) -> None:
+    """Remove the listed MPI segments that are files directly in /dev/shm and this user's (a name in a file is
+    not taken on its word)."""
+    if not isinstance(paths, list):
+        return
+    for path in paths:
+        if not isinstance(path, str) or os.path.dirname(path) != "/dev/shm":
+            continue
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+        except OSError:  # gone already, or not a file we may remove
+            pass

@@ -9,8 +9,10 @@ on ``stopped``. The kernel tracks the clusters ``%%taco_run`` starts, the server
 For kernel-owned clusters a daemon watcher thread (one per process) looks for ``{id}.request.json`` every
 :data:`POLL_INTERVAL` s and acts only while it can take the cluster's ``busy`` lock, i.e. between cells; it ends
 when no kernel-owned cluster is left or the process exits (:data:`~taco_notebook.cluster.session.exiting`).
-The process's one exit hook is session's: it registers none here. A request is honoured only when the
-directory's owner wrote it and its size passes :func:`~taco_notebook.cluster.limits.check_size`.
+The process's one exit hook is session's: it registers none here. A kernel that is killed runs no hook: the
+reaper (:mod:`~taco_notebook.cluster.reaper`, started with the first kernel-owned entry) cleans up after it.
+A request is honoured only when the directory's owner wrote it and its size passes
+:func:`~taco_notebook.cluster.limits.check_size`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import weakref
 from pathlib import Path
 
 from .limits import SizeLimitError, check_size
+from .reaper import ensure_reaper
 from .registry_files import (
     RegistryEntry,
     checked_dir,
@@ -89,6 +92,7 @@ def write_entry(cluster: TacoCluster, directory: Path) -> None:
         # since stays listed; readers judge every (pid, create time) themselves, so a reused pid is never taken.
         "processes": [(p.pid, p.create_time()) for p in cluster.processes],
         "rank_pids": [(r.rank, r.pid) for r in cluster.ranks],
+        "shared_memory": sorted(cluster.shared_memory),
     }
     write_atomic(entry_path(directory, model["id"]), entry)
 
@@ -114,6 +118,7 @@ def _on_event(cluster: TacoCluster, event: Event) -> None:
         _written[id(cluster)] = (cluster, directory)
         if cluster.owner_kind == "kernel":
             _ensure_watcher()
+            ensure_reaper(directory)  # stops this kernel's clusters if it is killed
 
 
 class _Watcher(threading.Thread):

@@ -59,8 +59,8 @@ class TacoCluster:
     the first start and kept by later ones (:meth:`scale`), so the registry entry keeps its id.
 
     Model state: ``error`` (why broken, or why its last action failed), ``pending`` (a stop or scale the server
-    queued), ``run`` (:meth:`set_run`), ``processes`` (all it started: killed at stop even if orphaned by then).
-    """
+    queued), ``run`` (:meth:`set_run`), ``processes`` (all it started: killed at stop even if orphaned by then)
+    and ``shared_memory`` (the ranks' MPI segments in /dev/shm, removed at stop)."""
 
     owner_kind: OwnerKind = "kernel"  # the server extension sets "server" on its own clusters
     cluster_id: str | None = None
@@ -90,7 +90,7 @@ class TacoCluster:
         self.processes: list[Any] = []  # psutil.Process
         self._phase: Literal["starting", "stopping"] | None = None
         self._subscribers: list[Subscriber] = []
-        self._shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
+        self.shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
         self._engine_logs: list[str] = []  # ipyparallel forgets a stopped engine set, and with it its log's path
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
@@ -227,7 +227,7 @@ class TacoCluster:
             raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc}\n{tail}") from exc
         self.started_at, self.needs_reinit = time.time(), False
         self.processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
-        self._shared_memory, self._phase = shared_memory_files(self.ranks), None
+        self.shared_memory, self._phase = shared_memory_files(self.ranks), None
         self._emit("running")
         return self
 
@@ -303,12 +303,12 @@ class TacoCluster:
         cluster, client = self.ipp_cluster, self.client
         self.ipp_cluster = self.client = None
         if cluster is not None:  # segments MPI made after start too: the ranks still map them now
-            self._shared_memory |= shared_memory_files(self.ranks)
+            self.shared_memory |= shared_memory_files(self.ranks)
         self.ranks = []
         if cluster is None:
             return
-        tree, shared_memory = process_tree(cluster) + self.processes, self._shared_memory
-        self.processes, self._shared_memory = [], set()
+        tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory
+        self.processes, self.shared_memory = [], set()
         stop_processes(cluster, client, tree, shared_memory, fast)
 
     # ---------------------------------------------------------------- engines

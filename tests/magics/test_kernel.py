@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -103,3 +105,35 @@ def test_kernel_shutdown_stops_its_clusters(kernel):
     while time.monotonic() < deadline and left():
         time.sleep(0.2)
     assert left() == {}
+
+
+def test_a_killed_kernel_leaves_nothing_running(kernel, tmp_path):
+    """SIGKILL runs no exit hook: the kernel's reaper stops its cluster (controller, mpiexec, ranks) and removes
+    its registry entry and MPI segments."""
+    manager, client = kernel
+    registry = tmp_path / "registry"
+    reply, _ = execute(client, f"import os\nos.environ['TACO_REGISTRY_DIR'] = {str(registry)!r}")
+    assert reply["status"] == "ok"
+    before = set(session_processes())
+    reply, _ = execute(client, "%%taco_run -np 2 --cluster orphaned\npass")
+    assert reply["status"] == "ok"
+    _, shm = execute(client, "from taco_notebook.cluster.session import clusters\n"
+                             "import json; print(json.dumps(sorted(clusters['orphaned'].shared_memory)))")
+    started = {pid: cmd for pid, cmd in session_processes().items() if pid not in before}
+    assert any("ipyparallel.engine" in cmd for cmd in started.values())
+    assert any("taco_notebook.cluster.reaper" in cmd for cmd in started.values())
+    assert [p.name for p in registry.glob("*.json")], "the cluster was not written to the registry"
+    kernel_pid = manager.provisioner.pid
+    client.stop_channels()
+    manager.shutdown_kernel(now=True)  # SIGKILL, as a client does when a kernel ignores its shutdown request
+
+    def left() -> dict[int, str]:
+        return {pid: cmd for pid, cmd in session_processes().items() if pid in started or pid == kernel_pid}
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and left():
+        time.sleep(0.2)
+    assert left() == {}
+    assert list(registry.glob("*.json")) == []
+    segments = json.loads(stream_text(shm))
+    assert [path for path in segments if os.path.exists(path)] == []
