@@ -173,7 +173,7 @@ def examine_nodes(profile: Profile, say: RankOutput, mpiexec: str | None = None,
             cluster = start_cluster(name, nodes, mpiexec, RankOutput(quiet=True), limit=limit, profile=profile)
         except ClusterStartError as exc:
             raise ClusterStartError(f"the nodes could not be examined: {exc}") from None
-        say.notice(f"reading {nodes} node{'s' if nodes != 1 else ''} and the links between them…")
+        say.notice(f"reading the {nodes} nodes and the links between them…" if nodes > 1 else "reading the node…")
         return cluster_report(cluster, seconds)
     finally:
         started = clusters.pop(name, None)

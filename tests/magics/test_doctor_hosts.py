@@ -9,6 +9,8 @@ root, iproute2 and openssh-server, and skip with the reason otherwise.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from IPython.core.error import UsageError
 from taco_notebook.cluster.emulated_hosts import EmulatedHosts
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import ClusterStartError
+from taco_notebook.magics.output import RankOutput
 
 from ..cluster.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
 from ..conftest import REPO
@@ -58,6 +61,37 @@ def test_bad_hosts_are_usage_errors_and_start_nothing(ip, line: str, message: st
     assert message in str(caught.value)
     assert time.monotonic() - began < 30  # refused before anything starts (conftest: no process left)
     assert set(clusters) == before and _doctor_entries() == []
+
+
+@pytest.mark.timeout(300, method="signal")
+def test_doctor_hosts_localhost_starts_a_temporary_engine_and_leaves_nothing(ip, capsys) -> None:
+    # hydra starts a local host's ranks without ssh: the temporary cluster's whole path, without root
+    report = ip.run_line_magic("taco_doctor", "--hosts localhost:4 --json")
+    [node] = report["nodes"]
+    assert node["facts"]["node"] == socket.gethostname() == node["facts"]["hostname"]
+    assert report["links"] == []  # one node: nothing to measure
+    assert not [name for name in clusters if name.startswith("doctor-")] and _doctor_entries() == []
+
+
+class _InterruptWhenReading(RankOutput):
+    """Ctrl-C, as the kernel receives it (SIGINT to this process), once the temporary cluster is up."""
+
+    def notice(self, text: str) -> None:
+        super().notice(text)
+        if text.startswith("reading"):
+            signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.timeout(300, method="signal")
+def test_ctrl_c_while_reading_stops_the_temporary_cluster(capsys) -> None:
+    from taco_notebook.cluster.profiles import profile_for
+    from taco_notebook.magics.doctor import examine_nodes
+
+    with pytest.raises(KeyboardInterrupt):
+        examine_nodes(profile_for("hosts", "localhost"), _InterruptWhenReading())
+    assert "reading the node…" in capsys.readouterr().out
+    assert not [name for name in clusters if name.startswith("doctor-")] and _doctor_entries() == []
+    # and conftest fails the test if an engine, mpiexec or the controller is left
 
 
 @needs_hosts
