@@ -34,7 +34,7 @@ def _nodes_report(profile: Profile, mpiexec: str | None) -> DoctorReport | None:
     from IPython.core.error import UsageError
 
     from .errors import TacoError
-    from .magics.doctor import examine_nodes
+    from .magics.doctor_nodes import examine_nodes
     from .magics.output import RankOutput
 
     try:

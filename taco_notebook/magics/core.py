@@ -232,7 +232,8 @@ class TacoMagics(Magics, TacoSettings):
             return None
         args = parse_argstring(self.taco_doctor, line)
         need = positive_int(args.require_hugepages, "--require-hugepages")
-        from .doctor import chosen_report, show_report
+        from .doctor import show_report
+        from .doctor_nodes import chosen_report
 
         report = chosen_report(self, args, RankOutput(quiet=args.json))  # --json prints nothing
         if not args.json:
