@@ -64,7 +64,7 @@ def examine_nodes(profile: Profile, say: RankOutput, mpiexec: str | None = None,
     say.notice(f"starting one engine on each of {nodes} node{'s' if nodes != 1 else ''}{where}…")
     try:
         try:
-            cluster = start_cluster(name, nodes, mpiexec, RankOutput(quiet=True), limit=limit, profile=profile)
+            cluster = start_cluster(name, nodes, mpiexec, say, limit=limit, profile=profile)  # and Slurm's queue
         except ClusterStartError as exc:
             raise ClusterStartError(f"the nodes could not be examined: {exc}") from None
         say.notice(f"reading the {nodes} nodes and the links between them…" if nodes > 1 else "reading the node…")

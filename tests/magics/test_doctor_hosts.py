@@ -26,6 +26,7 @@ from taco_notebook.magics.output import RankOutput
 
 from ..cluster.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
 from ..conftest import REPO
+from ..slurm import slurm  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.cluster
 LINK_GBIT = 1.0  # the emulated fixture's --link rate
@@ -176,3 +177,20 @@ def test_cli_bad_hosts_exit_2_and_an_unresolvable_host_is_named() -> None:
     run = subprocess.run([sys.executable, "-m", "taco_notebook.doctor", "--hosts", "nosuch-host.invalid"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "host 'nosuch-host.invalid'" in run.stderr
+
+
+@pytest.mark.timeout(300, method="signal")
+def test_doctor_profile_slurm_reads_the_job_node_and_cancels_the_job(ip, slurm, capsys,  # noqa: F811
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "self,sm")  # the test Slurm's one node is this machine; sbatch exports it
+    ip.run_line_magic("config", "TacoMagics.controller_ip = '127.0.0.1'")
+    try:
+        ip.run_line_magic("taco_doctor", "--profile slurm")
+    finally:
+        ip.run_line_magic("config", "TacoMagics.controller_ip = None")
+    out = capsys.readouterr().out
+    assert "starting one engine on each of 1 node…" in out and " submitted: 1 engine task" in out
+    rows = [line.split("|")[0].strip() for line in out.splitlines() if "|" in line]
+    assert socket.gethostname() in rows  # the job's node (this machine: the test Slurm's one node)
+    assert slurm.run("squeue", "-h", "-o", "%i %T").stdout.strip() == ""  # the job was cancelled
+    assert not [name for name in clusters if name.startswith("doctor-")] and _doctor_entries() == []
