@@ -137,8 +137,8 @@ def test_doctor_hostfile_shows_progress_and_require_hugepages_names_both_nodes(
 
 @needs_hosts
 @pytest.mark.timeout(300, method="signal")
-def test_doctor_unreachable_emulated_node_is_named_within_bounded_time(ip, emulated: EmulatedHosts  # noqa: F811
-                                                                       ) -> None:
+def test_doctor_unreachable_emulated_node_is_named_within_bounded_time(ip, emulated: EmulatedHosts,  # noqa: F811
+                                                                       capsys) -> None:
     prefix = emulated.nodes.namespace_of("n0").rsplit("-", 1)[0]
     veth = f"{prefix}-h1"  # n1's link on the bridge side: its address stops answering
     subprocess.run(["ip", "link", "set", veth, "down"], check=True, timeout=30)
@@ -153,6 +153,8 @@ def test_doctor_unreachable_emulated_node_is_named_within_bounded_time(ip, emula
     assert message.startswith("cannot reach n1 over ssh (host n1: "), message
     assert "n0" not in message and message.endswith("nothing was started")  # the node that answers is not blamed
     assert took < 90, f"took {took:.0f} s"
+    with capsys.disabled():
+        print(f"\n%taco_doctor --hosts n0,n1 with n1's link down: refused in {took:.1f} s: {message}")
     _nothing_left(emulated)
 
 
