@@ -216,8 +216,8 @@ class TacoMagics(Magics, TacoSettings):
                    "per host, started over ssh and stopped afterwards")
     @argument("--hostfile", default=None, metavar="FILE", help="... the hosts of this file (HOST[:SLOTS] per line)")
     @argument("--profile", default=None, metavar="NAME",
-              help="... the nodes of this profile (hosts: with TacoMagics.hosts/hostfile; slurm: a job of one "
-                   "task per node; local: this machine)")
+              help="... the nodes of this profile (hosts: with TacoMagics.hosts/hostfile; slurm: a job with one "
+                   "task per node of the allocation this kernel runs in, else one task; local: this machine)")
     @argument("--json", action="store_true", help="return the report as a dict instead of showing it")
     @argument("--require-hugepages", dest="require_hugepages", default=None, metavar="N",
               help="a UsageError naming the nodes with fewer than N free huge pages of their default size")
