@@ -211,30 +211,31 @@ class TacoMagics(Magics, TacoSettings):
     @argument("--cluster", default=None, metavar="NAME",
               help="read the nodes of this running cluster through its engines (default: 'default' when it runs, "
                    "else this machine alone)")
+    @argument("--hosts", default=None, metavar="SPEC",
+              help="examine these hosts (HOST[:SLOTS],…, slots ignored) through a temporary cluster of one engine "
+                   "per host, started over ssh and stopped afterwards")
+    @argument("--hostfile", default=None, metavar="FILE", help="... the hosts of this file (HOST[:SLOTS] per line)")
+    @argument("--profile", default=None, metavar="NAME",
+              help="... the nodes of this profile (hosts: with TacoMagics.hosts/hostfile; slurm: a job with one "
+                   "task per node of the allocation this kernel runs in, else one task; local: this machine)")
     @argument("--json", action="store_true", help="return the report as a dict instead of showing it")
     @argument("--require-hugepages", dest="require_hugepages", default=None, metavar="N",
               help="a UsageError naming the nodes with fewer than N free huge pages of their default size")
     @line_magic
     def taco_doctor(self, line: str) -> Any:
         """One table, a row per node: huge pages, GPUs, NICs, CPUs/NUMA, MPI, torch and NCCL, the measured links;
-        then each problem with its remedy. Problems are shown, not raised (but see --require-hugepages)."""
+        then each problem with its remedy. Problems are shown, not raised (but see --require-hugepages).
+
+        Example: ``%taco_doctor --hosts n0,n1`` examines two hosts where no cluster runs yet."""
         if wants_help(line):
             print(usage(self.taco_doctor, "%taco_doctor"))
             return None
         args = parse_argstring(self.taco_doctor, line)
         need = positive_int(args.require_hugepages, "--require-hugepages")
-        cluster = clusters.get(args.cluster or "default")
-        if cluster is not None and not cluster.running:
-            cluster = None
-        if args.cluster is not None and cluster is None:
-            running = sorted(n for n, c in clusters.items() if c.running) or "none"
-            raise UsageError(f"no cluster named {args.cluster!r} is running (running: {running}): start it with "
-                             "%taco_cluster start, or leave --cluster out to examine this machine alone")
-        from .doctor import doctor_report, show_report
+        from .doctor import show_report
+        from .doctor_nodes import chosen_report
 
-        if cluster is not None and not args.json:  # --json returns the dict and prints nothing
-            RankOutput().notice(f"reading the nodes of cluster {cluster.name!r} through its engines…")
-        report = doctor_report(cluster)
+        report = chosen_report(self, args, RankOutput(quiet=args.json))  # --json prints nothing
         if not args.json:
             show_report(report)
         if need is not None:

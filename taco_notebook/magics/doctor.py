@@ -1,9 +1,11 @@
-"""``%taco_doctor`` and ``--require-hugepages``: the node report read through a running cluster's engines.
+"""``%taco_doctor`` and ``--require-hugepages``: the node report read through a cluster's engines.
 
-One engine per node runs :func:`taco_notebook.cluster.nodefacts.node_facts` (``view.apply``), and each node
-in turn receives a one-second stream from the previous one (:func:`taco_notebook.comm.linkspeed.start_receiver`
-on the receiver's engine, :func:`~taco_notebook.comm.linkspeed.send` on the sender's), as
-:mod:`taco_notebook.cluster.doctor` describes. Without a running cluster the report is this machine's alone.
+The cluster is a running one (``--cluster``), or, for nodes where nothing runs yet (``--hosts``, ``--hostfile``,
+``--profile``), a temporary one (:mod:`.doctor_nodes`). One engine per node runs
+:func:`taco_notebook.cluster.nodefacts.node_facts` (``view.apply``), and each node in turn receives a one-second
+stream from the previous one (:func:`taco_notebook.comm.linkspeed.start_receiver` on the receiver's engine,
+:func:`~taco_notebook.comm.linkspeed.send` on the sender's), as :mod:`taco_notebook.cluster.doctor` describes.
+With neither, the report is this machine's alone.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _measure(cluster: TacoCluster, sender: RankInfo, receiver: RankInfo, address
 
 
 def _links(cluster: TacoCluster, nodes: dict[str, RankInfo], seconds: float) -> list[dict[str, Any]]:
-    """A ring of one-at-a-time measurements (n0→n1, n1→n2, …, back to n0 for three or more nodes).
+    """A ring of one-at-a-time measurements (n0→n1, n1→n2, …, back to n0 for three or more nodes), each with
+    the receiver's ``address`` it was measured to.
 
     The receiver listens on its address on the route to the controller (which every engine reaches): a NIC's
     address across hosts, loopback for nodes emulated on one host (``--intra-size``).
@@ -76,7 +79,7 @@ def _links(cluster: TacoCluster, nodes: dict[str, RankInfo], seconds: float) -> 
                 raise RuntimeError(f"{receiver} reaches the controller over loopback ({controller}): no address "
                                    f"of it that {sender} can reach is known")
             result = _measure(cluster, nodes[sender], nodes[receiver], address, seconds)
-            links.append({"from": sender, "to": receiver, "gbit_per_s": result["gbit_per_s"],
+            links.append({"from": sender, "to": receiver, "address": address, "gbit_per_s": result["gbit_per_s"],
                           "bytes": result["bytes"], "seconds": result["seconds"]})
         except Exception as exc:  # noqa: BLE001 - a failed measurement is reported, with its reason
             links.append({"from": sender, "to": receiver, "gbit_per_s": None, "error": str(exc)})
