@@ -23,14 +23,12 @@ A :class:`Profile` says how the engines launch (the mpiexec arguments and enviro
 from __future__ import annotations
 
 import ipaddress
-import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from ..errors import MPINotFoundError
+from .hostfiles import ProfileError, parse_hosts, read_hostfile, read_mpijob_hosts
 from .mpi import MPIInfo, find_mpi, for_one_host
 from .slurm import SlurmOptions
 
@@ -38,11 +36,6 @@ __all__ = ["Profile", "ProfileError", "PROFILES", "LOCAL", "parse_hosts", "read_
            "profile_for", "route_address", "mpi_for", "mpijob_profile"]
 
 PROFILES = ("local", "hosts", "slurm", "mpijob")
-_HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-class ProfileError(ValueError):
-    """A bad profile, hosts spec, hostfile or size: the message names the thing and the fix."""
 
 
 @dataclass(frozen=True)
@@ -87,45 +80,6 @@ class Profile:
 
 
 LOCAL = Profile()
-
-
-def parse_hosts(spec: str, what: str = "--hosts") -> tuple[tuple[str, int], ...]:
-    """``"n0:2,n1:2"`` → ``(("n0", 2), ("n1", 2))``; a host without ``:SLOTS`` has 1 slot."""
-    entries = [part.strip() for part in re.split(r"[,\n]", spec) if part.strip()]
-    if not entries:
-        raise ProfileError(f"{what} names no host: give HOST:SLOTS,… such as n0:2,n1:2")
-    hosts: dict[str, int] = {}
-    for entry in entries:
-        host, _, slots_text = entry.partition(":")
-        host = host.strip()
-        try:
-            slots = int(slots_text) if slots_text.strip() else 1
-        except ValueError:
-            slots = 0
-        if not _HOST.match(host) or slots <= 0:
-            raise ProfileError(f"{what}: {entry!r} is not HOST[:SLOTS] with SLOTS a positive integer "
-                               f"(example: n0:2,n1:2)")
-        if host in hosts:
-            raise ProfileError(f"{what}: host {host!r} is named twice; give it once with all its slots")
-        hosts[host] = slots
-    return tuple(hosts.items())
-
-
-def read_hostfile(path: str | os.PathLike[str], what: str | None = None) -> tuple[tuple[str, int], ...]:
-    """A hostfile's hosts: ``HOST[:SLOTS]`` (MPICH's form) or ``HOST slots=N`` (Open MPI's) per line, ``#`` starts
-    a comment; errors name ``what`` (default ``--hostfile 'PATH'``)."""
-    what = what or f"--hostfile {str(path)!r}"
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ProfileError(f"{what} cannot be read ({exc.strerror or exc}): give an existing "
-                           f"file with one HOST:SLOTS per line") from None
-    lines = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        match = re.match(r"^(\S+)\s+slots\s*=\s*(\S+)$", line)
-        lines.append(f"{match.group(1)}:{match.group(2)}" if match else line)
-    return parse_hosts("\n".join(lines), what)
 
 
 def route_address(host: str) -> str:
@@ -185,8 +139,6 @@ def hosts_profile(hosts: str | None = None, hostfile: str | None = None, launche
 def mpijob_profile(launcher_exec: str | None = None, controller_ip: str | None = None,
                    environ: Mapping[str, str] | None = None) -> Profile:
     """The ``mpijob`` profile: the ``hosts`` profile over the hosts of the MPIJob's hostfile (:mod:`.hostfiles`)."""
-    from .hostfiles import read_mpijob_hosts
-
     hosts = read_mpijob_hosts(environ)
     spec = ",".join(f"{host}:{slots}" for host, slots in hosts)
     return replace(hosts_profile(spec, None, launcher_exec, controller_ip), name="mpijob")
