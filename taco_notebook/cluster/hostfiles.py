@@ -15,6 +15,13 @@ launcher. What the operator writes (``pkg/controller/mpi_job_controller.go`` in 
 the workers run ``sshd`` and launcher and workers mount the same generated ssh key (``sshAuthMountPath``), so
 mpich's hydra over ssh from the launcher pod reaches them: the ``mpijob`` profile is the ``hosts`` profile over
 these hosts. The launcher's environment also clears ``NVIDIA_VISIBLE_DEVICES`` (the launcher gets no GPU).
+
+Not covered yet: as with ``--profile hosts``, each engine reads the controller's connection file
+(``ipcontroller-<cluster id>-engine.json``, which holds the key that signs every message) from ipyparallel's
+profile directory at the notebook's path (``$IPYTHONDIR``, else ``~/.ipython``, ``profile_taco/security``). Pods
+share no filesystem unless the job mounts one: the launcher and the workers need that directory on a shared
+(ReadWriteMany) volume at the same path. ``%taco_cluster manifest --k8s`` writes the other arrangement (the
+notebook outside the job, the file in a Secret), so it does not set that volume up.
 """
 
 from __future__ import annotations
