@@ -16,12 +16,13 @@ the workers run ``sshd`` and launcher and workers mount the same generated ssh k
 mpich's hydra over ssh from the launcher pod reaches them: the ``mpijob`` profile is the ``hosts`` profile over
 these hosts. The launcher's environment also clears ``NVIDIA_VISIBLE_DEVICES`` (the launcher gets no GPU).
 
-Not covered yet: as with ``--profile hosts``, each engine reads the controller's connection file
-(``ipcontroller-<cluster id>-engine.json``, which holds the key that signs every message) from ipyparallel's
-profile directory at the notebook's path (``$IPYTHONDIR``, else ``~/.ipython``, ``profile_taco/security``). Pods
-share no filesystem unless the job mounts one: the launcher and the workers need that directory on a shared
-(ReadWriteMany) volume at the same path. ``%taco_cluster manifest --k8s`` writes the other arrangement (the
-notebook outside the job, the file in a Secret), so it does not set that volume up.
+The engines need no shared filesystem to find the controller: ipyparallel hands them its connection info (the
+registration address and the key that signs every message) in ``$IPP_CONNECTION_INFO`` (``Cluster.
+send_engines_connection_env``, on by default), and hydra copies mpiexec's environment to every rank, so an engine
+on a worker pod reads it from there instead of the controller's file under ``~/.ipython``. That key crosses the
+pod network inside hydra's own (unencrypted) launch connection from the launcher to each worker's proxy.
+``%taco_cluster manifest --k8s`` writes the other arrangement (the notebook outside the job, the connection file
+in a Secret, the launcher running ``mpirun``); for this profile the launcher's container runs the notebook.
 """
 
 from __future__ import annotations

@@ -92,10 +92,10 @@ def test_outside_an_mpijob_the_magic_says_so_and_starts_nothing(ip, monkeypatch:
 
 
 CELL = """\
-import socket
+import os, socket
 t = torch.full((2,), float(taco.rank() + 1))
 taco.allreduce(t)
-(taco.rank(), taco.node(), socket.gethostname(), t.tolist())
+(taco.rank(), taco.node(), socket.gethostname(), t.tolist(), "IPP_CONNECTION_INFO" in os.environ)
 """
 
 
@@ -122,8 +122,11 @@ def test_a_notebook_in_the_launcher_attaches_to_the_hostfiles_nodes(ip, emulated
     out = capsys.readouterr().out
     with capsys.disabled():
         print(f"\n--profile mpijob over 2 emulated nodes x 2 slots (Open MPI hostfile): start {started:.1f} s")
-    assert [(rank, node, host) for rank, node, host, _ in ranks] == [(0, 0, "n0"), (1, 0, "n0"), (2, 1, "n1"),
-                                                                     (3, 1, "n1")]
-    assert all(total == [10.0, 10.0] for *_, total in ranks), ranks
+    assert [(rank, node, host) for rank, node, host, *_ in ranks] == [(0, 0, "n0"), (1, 0, "n0"), (2, 1, "n1"),
+                                                                      (3, 1, "n1")]
+    assert all(total == [10.0, 10.0] for *_, total, _ in ranks), ranks
+    # the engines got the controller's connection info from their environment (through hydra), which they read
+    # instead of the controller's file: worker pods need no filesystem shared with the launcher
+    assert all(from_env for *_, from_env in ranks), ranks
     assert "4 ranks on n0, n1" in out
     assert left == {}, f"left running on the nodes after stop: {left}"
