@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .session import RankInfo
 
 __all__ = ["shared_memory_files", "alive", "descendants", "process_tree", "stop_at_exit", "kill",
-           "CLUSTER_ID_ENV", "proven_process", "proven_processes"]
+           "CLUSTER_ID_ENV", "proven_process", "proven_processes", "marked_processes"]
 
 CLUSTER_ID_ENV = "TACO_CLUSTER_ID"  # in the environment of the controller, mpiexec and every rank of a cluster
 
@@ -130,4 +130,25 @@ def proven_processes(recorded: Iterable[Any], cluster_id: str) -> list[Any]:
             process = proven_process(item[0], item[1], cluster_id)
             if process is not None:
                 found.append(process)
+    return found
+
+
+def marked_processes(cluster_id: str) -> list[Any]:
+    """Live processes of this user whose environment carries ``TACO_CLUSTER_ID=<cluster_id>``: what is left of a
+    stopped cluster outside its recorded tree. Seen: a start that failed at once (sbatch refused the job) stopped
+    the controller while it was still forking its schedulers, and a child forked then was orphaned (parent 1)."""
+    import psutil
+
+    if not cluster_id:
+        return []
+    found = []
+    for process in psutil.process_iter():
+        try:
+            uids = process.uids()
+            if {uids.real, uids.effective} != {os.getuid()} or process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if process.pid != os.getpid() and process.environ().get(CLUSTER_ID_ENV) == cluster_id:
+                found.append(process)
+        except (psutil.Error, OSError):
+            continue
     return found

@@ -1,4 +1,4 @@
-"""Where a cluster's engines run: the ``local``, ``hosts`` and ``slurm`` profiles (``--profile NAME``).
+"""Where a cluster's engines run: the ``local``, ``hosts``, ``slurm`` and ``mpijob`` profiles (``--profile NAME``).
 
 A :class:`Profile` says how the engines launch (the mpiexec arguments and environment ipyparallel's
 ``MPIEngineSetLauncher`` runs them with) and where the controller listens. No process management of its own:
@@ -13,31 +13,29 @@ A :class:`Profile` says how the engines launch (the mpiexec arguments and enviro
   0.0.0.0.
 * ``slurm``: the engines are a Slurm job (sbatch outside an allocation, an srun step inside one), through
   :mod:`~taco_notebook.cluster.slurm_launchers`; the controller listens on ``controller_ip``, else on the address
-  this machine's name resolves to (where the job's nodes reach it).
+  this machine's name resolves to (where the job's nodes reach it). The job's partition, time limit, nodes, GPUs
+  per node and queue timeout are a :class:`~.slurm.SlurmOptions` (``--partition``, ``--time``, … on the magics).
+* ``mpijob``: a notebook in the launcher pod of a Kubeflow MPIJob attaches to the job's worker pods: the
+  ``hosts`` profile over the hosts of the job's hostfile (:mod:`.hostfiles`), hydra over the ssh the operator
+  set up, the controller on this pod's address on the route to the first worker.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
-import re
 import socket
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from ..errors import MPINotFoundError
+from .hostfiles import ProfileError, parse_hosts, read_hostfile, read_mpijob_hosts
 from .mpi import MPIInfo, find_mpi, for_one_host
 from .slurm import SlurmOptions
 
 __all__ = ["Profile", "ProfileError", "PROFILES", "LOCAL", "parse_hosts", "read_hostfile", "hosts_profile",
-           "profile_for", "route_address", "mpi_for"]
+           "profile_for", "route_address", "mpi_for", "mpijob_profile"]
 
-PROFILES = ("local", "hosts", "slurm")
-_HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-class ProfileError(ValueError):
-    """A bad profile, hosts spec, hostfile or size: the message names the thing and the fix."""
+PROFILES = ("local", "hosts", "slurm", "mpijob")
 
 
 @dataclass(frozen=True)
@@ -82,43 +80,6 @@ class Profile:
 
 
 LOCAL = Profile()
-
-
-def parse_hosts(spec: str, what: str = "--hosts") -> tuple[tuple[str, int], ...]:
-    """``"n0:2,n1:2"`` → ``(("n0", 2), ("n1", 2))``; a host without ``:SLOTS`` has 1 slot."""
-    entries = [part.strip() for part in re.split(r"[,\n]", spec) if part.strip()]
-    if not entries:
-        raise ProfileError(f"{what} names no host: give HOST:SLOTS,… such as n0:2,n1:2")
-    hosts: dict[str, int] = {}
-    for entry in entries:
-        host, _, slots_text = entry.partition(":")
-        host = host.strip()
-        try:
-            slots = int(slots_text) if slots_text.strip() else 1
-        except ValueError:
-            slots = 0
-        if not _HOST.match(host) or slots <= 0:
-            raise ProfileError(f"{what}: {entry!r} is not HOST[:SLOTS] with SLOTS a positive integer "
-                               f"(example: n0:2,n1:2)")
-        if host in hosts:
-            raise ProfileError(f"{what}: host {host!r} is named twice; give it once with all its slots")
-        hosts[host] = slots
-    return tuple(hosts.items())
-
-
-def read_hostfile(path: str | os.PathLike[str]) -> tuple[tuple[str, int], ...]:
-    """A hostfile's hosts: ``HOST[:SLOTS]`` (or ``HOST slots=N``) per line, ``#`` starts a comment."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ProfileError(f"--hostfile {str(path)!r} cannot be read ({exc.strerror or exc}): give an existing "
-                           f"file with one HOST:SLOTS per line") from None
-    lines = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        match = re.match(r"^(\S+)\s+slots\s*=\s*(\S+)$", line)
-        lines.append(f"{match.group(1)}:{match.group(2)}" if match else line)
-    return parse_hosts("\n".join(lines), f"--hostfile {str(path)!r}")
 
 
 def route_address(host: str) -> str:
@@ -175,17 +136,35 @@ def hosts_profile(hosts: str | None = None, hostfile: str | None = None, launche
     return Profile("hosts", parsed, launcher_exec, controller_ip, env)
 
 
+def mpijob_profile(launcher_exec: str | None = None, controller_ip: str | None = None,
+                   environ: Mapping[str, str] | None = None) -> Profile:
+    """The ``mpijob`` profile: the ``hosts`` profile over the hosts of the MPIJob's hostfile (:mod:`.hostfiles`)."""
+    hosts = read_mpijob_hosts(environ)
+    spec = ",".join(f"{host}:{slots}" for host, slots in hosts)
+    return replace(hosts_profile(spec, None, launcher_exec, controller_ip), name="mpijob")
+
+
 def profile_for(name: str | None, hosts: str | None = None, hostfile: str | None = None,
-                launcher_exec: str | None = None, controller_ip: str | None = None) -> Profile:
-    """The profile ``name`` (None: ``local``, or ``hosts`` when hosts are given) with its settings checked."""
+                launcher_exec: str | None = None, controller_ip: str | None = None,
+                slurm: SlurmOptions | None = None) -> Profile:
+    """The profile ``name`` (None: ``local``, or ``hosts`` when hosts are given) with its settings checked;
+    ``slurm``: the slurm profile's job (None: Slurm's defaults), refused for the other profiles."""
     chosen = (name or ("hosts" if hosts or hostfile else "local")).strip().lower()
     if chosen not in PROFILES:
         raise ProfileError(f"--profile {name!r} is not a profile: choose one of {', '.join(PROFILES)}")
+    if slurm is not None and chosen != "slurm":
+        raise ProfileError(f"the Slurm job's options ({slurm.flags() or 'partition, time, ...'}) are for "
+                           f"--profile slurm, not {chosen}")
     if chosen == "slurm":
         if hosts is not None or hostfile is not None:
             raise ProfileError("--hosts/--hostfile are for --profile hosts; Slurm chooses the slurm profile's nodes")
         return Profile("slurm", (), None, _checked(controller_ip or socket.gethostbyname(socket.gethostname())),
-                       slurm=SlurmOptions())
+                       slurm=slurm or SlurmOptions())
+    if chosen == "mpijob":
+        if hosts is not None or hostfile is not None:
+            raise ProfileError("--hosts/--hostfile are for --profile hosts; --profile mpijob takes the MPIJob's "
+                               "hosts from its hostfile")
+        return mpijob_profile(launcher_exec, controller_ip)
     if chosen == "local":
         if hosts is not None or hostfile is not None:
             raise ProfileError("--hosts/--hostfile need --profile hosts (the local profile runs on this machine)")
@@ -196,8 +175,9 @@ def profile_for(name: str | None, hosts: str | None = None, hostfile: str | None
 def mpi_for(profile: Profile, mpi: MPIInfo | None, mpiexec: str | None) -> MPIInfo:
     """The MPI a cluster of ``profile`` launches with (``mpi``: one already chosen, ``mpiexec``: the user's).
 
-    ``local`` takes the one-host launcher (gforker); ``hosts`` needs mpich's hydra (its ssh launcher places the
-    ranks), an MPINotFoundError otherwise; ``slurm`` uses only its mpi4py environment (srun starts the ranks).
+    ``local`` takes the one-host launcher (gforker); ``hosts`` and ``mpijob`` need mpich's hydra (its ssh
+    launcher places the ranks), an MPINotFoundError otherwise; ``slurm`` uses only its mpi4py environment (srun
+    starts the ranks).
     """
     explicit = mpiexec is not None  # --mpiexec PATH: exactly that program
     if profile.slurm is not None:

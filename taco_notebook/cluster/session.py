@@ -28,7 +28,7 @@ from .deaths import death_report, engine_output, ranks_text
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
 from .mpi import MPIInfo
 from .private import private_ipython_profile
-from .processes import CLUSTER_ID_ENV, alive, descendants, kill, process_tree, shared_memory_files
+from .processes import CLUSTER_ID_ENV, alive, descendants, kill, marked_processes, process_tree, shared_memory_files
 from .profiles import LOCAL, Profile, mpi_for
 from .rankwrap import LAUNCHED_BY_ENV
 from .teardown import stop_processes
@@ -310,6 +310,7 @@ class TacoCluster:
         tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory
         self.processes, self.shared_memory = [], set()
         stop_processes(cluster, client, tree, shared_memory, fast)
+        kill(marked_processes(self.cluster_id or ""))  # orphans the tree missed (a controller stopped mid-fork)
 
     # ---------------------------------------------------------------- engines
     @property

@@ -24,6 +24,7 @@ module imports neither, so options, queue state and commands are usable anywhere
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from ..errors import ClusterStartError
 
 __all__ = ["SlurmError", "SlurmOptions", "JobState", "in_allocation", "job_state", "require_command",
-           "run_slurm_command", "TERMINAL_STATES", "SRUN_ARGS"]
+           "run_slurm_command", "TERMINAL_STATES", "SRUN_ARGS", "check_time", "TIME_FORMATS"]
 
 JOB_ENV = "SLURM_JOB_ID"
 # mpich (the wheel, and most site MPICHs) takes its ranks from Slurm's PMI2 server; pmix is not built everywhere.
@@ -40,6 +41,9 @@ SRUN_ARGS = ("--mpi=pmi2",)
 # squeue's long state names of a job that will never run (again).
 TERMINAL_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
                              "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "SPECIAL_EXIT", "TIMEOUT"})
+# sbatch's --time forms (minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]).
+TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+_TIME = re.compile(r"(?:(\d+)-(\d{1,2})(?::(\d{1,2})(?::(\d{1,2}))?)?|(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?)")
 HINT = ("run this where Slurm's client commands are installed (a login node, or `module load slurm`), "
         "or use --profile local")
 
@@ -70,11 +74,19 @@ class SlurmOptions:
                 raise ValueError(f"{name.replace('_', '-')} must be a whole number >= 0, got {value!r}")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError(f"queue timeout must be a positive number of seconds, got {self.queue_timeout!r}")
-        for text in (self.partition, self.time):
-            if any(c.isspace() for c in text):
-                raise ValueError(f"Slurm partition and time take no spaces, got {text!r}")
+        if any(c.isspace() for c in self.partition):
+            raise ValueError(f"a Slurm partition takes no spaces, got {self.partition!r}")
+        if self.time:
+            check_time(self.time)
         if any("\n" in arg for arg in self.sbatch_args):
             raise ValueError("sbatch options are one line each")
+
+    def flags(self) -> str:
+        """These options as the magics' flags (``--partition gpu --time 30``), for messages; "" when all default."""
+        given = [("--partition", self.partition), ("--time", self.time), ("--nodes", self.nodes),
+                 ("--gpus-per-node", self.gpus_per_node), ("--queue-timeout", self.queue_timeout)]
+        return " ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+                        for flag, value in given if value not in ("", 0, None))
 
     def directives(self) -> list[str]:
         """The ``#SBATCH`` lines these options add (partition and time go through ipyparallel's own)."""
@@ -82,6 +94,20 @@ class SlurmOptions:
         if self.gpus_per_node:
             lines.append(f"#SBATCH --gres=gpu:{self.gpus_per_node}")
         return lines + [f"#SBATCH {arg}" for arg in self.sbatch_args]
+
+
+def check_time(text: str, what: str = "--time") -> str:
+    """``text`` when it is one of Slurm's time limits (:data:`TIME_FORMATS`; minutes and seconds below 60 after
+    the first field, hours below 24 after a day count), else a ValueError naming ``what`` and the forms, so a
+    typo is refused before sbatch sees it (sbatch would refuse it only once the controller is up)."""
+    match = _TIME.fullmatch(str(text).strip())
+    if match is not None:
+        days, hours, *rest = match.groups()
+        later = [int(field) for field in rest if field is not None][1 if days is None else 0:]
+        if all(field < 60 for field in later) and (days is None or int(hours) < 24):
+            return str(text).strip()
+    raise ValueError(f"{what} {text!r} is not a Slurm time limit: give {TIME_FORMATS} (for example 30, 1:30:00 "
+                     f"or 2-00)")
 
 
 @dataclass(frozen=True)

@@ -56,12 +56,26 @@ cluster_args = _stack(
              help="every node must have N free huge pages of its default size, else the cluster just started "
                   "is stopped, naming the nodes (TacoMagics.require_hugepages, TACO_REQUIRE_HUGEPAGES)"),
     argument("--profile", default=None, metavar="NAME",
-             help="where the engines run: local (this machine, default), hosts (over ssh) or slurm (a Slurm job, "
-                  "or a step of the allocation this kernel runs in) (TacoMagics.profile)"),
+             help="where the engines run: local (this machine, default), hosts (over ssh), slurm (a Slurm job, "
+                  "or a step of the allocation this kernel runs in) or mpijob (the workers of the Kubeflow MPIJob "
+                  "whose launcher pod runs this notebook, from its hostfile) (TacoMagics.profile)"),
     argument("--hosts", default=None, metavar="SPEC",
              help="hosts profile: HOST:SLOTS,… such as n0:2,n1:2, ranks filled in order (TacoMagics.hosts)"),
     argument("--hostfile", default=None, metavar="FILE",
              help="hosts profile: a file with HOST:SLOTS per line (TacoMagics.hostfile)"),
+    argument("--partition", default=None, metavar="NAME",
+             help="slurm profile: the job's partition (TacoMagics.partition; default Slurm's)"),
+    argument("--time", default=None, metavar="LIMIT",
+             help="slurm profile: the job's time limit, MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS "
+                  "(TacoMagics.time; default the partition's)"),
+    argument("--nodes", default=None, metavar="N",
+             help="slurm profile: nodes the job spans (TacoMagics.nodes; default as Slurm places the ranks)"),
+    argument("--gpus-per-node", dest="gpus_per_node", default=None, metavar="N",
+             help="slurm profile: GPUs per node (--gres=gpu:N; 0 asks for none, the default; "
+                  "TacoMagics.gpus_per_node)"),
+    argument("--queue-timeout", dest="queue_timeout", default=None, metavar="SECONDS",
+             help="slurm profile: cancel the job if it waits longer in the queue (TacoMagics.queue_timeout; "
+                  "default no limit). A change of any of these restarts the cluster"),
 )
 
 run_args = _stack(

@@ -16,13 +16,15 @@ from ..cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
 from ..cluster.profiles import LOCAL, Profile, profile_for
 from ..cluster.registry_writer import track
 from ..cluster.session import TacoCluster, clusters
+from ..cluster.slurm import SlurmOptions
 from ..comm.specs import shm_from_env, timeout_from_env
 from ..errors import MPINotFoundError
 from .args import DEFAULT_NP, cluster_size, usage_errors
 from .output import RankOutput
-from .settings import CLUSTER_ENV, TacoSettings
+from .settings import CLUSTER_ENV, SLURM_SETTINGS, TacoSettings
 
-__all__ = ["LOST", "chosen_profile", "start_cluster", "ensure_cluster", "restart_reason", "check_hugepages",
+__all__ = ["LOST", "chosen_profile", "slurm_options", "profile_change",
+           "start_cluster", "ensure_cluster", "restart_reason", "check_hugepages",
            "format_status", "shared_size"]
 
 LOST = "the engines' variables are lost"  # said whenever a cluster is restarted under the user's feet
@@ -36,19 +38,36 @@ def mpi_for_launcher(mpiexec: str | None, launcher: str | None) -> MPIInfo:
     return for_one_host(find_mpi(mpiexec), explicit=mpiexec is not None, environ={LAUNCHER_ENV: launcher})
 
 
+def slurm_options(config: TacoSettings, args: Any, profile: str | None) -> SlurmOptions | None:
+    """The slurm profile's job from ``--partition/--time/--nodes/--gpus-per-node/--queue-timeout`` (else their
+    traits), checked; None for another profile, where any of these options is a UsageError naming it."""
+    if (profile or "").strip().lower() != "slurm":
+        for name in SLURM_SETTINGS:
+            if getattr(args, name, None) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} is for --profile slurm (the Slurm job's options), but this cluster's "
+                                 f"profile is {profile or 'local'}: add --profile slurm, or leave {flag} out")
+        return None
+    chosen = {name: config.chosen(name, getattr(args, name, None), "--" + name.replace("_", "-"))
+              for name in SLURM_SETTINGS}
+    return SlurmOptions(**{name: value for name, value in chosen.items() if value is not None})
+
+
 def chosen_profile(config: TacoSettings, args: Any, size: int) -> Profile:
     """``--profile/--hosts/--hostfile`` (else their traits) as a checked :class:`Profile` that fits ``size`` ranks.
-    ``--hosts``/``--hostfile`` replace both traits; ``--profile local`` ignores the hosts traits."""
+    ``--hosts``/``--hostfile`` replace both traits; another ``--profile`` than hosts ignores the hosts traits; the slurm
+    profile's job comes from :func:`slurm_options`."""
     with usage_errors():
         name = config.chosen("profile", args.profile, "--profile")
         if args.hosts is not None or args.hostfile is not None:
             hosts = config.chosen("hosts", args.hosts, "--hosts") if args.hosts is not None else None
             hostfile = args.hostfile
-        elif args.profile == "local":
+        elif args.profile in ("local", "slurm", "mpijob"):  # the hosts traits are the hosts profile's
             hosts = hostfile = None
         else:
             hosts, hostfile = config.hosts, config.hostfile
-        profile = profile_for(name, hosts, hostfile, controller_ip=config.controller_ip)
+        slurm = slurm_options(config, args, name or ("hosts" if hosts or hostfile else None))
+        profile = profile_for(name, hosts, hostfile, controller_ip=config.controller_ip, slurm=slurm)
         profile.check_size(size)
     return profile
 
@@ -103,6 +122,14 @@ def restart_reason(cluster: TacoCluster, env: Mapping[str, str]) -> str | None:
     return None
 
 
+def profile_change(running: Profile, wanted: Profile) -> str:
+    """Why a cluster of profile ``running`` is restarted for ``wanted`` (another Slurm job, or elsewhere)."""
+    if running.slurm is not None and wanted.slurm is not None and running.slurm != wanted.slurm:
+        flags = wanted.slurm.flags() or "Slurm's defaults"
+        return f"asks Slurm for another job; restarting it with {flags}"
+    return f"runs elsewhere; restarting it with --profile {wanted.name}"
+
+
 def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOutput,
                    env: Mapping[str, str] | None = None, launcher: str | None = None, limit: int | None = None,
                    default_size: int = DEFAULT_NP, profile: Profile = LOCAL) -> TacoCluster:
@@ -122,7 +149,7 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
         clusters.pop(name).stop()
         cluster = None
     if cluster is not None and cluster.profile != profile:
-        say.warn(f"cluster {name!r} runs elsewhere; restarting it with --profile {profile.name}: {LOST}")
+        say.warn(f"cluster {name!r} {profile_change(cluster.profile, profile)}: {LOST}")
         clusters.pop(name).stop()
         cluster = None
     reason = restart_reason(cluster, env) if cluster is not None else None

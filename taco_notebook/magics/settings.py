@@ -28,13 +28,19 @@ option                        trait (``TacoMagics.…``)   environment          
 ``--hosts SPEC``              ``hosts``                  -                           none
 ``--hostfile FILE``           ``hostfile``               -                           none
 -                             ``controller_ip``          -                           route to the first host
+``--partition NAME``          ``partition``              -                           Slurm's default partition
+``--time LIMIT``              ``time``                   -                           the partition's limit
+``--nodes N``                 ``nodes``                  -                           as Slurm places the ranks
+``--gpus-per-node N``         ``gpus_per_node``          -                           0 (no ``--gres``)
+``--queue-timeout S``         ``queue_timeout``          -                           none (wait in the queue)
 ============================  =========================  ==========================  ===========================
 
 Where each takes effect: ``algorithm``, ``compression`` and ``fusion_mb`` are the ranks' ``taco.configure()``
 for the cell; ``shm``, ``collective_timeout`` and ``gpus`` are fixed when the ranks build their process group,
 so they travel in the cluster's environment and a change restarts the cluster (as ``--gpus`` always did);
 ``require_hugepages`` is checked against every node once its cluster has started (a shortfall stops it);
-the rest are the kernel's.
+``partition`` … ``queue_timeout`` are the slurm profile's job (given with another profile, the options are a
+UsageError and the traits are not used; a change restarts a slurm cluster); the rest are the kernel's.
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ from typing import Any
 from traitlets import Bool, Float, Int, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
-__all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "check_setting", "link_gbits_from_env",
-           "require_hugepages_from_env"]
+__all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "SLURM_SETTINGS", "check_setting",
+           "link_gbits_from_env", "require_hugepages_from_env"]
 
 LINK_GBITS_ENV = "TACO_LINK_GBITS"
 REQUIRE_HUGEPAGES_ENV = "TACO_REQUIRE_HUGEPAGES"
@@ -116,6 +122,29 @@ def _hosts(value: Any, what: str) -> str:
     return str(value)
 
 
+def _slurm_time(value: Any, what: str) -> str:
+    from ..cluster.slurm import check_time
+
+    return check_time(str(value), what)
+
+
+def _partition(value: Any, what: str) -> str:
+    text = str(value).strip()
+    if not text or any(c.isspace() for c in text):
+        raise ValueError(f"{what} must be a Slurm partition name (no spaces), got {value!r}")
+    return text
+
+
+def _whole(value: Any, what: str) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = -1
+    if isinstance(value, bool) or number < 0:
+        raise ValueError(f"{what} must be a whole number >= 0 (0: none), got {value!r}")
+    return number
+
+
 def _address(value: Any, what: str) -> str:
     import ipaddress
 
@@ -166,7 +195,13 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "hosts": _hosts,
     "hostfile": lambda value, what: str(value),
     "controller_ip": _address,
+    "partition": _partition,
+    "time": _slurm_time,
+    "nodes": _positive("nodes", int),
+    "gpus_per_node": _whole,
+    "queue_timeout": _positive("seconds"),
 }
+SLURM_SETTINGS = ("partition", "time", "nodes", "gpus_per_node", "queue_timeout")  # the slurm profile's job
 
 
 def check_setting(name: str, value: Any, what: str) -> Any:
@@ -240,6 +275,15 @@ class TacoSettings(Configurable):
     controller_ip = Unicode(None, allow_none=True, help="the hosts profile's controller address; default: "
                                                         "emulated nodes' bridge, else the route to the first host"
                             ).tag(config=True)
+    partition = Unicode(None, allow_none=True, help="the slurm profile's partition; default Slurm's").tag(
+        config=True)
+    time = Unicode(None, allow_none=True, help="the slurm profile's time limit (MM, MM:SS, HH:MM:SS, D-HH, "
+                                               "D-HH:MM, D-HH:MM:SS); default the partition's").tag(config=True)
+    nodes = Int(None, allow_none=True, help="nodes of the slurm profile's job; default Slurm's").tag(config=True)
+    gpus_per_node = Int(None, allow_none=True, help="GPUs per node of the slurm profile's job (--gres=gpu:N); "
+                                                    "default 0").tag(config=True)
+    queue_timeout = Float(None, allow_none=True, help="seconds the slurm profile's job may wait in the queue "
+                                                      "before it is cancelled; default no limit").tag(config=True)
 
     @validate(*_CHECKS)
     def _check_trait(self, proposal: Any) -> Any:

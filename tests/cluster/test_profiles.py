@@ -101,7 +101,7 @@ def _unset_traits(ip) -> None:
 
 
 @pytest.mark.parametrize("line, message", [
-    ('TacoMagics.profile = "cloud"', "TacoMagics.profile must be one of local, hosts, slurm, got 'cloud'"),
+    ('TacoMagics.profile = "cloud"', "TacoMagics.profile must be one of local, hosts, slurm, mpijob, got 'cloud'"),
     ('TacoMagics.hosts = "n0:x"', "TacoMagics.hosts: 'n0:x' is not HOST[:SLOTS]"),
     ('TacoMagics.controller_ip = "0.0.0.0"', "TacoMagics.controller_ip must be this machine's address"),
 ])

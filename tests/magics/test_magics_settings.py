@@ -42,8 +42,9 @@ def config(ip: Any, line: str) -> None:
 
 def test_every_setting_is_a_trait_listed_by_config(ip, magics, capsys):
     assert TRAITS == ["algorithm", "collective_timeout", "compression", "controller_ip", "dashboard", "fusion_mb",
-                      "gpus", "hostfile", "hosts", "intra_size", "link_gbits", "max_ranks", "mpi_launcher", "np",
-                      "profile", "require_hugepages", "shm", "timeout"]
+                      "gpus", "gpus_per_node", "hostfile", "hosts", "intra_size", "link_gbits", "max_ranks",
+                      "mpi_launcher", "nodes", "np", "partition", "profile", "queue_timeout", "require_hugepages",
+                      "shm", "time", "timeout"]
     config(ip, "TacoMagics")
     listed = capsys.readouterr().out
     for name in TRAITS:
