@@ -18,12 +18,12 @@ from ..cluster.registry_writer import track
 from ..cluster.session import TacoCluster, clusters
 from ..cluster.slurm import SlurmOptions
 from ..comm.specs import shm_from_env, timeout_from_env
-from ..errors import MPINotFoundError
+from ..errors import ClusterStartError, MPINotFoundError
 from .args import DEFAULT_NP, cluster_size, usage_errors
 from .output import RankOutput
 from .settings import CLUSTER_ENV, SLURM_SETTINGS, TacoSettings
 
-__all__ = ["LOST", "chosen_profile", "slurm_options", "profile_change",
+__all__ = ["LOST", "chosen_profile", "slurm_options", "profile_change", "check_reachable",
            "start_cluster", "ensure_cluster", "restart_reason", "check_hugepages",
            "format_status", "shared_size"]
 
@@ -72,9 +72,23 @@ def chosen_profile(config: TacoSettings, args: Any, size: int) -> Profile:
     return profile
 
 
+def check_reachable(profile: Profile) -> None:
+    """A ClusterStartError naming the hosts of ``profile`` that ssh cannot reach, before anything starts: hydra
+    names only an address, and the ranks it already started on the other hosts die without cleaning up."""
+    from ..cluster.sshcheck import unreachable_hosts
+
+    failed = unreachable_hosts(profile) if profile.hosts and profile.slurm is None else {}
+    if failed:
+        named = "; ".join(f"host {host}: {why}" for host, why in failed.items())
+        raise ClusterStartError(f"cannot reach {', '.join(failed)} over ssh ({named}): check that the host is up "
+                                f"and that `ssh {next(iter(failed))} true` works without a prompt; nothing was "
+                                f"started")
+
+
 def start_cluster(name: str, size: int, mpiexec: str | None, say: RankOutput, env: Mapping[str, str] | None = None,
            launcher: str | None = None, limit: int | None = None, profile: Profile = LOCAL) -> TacoCluster:
     cluster_size(str(size), "-np", limit)  # the limit, once more where every start goes through
+    check_reachable(profile)  # names the host ssh cannot reach: hydra names only an address, and leaves segments
     try:
         mpi = mpi_for_launcher(mpiexec, launcher) if profile.single_host else find_mpi(mpiexec)
     except MPINotFoundError as exc:

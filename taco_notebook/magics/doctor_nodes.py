@@ -37,30 +37,17 @@ def one_engine_per_node(profile: Profile) -> tuple[Profile, int]:
     return profile, 1
 
 
-def _check_reachable(profile: Profile) -> None:
-    """A ClusterStartError naming the hosts of ``profile`` that ssh cannot reach, before anything starts: hydra
-    names only an address, and the ranks it already started on the other hosts die without cleaning up."""
-    from ..cluster.sshcheck import unreachable_hosts
-
-    failed = unreachable_hosts(profile) if profile.hosts and profile.slurm is None else {}
-    if failed:
-        named = "; ".join(f"host {host}: {why}" for host, why in failed.items())
-        raise ClusterStartError(f"cannot reach {', '.join(failed)} over ssh ({named}): check that the host is up "
-                                f"and that `ssh {next(iter(failed))} true` works without a prompt; nothing was "
-                                f"started")
-
-
 def examine_nodes(profile: Profile, say: RankOutput, mpiexec: str | None = None,
                   limit: int | None = None, seconds: float = 1.0) -> DoctorReport:
     """The report of every node of ``profile``, read through a temporary cluster of one engine per node that is
     stopped before this returns, also on an error or Ctrl-C (no engines, controller or registry entry left).
-    Hosts that ssh cannot reach are named in a :class:`ClusterStartError` before anything starts."""
+    Hosts that ssh cannot reach are named in a :class:`ClusterStartError` before anything starts
+    (:func:`~taco_notebook.magics.clusters.start_cluster` asks them)."""
     from .clusters import start_cluster
 
     profile, nodes = one_engine_per_node(profile)
     name = f"doctor-{uuid.uuid4().hex[:6]}"
     where = f" ({', '.join(host for host, _ in profile.hosts)})" if profile.hosts else ""
-    _check_reachable(profile)
     say.notice(f"starting one engine on each of {nodes} node{'s' if nodes != 1 else ''}{where}…")
     try:
         try:

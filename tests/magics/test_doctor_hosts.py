@@ -47,7 +47,7 @@ def _nothing_left(hosts: EmulatedHosts) -> None:
     ("--hosts n0:x", "'n0:x' is not HOST[:SLOTS]"),
     ("--hosts n0,n0", "host 'n0' is named twice"),
     ("--hostfile /nonexistent/hosts", "--hostfile '/nonexistent/hosts' cannot be read"),
-    ("--profile nosuch", "--profile must be one of local, hosts, slurm, got 'nosuch'"),
+    ("--profile nosuch", "--profile must be one of local, hosts, slurm, mpijob, got 'nosuch'"),
     ("--profile local --hosts n0", "--hosts/--hostfile need --profile hosts"),
     ("--profile hosts", "--profile hosts needs --hosts HOST:SLOTS"),
     ("--cluster default --hosts n0", "--cluster reads a running cluster's nodes"),
@@ -146,11 +146,14 @@ def test_doctor_unreachable_emulated_node_is_named_within_bounded_time(ip, emula
     try:
         with pytest.raises(ClusterStartError) as caught:
             ip.run_line_magic("taco_doctor", "--hosts n0:1,n1:1")
+        took = time.monotonic() - began
+        with pytest.raises(ClusterStartError, match=r"^cannot reach n1 over ssh \(host n1: .*nothing was started$"):
+            ip.run_cell_magic("taco_run", "--profile hosts --hosts n0:1,n1:1 -np 2 --cluster unreachable", "pass")
+        assert "unreachable" not in clusters  # %%taco_run asks the hosts first too (start_cluster)
     finally:
         subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=30)
-    took = time.monotonic() - began
     message = str(caught.value)
-    assert message.startswith("cannot reach n1 over ssh (host n1: "), message
+    assert message.startswith("the nodes could not be examined: cannot reach n1 over ssh (host n1: "), message
     assert "n0" not in message and message.endswith("nothing was started")  # the node that answers is not blamed
     assert took < 90, f"took {took:.0f} s"
     with capsys.disabled():
