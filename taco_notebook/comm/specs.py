@@ -227,7 +227,8 @@ def check_choice(value: object, choices: tuple[str, ...], what: str) -> str:
 
 def check_positive(value: object, what: str, unit: str, convert: Callable[[Any], Any] = float) -> Any:
     """``value`` (a number or its text) converted by ``convert`` (``float`` or ``int``), finite and > 0, else a
-    ValueError ``"{what} must be a positive number of {unit}, got …"`` (``a positive integer ({unit})`` for int)."""
+    ValueError ``"{what} must be a positive number of {unit}, got …"`` (``a positive integer ({unit})`` for int,
+    ``a positive integer`` when ``unit`` is empty)."""
     try:
         if isinstance(value, bool):
             raise ValueError
@@ -235,7 +236,8 @@ def check_positive(value: object, what: str, unit: str, convert: Callable[[Any],
     except (TypeError, ValueError):
         number = None
     if number is None or not 0 < number < float("inf"):
-        kind = f"a positive integer ({unit})" if convert is int else f"a positive number of {unit}"
+        kind = (f"a positive number of {unit}" if convert is not int else
+                f"a positive integer ({unit})" if unit else "a positive integer")
         raise ValueError(f"{what} must be {kind}, got {value!r}")
     return number
 
