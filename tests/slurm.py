@@ -9,6 +9,8 @@ as children of this process, recorded by PID and stopped by PID; they are starte
 the per-test leak check (tests/conftest.py) sees only what a *job* started, not the long-lived daemons.
 
 Client commands find this Slurm through ``SLURM_CONF`` (the fixture sets it in ``os.environ`` for its tests).
+tests/cluster/conftest.py offers the ``slurm`` fixture to that folder's tests; :meth:`SlurmCluster.active_jobs`
+and :func:`job_processes_after` are what they check a stopped job against.
 
     python -m tests.slurm      # start it, print the time to the first idle ``sinfo``, stop it
 """
@@ -27,9 +29,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
-__all__ = ["SlurmCluster", "start_slurm", "slurm", "slurm_unavailable", "PARTITION"]
+__all__ = ["SlurmCluster", "start_slurm", "slurm", "slurm_unavailable", "PARTITION", "job_processes",
+           "job_processes_after"]
 
 PARTITION = "taco"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -131,6 +135,10 @@ class SlurmCluster:
     def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         return subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
 
+    def active_jobs(self) -> str:
+        """``squeue``'s jobs, one ``ID STATE`` a line; empty when none is left."""
+        return self.run("squeue", "-h", "-o", "%i %T").stdout.strip()
+
     def node_state(self) -> str:
         out = self.run("sinfo", "-h", "-N", "-o", "%T").stdout.strip()
         return out.splitlines()[0].strip() if out else ""
@@ -180,6 +188,28 @@ class SlurmCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Live processes of a job: its tasks (SLURM_JOB_ID in their environment) and slurmstepd for it."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if proc.environ().get("SLURM_JOB_ID") == job_id or f"slurmstepd: [{job_id}." in cmd:
+                found.append(f"{proc.pid} {cmd}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def job_processes_after(job_id: str, timeout: float = 15.0) -> list[str]:
+    """:func:`job_processes` once they are gone or ``timeout`` s have passed: slurmstepd reaps the tasks after
+    the job's state is already CANCELLED."""
+    deadline = time.monotonic() + timeout
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def _daemon_env() -> dict[str, str]:

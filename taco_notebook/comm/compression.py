@@ -6,8 +6,8 @@ rebuilds a dense tensor of the original shape and dtype. ``key`` names a gradien
 steps so that TopK can keep a residual per tensor (error feedback), in a slotted state object as PyTorch's
 ``PowerSGDState`` does. Every compressor counts raw and wire bytes in :class:`CompressionStats`.
 
-Imports only torch and the standard library: this module runs on every rank. Specs are parsed in
-:mod:`.specs` (``powersgd:RANK`` in :mod:`.powersgd`); each compressor also owns how its payload is reduced
+Imports only torch and the standard library: this module runs on every rank. Specs (``topk:RATIO``,
+``powersgd:RANK``, …) are parsed in :mod:`.specs`; each compressor also owns how its payload is reduced
 across ranks (:meth:`Compressor.reduce`). The interface itself lives in :mod:`.compressor`.
 
 >>> c = parse_compression("topk:0.01:threshold=0")
@@ -25,11 +25,12 @@ from typing import Any
 import torch
 
 from .compressor import CompressionStats, Compressor, Payload
-from .powersgd import PowerSGDCompressor, parse_powersgd
+from .powersgd import PowerSGDCompressor
 from .reduction import Reduced, all_gather, spread
 from .specs import (
     DEFAULT_TOPK_RATIO,
     DEFAULT_TOPK_THRESHOLD,
+    TOPK,
     CompressionSpec,
     compression_spec_from_env,
     parse_compression_spec,
@@ -145,18 +146,14 @@ class TopKCompressor(Compressor):
     def __init__(self, ratio: float, threshold: int = DEFAULT_TOPK_THRESHOLD,
                  error_feedback: bool = True) -> None:
         super().__init__()
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise ValueError(f"topk ratio must be a number in (0, 1], got {ratio!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"topk threshold must be a non-negative integer (elements), got {threshold!r}")
-        self.state = TopKState(float(ratio), threshold, error_feedback)
+        ratio = TOPK.first.check(ratio, "topk ratio")
+        threshold = TOPK.options[0].check(threshold, "topk threshold")
+        self.state = TopKState(ratio, threshold, error_feedback)
 
     @property
     def name(self) -> str:  # type: ignore[override]
         """A spec :func:`parse_compression` accepts back, e.g. ``topk:0.01``."""
-        threshold = self.state.threshold
-        suffix = "" if threshold == DEFAULT_TOPK_THRESHOLD else f":threshold={threshold}"
-        return f"topk:{self.state.ratio:g}{suffix}"
+        return TOPK.format(self.state.ratio, threshold=self.state.threshold)
 
     def num_selected(self, numel: int) -> int:
         """How many entries a tensor of ``numel`` elements sends (the allgather buffer size)."""
@@ -275,6 +272,9 @@ def build(spec: CompressionSpec) -> Compressor:
     if spec.kind == "topk":
         assert spec.ratio is not None and spec.threshold is not None
         return TopKCompressor(spec.ratio, spec.threshold)
+    if spec.kind == "powersgd":
+        assert spec.rank is not None and spec.warmup is not None and spec.min_size is not None
+        return PowerSGDCompressor(spec.rank, warmup=spec.warmup, min_size=spec.min_size)
     simple: dict[str, type[Compressor]] = {"none": NoneCompressor, "fp16": FP16Compressor,
                                            "bf16": BF16Compressor}
     return simple[spec.kind]()
@@ -282,20 +282,13 @@ def build(spec: CompressionSpec) -> Compressor:
 
 def parse_compression(spec: str | None) -> Compressor:
     """Build a compressor from a spec: ``None``/``"none"``, ``"fp16"``, ``"bf16"``, ``"topk:RATIO"``,
-    ``"topk:RATIO:threshold=N"`` (grammar in :mod:`.specs`) or ``"powersgd:RANK[:warmup=N][:min_size=N]"``
-    (:func:`.powersgd.parse_powersgd`): the ``--compression`` option of ``%%taco_run``.
+    ``"topk:RATIO:threshold=N"`` or ``"powersgd:RANK[:warmup=N][:min_size=N]"`` (grammars in :mod:`.specs`):
+    the ``--compression`` option of ``%%taco_run``.
 
     >>> parse_compression("topk:0.01:threshold=1000").name
     'topk:0.01:threshold=1000'
     """
-    if isinstance(spec, str) and spec.strip().lower().partition(":")[0] == "powersgd":
-        return parse_powersgd(spec)
-    try:
-        return build(parse_compression_spec(spec))
-    except ValueError as exc:
-        if not str(exc).startswith("unknown compression"):
-            raise
-        raise ValueError(f"{exc}, or powersgd:RANK (e.g. powersgd:4)") from None
+    return build(parse_compression_spec(spec))
 
 
 def compression_from_env(environ: Mapping[str, str] | None = None) -> Compressor:

@@ -42,17 +42,10 @@ import torch.distributed as dist
 
 from .compressor import Compressor, Payload
 from .reduction import Reduced, ring_sends
+from .specs import DEFAULT_POWERSGD_MIN_SIZE, DEFAULT_POWERSGD_WARMUP, POWERSGD
 
-__all__ = ["PowerSGDCompressor", "PowerSGDState", "PowerSGDContext", "parse_powersgd",
-           "DEFAULT_POWERSGD_WARMUP", "DEFAULT_POWERSGD_MIN_SIZE"]
-
-# Steps (per tensor) reduced uncompressed before PowerSGD starts: the first gradients change direction
-# fast and are large, and compressing them costs accuracy (PyTorch's start_powerSGD_iter, whose default
-# of 1000 is for long runs; 10 keeps short notebook runs compressed).
-DEFAULT_POWERSGD_WARMUP = 10
-# Below 64K elements (256 KiB of float32) the second collective's latency costs more than the bytes saved.
-DEFAULT_POWERSGD_MIN_SIZE = 65536
-_USAGE = "use powersgd:RANK[:warmup=N][:min_size=N] (e.g. powersgd:4)"
+__all__ = ["PowerSGDCompressor", "PowerSGDState", "PowerSGDContext", "DEFAULT_POWERSGD_WARMUP",
+           "DEFAULT_POWERSGD_MIN_SIZE"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +73,9 @@ class PowerSGDState:
         # Rank r of the approximation: the wire carries (n + m) r numbers per n x m matrix. 1-4 is usual;
         # higher keeps more of each step's gradient (less left to the residual) at more bytes and compute.
         self.rank = rank
-        # Calls per key reduced dense before compressing (see DEFAULT_POWERSGD_WARMUP).
+        # Calls per key reduced dense before compressing (see specs.DEFAULT_POWERSGD_WARMUP).
         self.warmup = warmup
-        # Tensors with fewer elements travel dense (see DEFAULT_POWERSGD_MIN_SIZE).
+        # Tensors with fewer elements travel dense (see specs.DEFAULT_POWERSGD_MIN_SIZE).
         self.min_size = min_size
         # Keep what the projection lost and add it to the next gradient. Without it a rank-r projection
         # drops everything outside the top subspace every step and training stalls (the paper's Table 2).
@@ -141,20 +134,14 @@ class PowerSGDCompressor(Compressor):
     def __init__(self, rank: int, warmup: int = DEFAULT_POWERSGD_WARMUP,
                  min_size: int = DEFAULT_POWERSGD_MIN_SIZE, error_feedback: bool = True, seed: int = 0) -> None:
         super().__init__()
-        for what, value, low in (("rank", rank, 1), ("warmup", warmup, 0), ("min_size", min_size, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"powersgd {what} must be an integer >= {low}, got {value!r}")
+        for option, value in zip((POWERSGD.first, *POWERSGD.options), (rank, warmup, min_size), strict=True):
+            option.check(value, f"powersgd {option.key}")
         self.state = PowerSGDState(rank, warmup, min_size, error_feedback, seed)
 
     @property
     def name(self) -> str:  # type: ignore[override]
         """A spec :func:`.compression.parse_compression` accepts back, e.g. ``powersgd:4:warmup=0``."""
-        s = self.state
-        options = [f"{opt}={value}" for opt, value, default in
-                   (("warmup", s.warmup, DEFAULT_POWERSGD_WARMUP), ("min_size", s.min_size,
-                                                                    DEFAULT_POWERSGD_MIN_SIZE))
-                   if value != default]
-        return ":".join([f"powersgd:{s.rank}", *options])
+        return POWERSGD.format(self.state.rank, warmup=self.state.warmup, min_size=self.state.min_size)
 
     def compresses(self, tensor: torch.Tensor, key: Hashable | None) -> bool:
         """Whether ``tensor`` goes low-rank this call (else dense): floating, big enough, past warm-up, and
@@ -366,35 +353,3 @@ def _summed(factors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
     dist.all_reduce(flat, group=group)
     return [part.view(f.shape) for part, f in zip(flat.split([f.numel() for f in factors]), factors, strict=True)]
 
-
-def parse_powersgd(spec: str) -> PowerSGDCompressor:
-    """``powersgd:RANK[:warmup=N][:min_size=N]`` (any case, options in any order) as a compressor.
-
-    >>> parse_powersgd("powersgd:4:warmup=0").name
-    'powersgd:4:warmup=0'
-    """
-    text = spec.strip().lower()
-    name, _, rest = text.partition(":")
-    if name != "powersgd":
-        raise ValueError(f"not a powersgd spec: {spec!r}; {_USAGE}")
-    if not rest:
-        raise ValueError(f"powersgd needs a rank (a positive integer), got {spec!r}; {_USAGE}")
-    rank_text, *options = rest.split(":")
-    values = {"rank": rank_text}
-    for option in options:
-        opt, eq, value = option.partition("=")
-        opt = opt.strip()
-        if opt not in ("warmup", "min_size") or not eq:
-            raise ValueError(f"unknown powersgd option {option!r} in {spec!r}; {_USAGE}")
-        values[opt] = value
-    numbers: dict[str, int] = {}
-    for what, value in values.items():
-        low = 1 if what == "rank" else 0
-        try:
-            numbers[what] = int(value.strip())
-        except ValueError:
-            numbers[what] = -1
-        if numbers[what] < low:
-            raise ValueError(f"powersgd {what} in {spec!r} must be an integer >= {low}, got {value!r}; {_USAGE}")
-    return PowerSGDCompressor(numbers["rank"], warmup=numbers.get("warmup", DEFAULT_POWERSGD_WARMUP),
-                              min_size=numbers.get("min_size", DEFAULT_POWERSGD_MIN_SIZE))

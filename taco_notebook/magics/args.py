@@ -15,7 +15,8 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings
+from ..comm.specs import check_positive
+from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings, setting_from_env
 
 __all__ = ["cluster_args", "run_args", "comm_settings", "cluster_settings", "usage_errors", "positive_int",
            "cluster_size", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option",
@@ -169,23 +170,17 @@ def cluster_settings(config: TacoSettings, args: Any, size: int) -> dict[str, st
 def required_hugepages(config: TacoSettings, args: Any) -> int | None:
     """``--require-hugepages N``, else its trait, else ``TACO_REQUIRE_HUGEPAGES``; None: nothing required.
     Checked before anything starts."""
-    from .settings import require_hugepages_from_env
-
     with usage_errors():
         wanted = config.chosen("require_hugepages", args.require_hugepages, "--require-hugepages")
-        return wanted if wanted is not None else require_hugepages_from_env()
+        return wanted if wanted is not None else setting_from_env("require_hugepages")
 
 
 def positive_int(value: str | None, option: str) -> int | None:
+    """An option's text as a positive integer (None when not given), else a UsageError naming ``option``."""
     if value is None:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise UsageError(f"{option} must be a positive integer, got {value!r}") from None
-    if number <= 0:
-        raise UsageError(f"{option} must be a positive integer, got {value!r}")
-    return number
+    with usage_errors():
+        return int(check_positive(value, option, "", int))
 
 
 def cluster_size(value: str | None, option: str, limit: int | None = None) -> int | None:
@@ -226,15 +221,12 @@ def usage(magic: Any, shown_as: str) -> str:
 
 
 def positive_float(value: str | None, option: str) -> float | None:
+    """An option's text as a positive, finite number of seconds (None when not given), else a UsageError naming
+    ``option``."""
     if value is None:
         return None
-    try:
-        number = float(value)
-    except ValueError:
-        raise UsageError(f"{option} must be a positive number of seconds, got {value!r}") from None
-    if not number > 0 or number == float("inf"):
-        raise UsageError(f"{option} must be a positive number of seconds, got {value!r}")
-    return number
+    with usage_errors():
+        return float(check_positive(value, option, "seconds"))
 
 
 def parse_targets(spec: str | None, size: int) -> list[int] | None:

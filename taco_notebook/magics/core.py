@@ -39,7 +39,7 @@ from .clusters import (
     start_cluster,
 )
 from .output import RankOutput
-from .settings import TacoSettings, link_gbits_from_env
+from .settings import TacoSettings, setting_from_env
 
 __all__ = ["TacoMagics"]
 
@@ -129,7 +129,7 @@ class TacoMagics(Magics, TacoSettings):
         with usage_errors():
             gbits = self.chosen("link_gbits", option, "--link-gbits")
             if gbits is None:
-                gbits = link_gbits_from_env()
+                gbits = setting_from_env("link_gbits")
         return None if gbits is None else gbits * 1e9 / 8
 
     @magic_arguments()

@@ -45,20 +45,24 @@ UsageError and the traits are not used; a change restarts a slurm cluster); the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from traitlets import Bool, Float, Int, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
-__all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "SLURM_SETTINGS", "check_setting",
-           "link_gbits_from_env", "require_hugepages_from_env"]
+from ..cluster.mpi import LAUNCHERS
+from ..cluster.profiles import PROFILES
+from ..comm.placement import GPU_MODES
 
-LINK_GBITS_ENV = "TACO_LINK_GBITS"
-REQUIRE_HUGEPAGES_ENV = "TACO_REQUIRE_HUGEPAGES"
+__all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "KERNEL_ENV", "SLURM_SETTINGS", "check_setting",
+           "setting_from_env"]
 
 RANK_SETTINGS = ("algorithm", "compression", "fusion_mb")  # sent to the ranks' taco.configure() per cell
 CLUSTER_ENV = {"gpus": "TACO_GPUS", "shm": "TACO_SHM", "collective_timeout": "TACO_COLLECTIVE_TIMEOUT"}
+# read by the kernel itself (setting_from_env) when neither the option nor the trait gives them
+KERNEL_ENV = {"link_gbits": "TACO_LINK_GBITS", "require_hugepages": "TACO_REQUIRE_HUGEPAGES"}
 
 
 def _algorithm(value: Any, what: str) -> str:
@@ -82,37 +86,20 @@ def _fusion_mb(value: Any, what: str) -> float:
         raise ValueError(f"{what} must be a number of megabytes >= 0, got {value!r}") from None
 
 
-def _choice(choices: Callable[[], tuple[str, ...]]) -> Callable[[Any, str], str]:
+def _choice(choices: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> Callable[[Any, str], str]:
+    """A check that the value is one of ``choices`` (or of what ``choices()`` gives, for a module imported late)."""
     def check(value: Any, what: str) -> str:
         from ..comm.specs import check_choice
 
-        return check_choice(value, choices(), what)
+        return check_choice(value, choices if isinstance(choices, tuple) else choices(), what)
 
     return check
 
 
-def _gpu_modes() -> tuple[str, ...]:
-    from ..comm.placement import GPU_MODES
-
-    return GPU_MODES
-
-
-def _launchers() -> tuple[str, ...]:
-    from ..cluster.mpi import LAUNCHERS
-
-    return LAUNCHERS
-
-
 def _dashboard_modes() -> tuple[str, ...]:
-    from ..widgets.dashboard import DASHBOARD_MODES
+    from ..widgets.dashboard import DASHBOARD_MODES  # imports bokeh: only when a dashboard mode is checked
 
     return DASHBOARD_MODES
-
-
-def _profiles() -> tuple[str, ...]:
-    from ..cluster.profiles import PROFILES
-
-    return PROFILES
 
 
 def _hosts(value: Any, what: str) -> str:
@@ -186,12 +173,12 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "fusion_mb": _fusion_mb,
     "shm": _flag,
     "collective_timeout": _positive("seconds"),
-    "gpus": _choice(_gpu_modes),
-    "mpi_launcher": _choice(_launchers),
+    "gpus": _choice(GPU_MODES),
+    "mpi_launcher": _choice(LAUNCHERS),
     "dashboard": _choice(_dashboard_modes),
     "link_gbits": _positive("Gbit/s"),
     "require_hugepages": _positive("free huge pages per node", int),
-    "profile": _choice(_profiles),
+    "profile": _choice(PROFILES),
     "hosts": _hosts,
     "hostfile": lambda value, what: str(value),
     "controller_ip": _address,
@@ -210,27 +197,12 @@ def check_setting(name: str, value: Any, what: str) -> Any:
     return _CHECKS[name](value, what)
 
 
-def link_gbits_from_env() -> float | None:
-    """``TACO_LINK_GBITS``: a node's link in Gbit/s (e.g. ``25``), None when unset."""
-    import os
-
-    from ..comm.specs import check_positive, number_from_env
-
-    what = "a positive number of Gbit/s"
-    value = number_from_env(os.environ, LINK_GBITS_ENV, float, what)
-    return None if value is None else float(check_positive(value, LINK_GBITS_ENV, "Gbit/s"))
-
-
-def require_hugepages_from_env() -> int | None:
-    """``TACO_REQUIRE_HUGEPAGES``: free huge pages (of each node's default size) every node must have, None
-    when unset; a ValueError naming the variable when it is not a positive integer."""
-    import os
-
-    from ..comm.specs import check_positive, number_from_env
-
-    what = "a positive integer (free huge pages per node)"
-    value = number_from_env(os.environ, REQUIRE_HUGEPAGES_ENV, int, what)
-    return None if value is None else int(check_positive(value, REQUIRE_HUGEPAGES_ENV, "free huge pages per node", int))
+def setting_from_env(name: str) -> Any:
+    """Setting ``name`` from its variable in :data:`KERNEL_ENV` (``TACO_LINK_GBITS=25``), checked as the option
+    and the trait are; None when unset or blank, a ValueError naming the variable when bad."""
+    variable = KERNEL_ENV[name]
+    raw = os.environ.get(variable, "").strip()
+    return check_setting(name, raw, variable) if raw else None
 
 
 class TacoSettings(Configurable):

@@ -36,10 +36,10 @@ from taco_notebook.cluster.nodefacts import _parse_gpu_csv, library_identity, no
 from taco_notebook.comm import hardware
 from taco_notebook.comm.linkspeed import measure_link, receive, send, start_receiver
 
+from ..hugepages import NEEDS_ROOT, POOL_2M, hugepages_restored, hugetlbfs_dir, mount_hugetlbfs, reserve_hugepages
+
 REPO = Path(__file__).resolve().parents[2]
-NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
-POOL_2M = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to reserve huge pages and mount hugetlbfs")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -111,23 +111,15 @@ def test_without_huge_pages_the_report_says_how_to_reserve_them(facts: dict[str,
 @pytest.fixture
 def restore_hugepages() -> Iterator[str]:
     """A private directory to mount hugetlbfs on; afterwards it is unmounted and the reservation restored."""
-    before = NR_HUGEPAGES.read_text().strip()
-    mount = tempfile.mkdtemp(prefix="taco-doctor-huge-")
-    try:
+    with hugepages_restored(), hugetlbfs_dir("taco-doctor-huge-") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", mount], capture_output=True)
-        os.rmdir(mount)
-        NR_HUGEPAGES.write_text(before + "\n")
-        assert NR_HUGEPAGES.read_text().strip() == before
 
 
 @needs_root
 def test_reserved_and_mounted_huge_pages_change_the_report(restore_hugepages: str) -> None:
     if hardware.hugepages() is None or hardware.hugepages()["page_kb"] != 2048:  # type: ignore[index]
         pytest.skip("the default huge page size here is not 2 MB")
-    NR_HUGEPAGES.write_text("64\n")
-    granted = int((POOL_2M / "nr_hugepages").read_text())
+    granted = reserve_hugepages(64)
     if granted < 8:
         pytest.skip(f"the kernel granted only {granted} huge pages")
     reserved = node_facts()
@@ -139,9 +131,7 @@ def test_reserved_and_mounted_huge_pages_change_the_report(restore_hugepages: st
     assert f"{granted} 2 MB huge pages reserved" in unmounted.problem
     assert "mount -t hugetlbfs -o pagesize=2M none /dev/hugepages" in unmounted.remedy
 
-    result = subprocess.run(["mount", "-t", "hugetlbfs", "none", restore_hugepages], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount hugetlbfs: {result.stderr.strip()}")
+    mount_hugetlbfs(restore_hugepages)
     mounted = node_facts()
     assert {"path": restore_hugepages, "page_kb": 2048} in mounted["hugepages"]["mounts"]
     assert not any("hugetlbfs" in p for p in _problems(mounted))

@@ -33,7 +33,7 @@ from taco_notebook.cluster.profiles import (
 from taco_notebook.cluster.session import TacoCluster, clusters
 
 from ..conftest import session_processes
-from ..slurm import slurm  # noqa: F401 - the fixture
+from ..slurm import job_processes_after
 from .test_emulate_cli import SSH_SKIP
 from .test_emulated import MPIEXEC
 
@@ -220,21 +220,8 @@ taco.allreduce(t)
 """
 
 
-def _job_processes(job_id: str) -> list[str]:
-    """Live processes of a job: its tasks (SLURM_JOB_ID in their environment) and slurmstepd for it."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if proc.environ().get("SLURM_JOB_ID") == job_id or f"slurmstepd: [{job_id}." in cmd:
-                found.append(f"{proc.pid} {cmd}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
 @pytest.mark.timeout(300, method="signal")
-def test_slurm_profile_submits_runs_a_cell_and_stop_cancels(ip, slurm, capsys,  # noqa: F811
+def test_slurm_profile_submits_runs_a_cell_and_stop_cancels(ip, slurm, capsys,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TLS", "self,sm")  # the test Slurm's one node is this machine; sbatch exports it
     ip.run_line_magic("config", "TacoMagics.controller_ip = '127.0.0.1'")
@@ -257,8 +244,5 @@ def test_slurm_profile_submits_runs_a_cell_and_stop_cancels(ip, slurm, capsys,  
         print(f"\nslurm profile, 2 engines: start (sbatch to engines up) {started:.1f} s")
     assert f"job {job} submitted: 2 engine tasks" in out and f"job {job} RUNNING" in out
     assert ranks == [(0, job, 0, [3.0, 3.0]), (1, job, 1, [3.0, 3.0])]
-    assert slurm.run("squeue", "-h", "-o", "%i %T").stdout.strip() == ""
-    deadline = time.monotonic() + 15  # slurmstepd reaps the tasks after the job's state is already CANCELLED
-    while _job_processes(job) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _job_processes(job) == []
+    assert slurm.active_jobs() == ""
+    assert job_processes_after(job) == []

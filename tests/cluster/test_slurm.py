@@ -31,7 +31,7 @@ from taco_notebook.cluster.slurm_launchers import (
     wait_for_engines,
 )
 
-from ..slurm import PARTITION, SlurmCluster, slurm  # noqa: F401 - the fixture
+from ..slurm import PARTITION, SlurmCluster, job_processes, job_processes_after
 
 ENGINE_CMD = [sys.executable, "-m", "taco_notebook.cluster.rankwrap", sys.executable, "-m", "ipyparallel.engine"]
 
@@ -73,21 +73,15 @@ def controller(tmp_path: Path) -> Iterator[Any]:
             cluster.stop_controller_sync()
 
 
-def _job_processes(job_id: str) -> list[str]:
-    """Live processes of a job: its tasks (SLURM_JOB_ID in their environment) and slurmstepd for it."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if proc.environ().get("SLURM_JOB_ID") == job_id or f"slurmstepd: [{job_id}." in cmd:
-                found.append(f"{proc.pid} {cmd}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def _active_jobs(cluster: SlurmCluster) -> str:
-    return cluster.run("squeue", "-h", "-o", "%i %T").stdout.strip()
+def _engines_fail(cluster: Any, launcher: Any, timeout: float, match: str) -> None:
+    """``wait_for_engines`` for 2 engines within ``timeout`` s raises a SlurmError matching ``match`` (the client
+    is closed either way)."""
+    client = cluster.connect_client_sync()
+    try:
+        with pytest.raises(SlurmError, match=match):
+            wait_for_engines(client, launcher, 2, timeout=timeout)
+    finally:
+        client.close()
 
 
 def _info() -> dict[str, Any]:
@@ -100,7 +94,7 @@ def _info() -> dict[str, Any]:
             "sum": MPI.COMM_WORLD.allreduce(MPI.COMM_WORLD.rank + 1)}
 
 
-def test_private_slurm_is_up(slurm: SlurmCluster) -> None:  # noqa: F811
+def test_private_slurm_is_up(slurm: SlurmCluster) -> None:
     assert slurm.node_state() == "idle"
     assert os.stat(slurm.root).st_mode & 0o777 == 0o700
     assert os.stat(slurm.conf).st_mode & 0o777 == 0o600
@@ -108,7 +102,7 @@ def test_private_slurm_is_up(slurm: SlurmCluster) -> None:  # noqa: F811
     print(f"private Slurm: node idle in sinfo {slurm.started_in:.2f} s after munged started")
 
 
-def test_sbatch_job_runs_engines_as_mpi_ranks_and_stop_cancels_it(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+def test_sbatch_job_runs_engines_as_mpi_ranks_and_stop_cancels_it(slurm: SlurmCluster, controller) -> None:
     lines: list[str] = []
     cluster = controller(SlurmOptions(partition=PARTITION, time="10"), lines)
     began = time.monotonic()
@@ -134,23 +128,20 @@ def test_sbatch_job_runs_engines_as_mpi_ranks_and_stop_cancels_it(slurm: SlurmCl
 
     cluster.stop_engines_sync()
     assert lines[-1] == f"job {job} CANCELLED"
-    assert _active_jobs(slurm) == ""
-    deadline = time.monotonic() + 15  # slurmstepd reaps the tasks after the job's state is already CANCELLED
-    while _job_processes(job) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _job_processes(job) == []
+    assert slurm.active_jobs() == ""
+    assert job_processes_after(job) == []
     assert not any(psutil.pid_exists(i["pid"]) for i in infos)
 
 
-def test_bad_partition_is_refused_with_sbatch_message(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+def test_bad_partition_is_refused_with_sbatch_message(slurm: SlurmCluster, controller) -> None:
     cluster = controller(SlurmOptions(partition="no-such-partition"), [], start_controller=False)
     with pytest.raises(SlurmError, match=r"Slurm rejected the engines' job \(2 tasks\): sbatch failed: "
                                          r"sbatch: error: .*[Ii]nvalid partition"):
         cluster.start_engines_sync()
-    assert _active_jobs(slurm) == ""
+    assert slurm.active_jobs() == ""
 
 
-def test_job_cancelled_while_pending_is_reported(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+def test_job_cancelled_while_pending_is_reported(slurm: SlurmCluster, controller) -> None:
     lines: list[str] = []
     cluster = controller(SlurmOptions(sbatch_args=("--begin=now+1hour",)), lines)
     cluster.start_engines_sync()
@@ -161,67 +152,44 @@ def test_job_cancelled_while_pending_is_reported(slurm: SlurmCluster, controller
         time.sleep(0.1)
     assert f"job {job} PENDING (BeginTime)" in lines
     slurm.run("scancel", job)  # someone else (an admin, the user in a terminal) cancels it
-    client = cluster.connect_client_sync()
-    try:
-        with pytest.raises(SlurmError, match=f"the engines' Slurm job {job} CANCELLED before the cluster was stopped"):
-            wait_for_engines(client, launcher, 2, timeout=30)
-    finally:
-        client.close()
-    assert _active_jobs(slurm) == ""
+    _engines_fail(cluster, launcher, 30, f"the engines' Slurm job {job} CANCELLED before the cluster was stopped")
+    assert slurm.active_jobs() == ""
 
 
-def test_queue_timeout_cancels_the_job(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+def test_queue_timeout_cancels_the_job(slurm: SlurmCluster, controller) -> None:
     lines: list[str] = []
     cluster = controller(SlurmOptions(queue_timeout=2, sbatch_args=("--begin=now+1hour",)), lines)
     cluster.start_engines_sync()
     launcher = next(iter(cluster.engines.values()))
-    client = cluster.connect_client_sync()
-    try:
-        with pytest.raises(SlurmError, match=r"PENDING \(BeginTime\) for \d+ s \(queue timeout 2 s\): cancelled it"):
-            wait_for_engines(client, launcher, 2, timeout=30)
-    finally:
-        client.close()
+    _engines_fail(cluster, launcher, 30, r"PENDING \(BeginTime\) for \d+ s \(queue timeout 2 s\): cancelled it")
     assert slurm_profile.job_state(launcher.job_id).state == "CANCELLED"
-    assert _active_jobs(slurm) == ""
+    assert slurm.active_jobs() == ""
 
 
-def test_job_whose_engines_fail_is_reported_with_its_output(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+def test_job_whose_engines_fail_is_reported_with_its_output(slurm: SlurmCluster, controller) -> None:
     lines: list[str] = []
     failing = [sys.executable, "-c", "import sys; print('engine cannot start: no GPU driver', file=sys.stderr); "
                "sys.exit(3)"]
     cluster = controller(SlurmOptions(), lines, engine_cmd=failing)
     cluster.start_engines_sync()
     launcher = next(iter(cluster.engines.values()))
-    client = cluster.connect_client_sync()
-    try:
-        with pytest.raises(SlurmError, match=rf"(?s)job {launcher.job_id} FAILED.* before the cluster was stopped "
-                                             r"\(an engine task failed.*engine cannot start: no GPU driver"):
-            wait_for_engines(client, launcher, 2, timeout=60)
-    finally:
-        client.close()
+    _engines_fail(cluster, launcher, 60, rf"(?s)job {launcher.job_id} FAILED.* before the cluster was stopped "
+                                         r"\(an engine task failed.*engine cannot start: no GPU driver")
     assert any(line.startswith(f"job {launcher.job_id} FAILED") for line in lines), lines
-    assert _active_jobs(slurm) == ""
+    assert slurm.active_jobs() == ""
 
 
-def test_running_job_without_engines_times_out(slurm: SlurmCluster, controller) -> None:  # noqa: F811
+def test_running_job_without_engines_times_out(slurm: SlurmCluster, controller) -> None:
     lines: list[str] = []
     silent = [sys.executable, "-c", "import time; time.sleep(600)"]  # runs, never registers
     cluster = controller(SlurmOptions(), lines, engine_cmd=silent)
     cluster.start_engines_sync()
     launcher = next(iter(cluster.engines.values()))
-    client = cluster.connect_client_sync()
-    try:
-        with pytest.raises(SlurmError, match=f"job {launcher.job_id} RUNNING for 3 s but only 0 of 2 engines"):
-            wait_for_engines(client, launcher, 2, timeout=3)
-    finally:
-        client.close()
+    _engines_fail(cluster, launcher, 3, f"job {launcher.job_id} RUNNING for 3 s but only 0 of 2 engines")
     cluster.stop_engines_sync()
     assert lines[-1] == f"job {launcher.job_id} CANCELLED"
-    assert _active_jobs(slurm) == ""
-    deadline = time.monotonic() + 15
-    while _job_processes(launcher.job_id) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _job_processes(launcher.job_id) == []
+    assert slurm.active_jobs() == ""
+    assert job_processes_after(launcher.job_id) == []
 
 
 INSIDE = """
@@ -262,7 +230,7 @@ finally:
 
 @pytest.mark.parametrize("kernel_in", [["salloc", "-n", "2"], ["salloc", "-n", "2", "srun", "-n", "1"]],
                          ids=["allocation", "job-step"])
-def test_inside_an_allocation_engines_are_a_job_step(slurm: SlurmCluster, tmp_path: Path,  # noqa: F811
+def test_inside_an_allocation_engines_are_a_job_step(slurm: SlurmCluster, tmp_path: Path,
                                                      kernel_in: list[str]) -> None:
     """The kernel under salloc (engines: step 0), or itself in a step as `srun --pty jupyter` would be (engines:
     step 1, which needs --overlap: without it the nested srun waits for CPUs its own step holds)."""
@@ -276,8 +244,8 @@ def test_inside_an_allocation_engines_are_a_job_step(slurm: SlurmCluster, tmp_pa
     assert result["ids"] == [0, 1]
     step = "1" if "srun" in kernel_in else "0"
     assert [tuple(i) for i in result["infos"]] == [(0, 0, result["job"], step), (1, 1, result["job"], step)]
-    assert _active_jobs(slurm) == ""
-    assert _job_processes(result["job"]) == []
+    assert slurm.active_jobs() == ""
+    assert job_processes(result["job"]) == []
 
 
 def test_launcher_choice_follows_the_allocation() -> None:

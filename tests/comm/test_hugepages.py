@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from ..hugepages import NEEDS_ROOT, NR_HUGEPAGES, hugepages_restored, hugetlbfs_dir, mount_hugetlbfs, reserve_hugepages
 from .test_comm import run_mpi
 
-NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to reserve huge pages and mount hugetlbfs")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
 
 SCRIPT = """\
 import torch, taco_notebook.comm as taco
@@ -30,21 +27,11 @@ print(f"LOCATION {taco.rank()} {algorithms.hierarchy().segment.location}", flush
 @pytest.fixture
 def hugetlbfs() -> Iterator[str]:
     """64 huge pages and a hugetlbfs mount, both restored afterwards."""
-    before = NR_HUGEPAGES.read_text().strip()
-    mount = tempfile.mkdtemp(prefix="taco-huge-")
-    try:
-        NR_HUGEPAGES.write_text("64\n")
-        if int(NR_HUGEPAGES.read_text()) < 8:
+    with hugepages_restored(), hugetlbfs_dir("taco-huge-") as mount:
+        if reserve_hugepages(64) < 8:
             pytest.skip("the kernel granted too few huge pages")
-        result = subprocess.run(["mount", "-t", "hugetlbfs", "none", mount], capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount hugetlbfs: {result.stderr.strip()}")
+        mount_hugetlbfs(mount)
         yield mount
-    finally:
-        subprocess.run(["umount", mount], capture_output=True)
-        os.rmdir(mount)
-        NR_HUGEPAGES.write_text(before + "\n")
-        assert NR_HUGEPAGES.read_text().strip() == before
 
 
 def test_segment_uses_huge_pages_and_leaves_nothing(mpiexec, hugetlbfs, tmp_path):

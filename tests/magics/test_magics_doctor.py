@@ -15,10 +15,11 @@ from IPython.core.error import UsageError
 
 from taco_notebook.cluster.session import clusters
 
+from ..hugepages import NEEDS_ROOT, NR_HUGEPAGES, POOL_2M, hugepages_restored, reserve_hugepages
+
 pytestmark = pytest.mark.cluster
 
 MANIFEST = "manifest --k8s -np 16 --gpus-per-node 8 --controller-address 10.0.0.5 --controller-port 45123"
-POOL_2M = "/sys/kernel/mm/hugepages/hugepages-2048kB"
 
 
 def meminfo() -> dict[str, int]:
@@ -177,14 +178,12 @@ def test_require_hugepages_without_pages_stops_the_cluster_and_names_the_node(ip
     assert "hp" not in clusters  # and conftest fails the test if any of its processes is left
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="reserving huge pages (vm.nr_hugepages) needs root")
+@pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
 def test_require_hugepages_passes_with_2mb_pages_reserved(ip, capsys):
     # 16 pages (32 MB) beyond what is reserved now, 2 required: other jobs on this machine (an MPICH job's
     # shared memory) may take a few of the free ones while the cluster starts
-    before = sys_int("/proc/sys/vm/nr_hugepages")
-    try:
-        with open("/proc/sys/vm/nr_hugepages", "w") as f:
-            f.write(str(before + 16))
+    with hugepages_restored() as before:
+        reserve_hugepages(before + 16)
         if meminfo()["HugePages_Free"] < 4:
             pytest.skip(f"the kernel reserved only {meminfo()['HugePages_Free']} free 2 MB pages (memory too "
                         "fragmented, or taken by another job)")
@@ -195,10 +194,7 @@ def test_require_hugepages_passes_with_2mb_pages_reserved(ip, capsys):
             report = ip.run_line_magic("taco_doctor", "--cluster hp --json --require-hugepages 2")
             pool = report["nodes"][0]["facts"]["hugepages"]["pools"]["2048"]
             assert pool["total"] == sys_int(f"{POOL_2M}/nr_hugepages") and pool["free"] >= 2
-    finally:
-        with open("/proc/sys/vm/nr_hugepages", "w") as f:
-            f.write(str(before))
-    assert sys_int("/proc/sys/vm/nr_hugepages") == before
+    assert sys_int(str(NR_HUGEPAGES)) == before
 
 
 # ---------------------------------------------------------------- in a notebook's kernel
