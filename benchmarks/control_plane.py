@@ -40,12 +40,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from taco_notebook.errors import ClusterStartError
+
 __all__ = ["fit_line", "main", "measure_cluster"]
 
 EMPTY = "pass"
 ALLREDUCE = ("_t = torch.ones(262144)\ntaco.allreduce(_t)\n"
              "assert _t[0].item() == taco.size(), f'allreduce gave {_t[0].item()}'")
 SPLIT_KEYS = ("client", "controller_out", "engine", "controller_back")
+PUBLISH = ("from taco_notebook.cluster import engine as _e\n_e.begin_cell(True)\n"
+           "for _ in range(20):\n    taco.metrics.step(samples=1)\n"
+           "for _ in range({n}):\n    taco.metrics.send()\n"
+           "import pickle as _p\n_payload_bytes = len(_p.dumps(taco.metrics.snapshot()))")
 VARIANTS = ("direct execute", "broadcast execute", "direct apply", "broadcast apply, coalescing")
 
 
@@ -180,6 +186,29 @@ def run_cells(cluster: Any, repeats: int) -> dict[str, Any]:
             "dispatch_p90_ms": {name: p90_ms(s) for name, s in dispatch.items()}}
 
 
+def publish_cost(cluster: Any, sends: int = 50) -> dict[str, float]:
+    """The notebook process's CPU per dashboard payload received: every rank sends ``sends`` metric payloads
+    (ipyparallel datapub, as a ``%%taco_run`` cell does every ``engine.SEND_S``); an empty cell's CPU is taken
+    off. ``wait_for_output`` returns after the engines' idle status, which follows their payloads on iopub."""
+    view, samples = cluster.client[:], []
+    for _ in range(3):
+        cpu = time.process_time()
+        view.execute(EMPTY, silent=False, block=True).wait_for_output()
+        base = time.process_time() - cpu
+        cpu = time.process_time()
+        ar = view.execute(PUBLISH.format(n=sends), silent=False, block=True)
+        ar.wait_for_output()
+        samples.append((time.process_time() - cpu - base) / (sends * cluster.size))
+        steps = {md["data"]["taco"]["metrics"]["steps"] for md in ar.metadata}
+        if steps != {20}:
+            raise RuntimeError(f"the payloads did not all arrive: steps seen {steps}")
+    from taco_notebook.cluster import engine
+
+    view.apply_sync(engine.begin_cell, False)  # no sender left behind (the next cell's begin_cell says the same)
+    return {"publish_client_cpu_us": statistics.median(samples) * 1e6,
+            "payload_bytes": cluster.client[0].pull("_payload_bytes", block=True)}
+
+
 def registry_cost(cluster: Any, directory: Path) -> dict[str, float]:
     from taco_notebook.cluster.registry_files import entry_path
     from taco_notebook.cluster.registry_writer import write_entry
@@ -193,19 +222,21 @@ def registry_cost(cluster: Any, directory: Path) -> dict[str, float]:
             "registry_entry_bytes": entry_path(directory, cluster.cluster_id).stat().st_size}
 
 
-def measure_cluster(size: int, repeats: int, registry: Path) -> dict[str, Any]:
+def measure_cluster(size: int, repeats: int, registry: Path, start_timeout: float) -> dict[str, Any]:
     """Start an N-rank cluster, measure everything above, stop it (also on failure)."""
     from taco_notebook.cluster.registry_writer import track
     from taco_notebook.cluster.session import TacoCluster
 
     load_before = os.getloadavg()[0]
-    cluster = track(TacoCluster(f"cp{size}-{os.getpid()}", size), registry)
+    cluster = track(TacoCluster(f"cp{size}-{os.getpid()}", size, start_timeout=start_timeout),
+                    registry)
     try:
         began_wall, began = time.time(), time.perf_counter()
         cluster.start()
         row: dict[str, Any] = {"ranks": size, "start_s": time.perf_counter() - began,
                                "launch_s": launch_share(cluster, began_wall)}
         row.update(run_cells(cluster, repeats))
+        row.update(publish_cost(cluster))
         row.update(memory(cluster))
         row.update(registry_cost(cluster, registry))
     finally:
@@ -241,12 +272,14 @@ def fits(rows: list[dict[str, Any]], at: int) -> list[dict[str, Any]]:
 def tables(rows: list[dict[str, Any]], fitted: list[dict[str, Any]], repeats: int) -> str:
     out = [f"Per N: start once; cells median (p90) of {repeats}; load = 1-min load average before/after.", "",
            "| ranks | start s | of it launch s | empty cell ms | client CPU ms/cell | 1 MB allreduce cell ms "
+           "| client CPU µs per dashboard payload (bytes) "
            "| engine RSS MiB (sum / each) | engine PSS sum MiB | controller RSS MiB | registry write ms (bytes) "
-           "| load |", "|" + "---|" * 11]
+           "| load |", "|" + "---|" * 12]
     for r in rows:
         out.append(f"| {r['ranks']} | {r['start_s']:.1f} | {r['launch_s']:.1f} | {r['empty_ms']:.1f} "
                    f"({r['empty_p90_ms']:.1f}) | {r['empty_cpu_ms']:.1f} | {r['allreduce_ms']:.1f} "
-                   f"({r['allreduce_p90_ms']:.1f}) | {r['engine_rss_sum_mib']:.0f} / "
+                   f"({r['allreduce_p90_ms']:.1f}) | {r['publish_client_cpu_us']:.0f} ({r['payload_bytes']}) | "
+                   f"{r['engine_rss_sum_mib']:.0f} / "
                    f"{r['engine_rss_sum_mib'] / r['ranks']:.0f} | {r['engine_pss_sum_mib']:.0f} | "
                    f"{r['controller_rss_mib']:.0f} | {r['registry_write_ms']:.2f} ({r['registry_entry_bytes']}) "
                    f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
@@ -274,7 +307,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4,8,16", help="comma-separated cluster sizes (default 2,4,8,16)")
     parser.add_argument("--repeats", type=int, default=15, help="timed cells per variant and size (≥ 2)")
     parser.add_argument("--extrapolate", type=int, default=1000, help="N the line fits are evaluated at")
-    parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    parser.add_argument("--start-timeout", type=float, default=600.0,
+                        help="seconds N engines get to register (many ranks on few, loaded cores are slow)")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file (after each N)")
     args = parser.parse_args()
     try:
         sizes = [int(n) for n in args.ranks.split(",")]
@@ -282,18 +317,35 @@ def main() -> None:
         parser.error(f"--ranks wants comma-separated integers like 2,4,8,16, got {args.ranks!r}")
     if any(n <= 0 for n in sizes) or args.repeats < 2:
         parser.error("--ranks must be positive and --repeats at least 2")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="taco-cp-registry-") as registry:
         os.chmod(registry, 0o700)
         for size in sizes:
-            rows.append(measure_cluster(size, args.repeats, Path(registry)))
+            try:
+                rows.append(measure_cluster(size, args.repeats, Path(registry), args.start_timeout))
+            except ClusterStartError as exc:  # say so, keep what the other sizes measured
+                failed.append({"ranks": size, "error": str(exc).splitlines()[0]})
+                print(f"[{size} ranks: {failed[-1]['error']}]", flush=True)
+                continue
             print(f"[{size} ranks measured: start {rows[-1]['start_s']:.1f} s]", flush=True)
+            if args.json:
+                write_json(Path(args.json), rows, failed, args)
+    if not rows:
+        raise SystemExit("no cluster size could be measured")
     fitted = fits(rows, args.extrapolate)
     print(f"control plane, {os.cpu_count()} cores, {datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(tables(rows, fitted, args.repeats))
+    for failure in failed:
+        print(f"not measured: {failure['ranks']} ranks ({failure['error']})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cores": os.cpu_count(), "repeats": args.repeats, "rows": rows,
-                                               "fits": fitted, "taken": time.time()}, indent=1))
+        write_json(Path(args.json), rows, failed, args, fitted)
+
+
+def write_json(path: Path, rows: list[dict[str, Any]], failed: list[dict[str, Any]], args: argparse.Namespace,
+               fitted: list[dict[str, Any]] | None = None) -> None:
+    path.write_text(json.dumps({"cores": os.cpu_count(), "repeats": args.repeats, "rows": rows, "failed": failed,
+                                "fits": fitted, "taken": time.time()}, indent=1))
 
 
 if __name__ == "__main__":
