@@ -209,6 +209,37 @@ def publish_cost(cluster: Any, sends: int = 50) -> dict[str, float]:
             "payload_bytes": cluster.client[0].pull("_payload_bytes", block=True)}
 
 
+def cpu_seconds(processes: list[Any]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except Exception:  # psutil.Error: a scheduler that exited counts nothing
+            pass
+    return total
+
+
+def cpu_per_cell(cluster: Any, repeats: int) -> dict[str, float]:
+    """CPU time (not wall time: no other process's load in it) one empty ``run_cell`` costs the notebook
+    process, the controller's process tree (hub, schedulers) and all engines together, over ``repeats`` cells."""
+    import psutil
+
+    from taco_notebook.cluster.run import CellOptions, run_cell
+
+    controller = psutil.Process(cluster.ipp_cluster.controller.process.pid)
+    parts = {"controller": [controller, *controller.children(recursive=True)],
+             "engines": [psutil.Process(r.pid) for r in cluster.ranks]}
+    before = {name: cpu_seconds(procs) for name, procs in parts.items()}
+    client_before = time.process_time()
+    for _ in range(repeats):
+        run_cell(cluster, EMPTY, CellOptions(), QuietSink())
+    spent = {name: cpu_seconds(procs) - before[name] for name, procs in parts.items()}
+    return {"cpu_client_ms": (time.process_time() - client_before) / repeats * 1e3,
+            "cpu_controller_ms": spent["controller"] / repeats * 1e3,
+            "cpu_engines_ms": spent["engines"] / repeats * 1e3}
+
+
 def registry_cost(cluster: Any, directory: Path) -> dict[str, float]:
     from taco_notebook.cluster.registry_files import entry_path
     from taco_notebook.cluster.registry_writer import write_entry
@@ -236,6 +267,7 @@ def measure_cluster(size: int, repeats: int, registry: Path, start_timeout: floa
         row: dict[str, Any] = {"ranks": size, "start_s": time.perf_counter() - began,
                                "launch_s": launch_share(cluster, began_wall)}
         row.update(run_cells(cluster, repeats))
+        row.update(cpu_per_cell(cluster, repeats))
         row.update(publish_cost(cluster))
         row.update(memory(cluster))
         row.update(registry_cost(cluster, registry))
@@ -261,6 +293,10 @@ def fits(rows: list[dict[str, Any]], at: int) -> list[dict[str, Any]]:
                              ("empty execute, direct", ("dispatch_ms", "direct execute"), "ms"),
                              ("empty apply, broadcast coalescing", ("dispatch_ms", "broadcast apply, coalescing"),
                               "ms"),
+                             ("notebook CPU per empty cell", "cpu_client_ms", "ms"),
+                             ("controller CPU per empty cell", "cpu_controller_ms", "ms"),
+                             ("engines' CPU per empty cell (sum)", "cpu_engines_ms", "ms"),
+                             ("notebook CPU per dashboard payload", "publish_client_cpu_us", "µs"),
                              ("engine RSS sum", "engine_rss_sum_mib", "MiB"),
                              ("engine PSS sum", "engine_pss_sum_mib", "MiB")]:
         ys = [r[key[0]][key[1]] if isinstance(key, tuple) else r[key] for r in rows]
@@ -284,12 +320,13 @@ def tables(rows: list[dict[str, Any]], fitted: list[dict[str, Any]], repeats: in
                    f"{r['controller_rss_mib']:.0f} | {r['registry_write_ms']:.2f} ({r['registry_entry_bytes']}) "
                    f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
     out += ["", "Empty `execute` on the direct view, critical path (the last engine to reply), median ms:", "",
-            "| ranks | total | client | controller out | engine | controller back | fan-out (first→last start) |",
-            "|" + "---|" * 7]
+            "| ranks | total | client | controller out | engine | controller back | fan-out (first→last start) "
+            "| CPU ms per `run_cell`: notebook / controller / all engines |", "|" + "---|" * 8]
     for r in rows:
         s = r["split_ms"]
         out.append(f"| {r['ranks']} | {s['total']:.1f} | {s['client']:.1f} | {s['controller_out']:.1f} | "
-                   f"{s['engine']:.2f} | {s['controller_back']:.1f} | {s['fanout']:.1f} |")
+                   f"{s['engine']:.2f} | {s['controller_back']:.1f} | {s['fanout']:.1f} | {r['cpu_client_ms']:.1f} / "
+                   f"{r['cpu_controller_ms']:.1f} / {r['cpu_engines_ms']:.1f} |")
     out += ["", "Dispatch of an empty request, median (p90) ms:", "",
             "| ranks | " + " | ".join(VARIANTS) + " |", "|" + "---|" * (len(VARIANTS) + 1)]
     for r in rows:
