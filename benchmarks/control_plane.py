@@ -64,17 +64,12 @@ class QuietSink:
     def stream(self, rank: int, name: str, text: str) -> None:
         self.text.append(text)
 
-    def display(self, rank: int, content: dict[str, Any]) -> None:
-        pass
-
-    def notice(self, text: str) -> None:
-        pass
-
     def warn(self, text: str) -> None:
         self.text.append(text)
 
-    def flush(self) -> None:
-        pass
+    def display(self, rank: int, content: dict[str, Any]) -> None: ...
+    def notice(self, text: str) -> None: ...
+    def flush(self) -> None: ...
 
 
 def median_ms(samples: list[float]) -> float:
@@ -220,6 +215,17 @@ def cpu_seconds(processes: list[Any]) -> float:
     return total
 
 
+def start_cpu(cluster: Any) -> dict[str, float]:
+    """CPU seconds the start cost each engine (interpreter, ipyparallel, torch, registration, process group) and
+    the controller's tree: what N ranks on C cores divide among themselves, whatever else the machine runs."""
+    import psutil
+
+    controller = psutil.Process(cluster.ipp_cluster.controller.process.pid)
+    engines = [psutil.Process(r.pid) for r in cluster.ranks]
+    return {"start_cpu_per_engine_s": cpu_seconds(engines) / len(engines),
+            "start_cpu_controller_s": cpu_seconds([controller, *controller.children(recursive=True)])}
+
+
 def cpu_per_cell(cluster: Any, repeats: int) -> dict[str, float]:
     """CPU time (not wall time: no other process's load in it) one empty ``run_cell`` costs the notebook
     process, the controller's process tree (hub, schedulers) and all engines together, over ``repeats`` cells."""
@@ -266,6 +272,7 @@ def measure_cluster(size: int, repeats: int, registry: Path, start_timeout: floa
         cluster.start()
         row: dict[str, Any] = {"ranks": size, "start_s": time.perf_counter() - began,
                                "launch_s": launch_share(cluster, began_wall)}
+        row.update(start_cpu(cluster))
         row.update(run_cells(cluster, repeats))
         row.update(cpu_per_cell(cluster, repeats))
         row.update(publish_cost(cluster))
@@ -293,6 +300,7 @@ def fits(rows: list[dict[str, Any]], at: int) -> list[dict[str, Any]]:
                              ("empty execute, direct", ("dispatch_ms", "direct execute"), "ms"),
                              ("empty apply, broadcast coalescing", ("dispatch_ms", "broadcast apply, coalescing"),
                               "ms"),
+                             ("controller CPU at start", "start_cpu_controller_s", "s"),
                              ("notebook CPU per empty cell", "cpu_client_ms", "ms"),
                              ("controller CPU per empty cell", "cpu_controller_ms", "ms"),
                              ("engines' CPU per empty cell (sum)", "cpu_engines_ms", "ms"),
@@ -307,13 +315,14 @@ def fits(rows: list[dict[str, Any]], at: int) -> list[dict[str, Any]]:
 
 def tables(rows: list[dict[str, Any]], fitted: list[dict[str, Any]], repeats: int) -> str:
     out = [f"Per N: start once; cells median (p90) of {repeats}; load = 1-min load average before/after.", "",
-           "| ranks | start s | of it launch s | empty cell ms | client CPU ms/cell | 1 MB allreduce cell ms "
-           "| client CPU µs per dashboard payload (bytes) "
+           "| ranks | start s | of it launch s | start CPU s per engine / controller | empty cell ms "
+           "| 1 MB allreduce cell ms | client CPU µs per dashboard payload (bytes) "
            "| engine RSS MiB (sum / each) | engine PSS sum MiB | controller RSS MiB | registry write ms (bytes) "
            "| load |", "|" + "---|" * 12]
     for r in rows:
-        out.append(f"| {r['ranks']} | {r['start_s']:.1f} | {r['launch_s']:.1f} | {r['empty_ms']:.1f} "
-                   f"({r['empty_p90_ms']:.1f}) | {r['empty_cpu_ms']:.1f} | {r['allreduce_ms']:.1f} "
+        out.append(f"| {r['ranks']} | {r['start_s']:.1f} | {r['launch_s']:.1f} | "
+                   f"{r['start_cpu_per_engine_s']:.1f} / {r['start_cpu_controller_s']:.1f} | {r['empty_ms']:.1f} "
+                   f"({r['empty_p90_ms']:.1f}) | {r['allreduce_ms']:.1f} "
                    f"({r['allreduce_p90_ms']:.1f}) | {r['publish_client_cpu_us']:.0f} ({r['payload_bytes']}) | "
                    f"{r['engine_rss_sum_mib']:.0f} / "
                    f"{r['engine_rss_sum_mib'] / r['ranks']:.0f} | {r['engine_pss_sum_mib']:.0f} | "
@@ -362,8 +371,8 @@ def main() -> None:
             try:
                 rows.append(measure_cluster(size, args.repeats, Path(registry), args.start_timeout))
             except ClusterStartError as exc:  # say so, keep what the other sizes measured
-                failed.append({"ranks": size, "error": str(exc).splitlines()[0]})
-                print(f"[{size} ranks: {failed[-1]['error']}]", flush=True)
+                failed.append({"ranks": size, "error": str(exc)})  # with the engines' log tail
+                print(f"[{size} ranks: {exc}]", flush=True)
                 continue
             print(f"[{size} ranks measured: start {rows[-1]['start_s']:.1f} s]", flush=True)
             if args.json:
@@ -374,7 +383,7 @@ def main() -> None:
     print(f"control plane, {os.cpu_count()} cores, {datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(tables(rows, fitted, args.repeats))
     for failure in failed:
-        print(f"not measured: {failure['ranks']} ranks ({failure['error']})")
+        print(f"not measured: {failure['ranks']} ranks ({failure['error'].splitlines()[0]})")
     if args.json:
         write_json(Path(args.json), rows, failed, args, fitted)
 

@@ -44,7 +44,7 @@ def test_control_plane_benchmark_measures_a_real_cluster(tmp_path):
         capture_output=True, text=True, timeout=110, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    for header in ("| ranks | start s | of it launch s | empty cell ms |",
+    for header in ("| ranks | start s | of it launch s | start CPU s per engine / controller | empty cell ms |",
                    "| ranks | total | client | controller out | engine | controller back |",
                    "| ranks | direct execute | broadcast execute | direct apply | broadcast apply, coalescing |",
                    "| what | a | b per rank | at N |"):
@@ -57,7 +57,7 @@ def test_control_plane_benchmark_measures_a_real_cluster(tmp_path):
                row["registry_entry_bytes"], *row["engine_rss_mib"], *row["dispatch_ms"].values(),
                *(row["split_ms"][k] for k in ("total", "controller_out", "engine", "controller_back")),
                row["cpu_client_ms"], row["cpu_controller_ms"], row["cpu_engines_ms"], row["publish_client_cpu_us"],
-               row["payload_bytes"]]
+               row["payload_bytes"], row["start_cpu_per_engine_s"], row["start_cpu_controller_s"]]
     assert all(f > 0 for f in figures), row
     assert row["launch_s"] < row["start_s"] and row["split_ms"]["engine"] < row["split_ms"]["total"], row
     # the first table shows the same figures the JSON holds
