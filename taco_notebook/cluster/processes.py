@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .session import RankInfo
 
-__all__ = ["shared_memory_files", "alive", "descendants", "process_tree", "stop_at_exit", "kill",
-           "CLUSTER_ID_ENV", "proven_process", "proven_processes", "marked_processes"]
+__all__ = ["shared_memory_files", "mapped_shared_memory", "alive", "descendants", "process_tree", "stop_at_exit",
+           "kill", "CLUSTER_ID_ENV", "proven_process", "proven_processes", "marked_processes"]
 
 CLUSTER_ID_ENV = "TACO_CLUSTER_ID"  # in the environment of the controller, mpiexec and every rank of a cluster
 
@@ -27,11 +27,23 @@ def shared_memory_files(ranks: list[RankInfo]) -> set[str]:
     """The /dev/shm files this machine's ranks have mapped (MPI's intra-node segments)."""
     import psutil
 
-    found: set[str] = set()
+    processes = []
     for rank in ranks:
         try:
-            maps = psutil.Process(rank.pid).memory_maps(grouped=True)
+            processes.append(psutil.Process(rank.pid))
         except Exception:  # another host's rank, or already gone
+            continue
+    return mapped_shared_memory(processes)
+
+
+def mapped_shared_memory(processes: Iterable[Any]) -> set[str]:
+    """The /dev/shm files these processes (psutil.Process) have mapped: a failed start knows no ranks yet, but
+    its process tree still maps the segments MPI made."""
+    found: set[str] = set()
+    for process in processes:
+        try:
+            maps = process.memory_maps(grouped=True)
+        except Exception:  # gone, or a zombie
             continue
         found.update(m.path for m in maps if m.path.startswith("/dev/shm/"))
     return found

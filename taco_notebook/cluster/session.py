@@ -302,12 +302,10 @@ class TacoCluster:
     def _stop_processes(self, fast: bool = False) -> None:
         cluster, client = self.ipp_cluster, self.client
         self.ipp_cluster = self.client = None
-        if cluster is not None:  # segments MPI made after start too: the ranks still map them now
-            self.shared_memory |= shared_memory_files(self.ranks)
         self.ranks = []
         if cluster is None:
             return
-        tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory
+        tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory  # teardown adds the mapped
         self.processes, self.shared_memory = [], set()
         stop_processes(cluster, client, tree, shared_memory, fast)
         kill(marked_processes(self.cluster_id or ""))  # orphans the tree missed (a controller stopped mid-fork)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .processes import alive, kill, stop_at_exit
+from .processes import alive, kill, mapped_shared_memory, stop_at_exit
 
 __all__ = ["stop_processes", "unlink_shared_memory"]
 
@@ -40,8 +40,10 @@ def _shutdown_engines(client: Any, cluster: Any, grace: float = 3.0) -> None:
 def stop_processes(cluster: Any, client: Any, tree: list[Any], shared_memory: set[str], fast: bool) -> None:
     """Stop ipyparallel ``cluster`` (and ``client``), then kill what of ``tree`` is left and unlink the segments.
 
-    ``fast`` (at interpreter exit) terminates the processes at once instead of asking them to exit.
+    ``fast`` (at interpreter exit) terminates the processes at once instead of asking them to exit. The
+    segments the tree maps now are unlinked too: those MPI made after start, and a failed start's (no ranks).
     """
+    shared_memory = set(shared_memory) | mapped_shared_memory(tree)
     try:
         if fast:
             unlink_shared_memory(shared_memory)  # first: the ranks keep their mappings, the names go now
