@@ -106,6 +106,18 @@ def keeps_the_sigint_handler(request) -> Iterator[None]:
         pytest.fail(f"{request.node.nodeid} left the SIGINT handler changed: {after!r} instead of {before!r}")
 
 
+@pytest.fixture
+def sigint_as_in_a_kernel() -> Iterator[None]:
+    """Python's own SIGINT handler for the test, as ipykernel installs it while it executes a cell: a pytest
+    started in the background by a shell without job control inherits SIGINT ignored, and a Ctrl-C test would
+    then never see its interrupt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes(request) -> Iterator[None]:
     """After each test: stop clusters the test left behind, then fail on any surviving process or any

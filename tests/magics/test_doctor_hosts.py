@@ -83,7 +83,7 @@ class _InterruptWhenReading(RankOutput):
 
 
 @pytest.mark.timeout(300, method="signal")
-def test_ctrl_c_while_reading_stops_the_temporary_cluster(capsys) -> None:
+def test_ctrl_c_while_reading_stops_the_temporary_cluster(capsys, sigint_as_in_a_kernel) -> None:
     from taco_notebook.cluster.profiles import profile_for
     from taco_notebook.magics.doctor_nodes import examine_nodes
 

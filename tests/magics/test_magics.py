@@ -144,17 +144,11 @@ def test_failed_rank_releases_peers_blocked_in_a_collective(ip, shared_cluster):
 def seconds_to_return_after_ctrl_c(ip, line: str, cell: str, after: float = 2.0) -> float:
     """Run the cell, press Ctrl-C (a real SIGINT) ``after`` seconds in, expect KeyboardInterrupt; returns how
     long the magic took to give the notebook back after the interrupt."""
-    # ipykernel installs Python's own handler while it executes a cell; do the same, since a pytest started in
-    # the background by a shell without job control inherits SIGINT ignored (and then never sees the Ctrl-C)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        timer = interrupt_after(after)
-        began = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            ip.run_cell_magic("taco_run", line, cell)
-        timer.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    timer = interrupt_after(after)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("taco_run", line, cell)
+    timer.join()
     return time.monotonic() - began - after
 
 
@@ -163,14 +157,14 @@ def seconds_to_return_after_ctrl_c(ip, line: str, cell: str, after: float = 2.0)
     # rank 0 never joins: the others wait in a collective when the interrupt comes
     "import time\nif taco.rank() == 0:\n    time.sleep(60)\nx = torch.ones(2)\ntaco.allreduce(x)",
 ], ids=["every-rank-in-python", "peers-waiting-in-a-collective"])
-def test_ctrl_c_interrupts_every_rank_and_keeps_the_cluster(ip, shared_cluster, cell):
+def test_ctrl_c_interrupts_every_rank_and_keeps_the_cluster(ip, shared_cluster, cell, sigint_as_in_a_kernel):
     pids = engine_pids()
     assert seconds_to_return_after_ctrl_c(ip, "", cell) < 5.0
     assert engine_pids() == pids
     assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
 
 
-def test_ctrl_c_on_ranks_that_ignore_sigint_kills_and_restarts(ip, capsys):
+def test_ctrl_c_on_ranks_that_ignore_sigint_kills_and_restarts(ip, capsys, sigint_as_in_a_kernel):
     ip.run_cell_magic("taco_run", "-np 2 --cluster stubborn", "pass")
     old = engine_pids("stubborn")
     cell = "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\ntime.sleep(120)"
