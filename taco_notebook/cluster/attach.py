@@ -9,6 +9,7 @@ lifecycle: stopping it from the kernel only disconnects; stop and scale it from 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ClusterStartError
@@ -17,14 +18,24 @@ from .session import PROFILE, TacoCluster
 __all__ = ["AttachedCluster", "find_shared", "attach"]
 
 
-def find_shared(name: str) -> Any:
-    """The registry's running cluster ``name`` owned by a Jupyter server, or None."""
+def find_shared(name: str, wait: float = 0.0, on_wait: Callable[[], None] | None = None) -> Any:
+    """The registry's running cluster ``name`` owned by a Jupyter server, or None.
+
+    While such a cluster is still ``starting`` (the sidebar's Start was just pressed, or its entry is being
+    written), wait up to ``wait`` seconds for it to run, calling ``on_wait`` once, rather than let the caller
+    start a second cluster of the same name."""
     from .registry_files import read_models, registry_dir
 
-    for model in read_models(registry_dir()):
-        if model["name"] == name and model["owner"]["kind"] == "server" and model["state"] == "running":
-            return model
-    return None
+    deadline, told = time.monotonic() + wait, False
+    while True:
+        found = [m for m in read_models(registry_dir()) if m["name"] == name and m["owner"]["kind"] == "server"]
+        running = next((m for m in found if m["state"] == "running"), None)
+        if running is not None or not any(m["state"] == "starting" for m in found) or time.monotonic() > deadline:
+            return running
+        if on_wait is not None and not told:
+            on_wait()
+            told = True
+        time.sleep(0.2)
 
 
 class AttachedCluster(TacoCluster):

@@ -27,6 +27,7 @@ __all__ = ["LOST", "chosen_profile", "slurm_options", "profile_change", "check_r
            "start_cluster", "ensure_cluster", "restart_reason", "check_hugepages",
            "format_status", "shared_size"]
 
+START_WAIT_S = 150.0  # how long a cell waits for a cluster the sidebar is starting (its start timeout is 120 s)
 LOST = "the engines' variables are lost"  # said whenever a cluster is restarted under the user's feet
 
 
@@ -181,7 +182,8 @@ def attach_shared(name: str, size: int | None, say: RankOutput) -> TacoCluster |
     """The cluster ``name`` started from the sidebar (owned by the Jupyter server), if there is one."""
     from ..cluster.attach import attach, find_shared
 
-    model = find_shared(name)
+    model = find_shared(name, wait=START_WAIT_S,
+                        on_wait=lambda: say.notice(f"waiting for cluster {name!r}, which the sidebar is starting…"))
     if model is None:
         return None
     if size is not None and size != model["size"]:
@@ -228,10 +230,12 @@ def format_status(cluster: TacoCluster) -> str:
     return "\n".join(lines)
 
 
-def shared_size(name: str) -> int | None:
+def shared_size(name: str, say: RankOutput | None = None) -> int | None:
+    """The size of the sidebar's cluster ``name`` (waiting while the sidebar starts it), or None."""
     from ..cluster.attach import find_shared
 
-    model = find_shared(name)
+    model = find_shared(name, wait=START_WAIT_S, on_wait=None if say is None else lambda: say.notice(
+        f"waiting for cluster {name!r}, which the sidebar is starting…"))
     return model["size"] if model is not None else None
 
 

@@ -87,9 +87,9 @@ class TacoMagics(Magics, TacoSettings):
             intra_size = self.chosen("intra_size", args.intra_size, "--intra-size")
         settings = comm_settings(self, args)
         running = clusters.get(args.cluster)
-        planned = size or (running.size if running is not None else shared_size(args.cluster) or self._new_size())
-        targets = parse_targets(args.targets, planned)
         say = RankOutput(live=args.stream, quiet=args.quiet)
+        planned = size or (running.size if running is not None else shared_size(args.cluster, say) or self._new_size())
+        targets = parse_targets(args.targets, planned)
         if intra_size is not None and planned % intra_size:
             raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
         mode = self._dashboard_mode(args.dashboard)

@@ -45,3 +45,20 @@ def test_a_cell_attaches_to_the_servers_cluster_and_leaves_it_running(ip, capsys
     finally:
         clusters.pop("shared", None)
         manager.shutdown()
+
+
+def test_a_cell_waits_for_the_cluster_the_sidebar_is_starting(ip, capsys):
+    """Run at once after the sidebar's Start (its entry says ``starting``), the cell waits and attaches instead
+    of starting a second cluster of the same name."""
+    manager = ClusterManager()
+    try:
+        model = manager.start({"size": 2, "name": "starting"})
+        assert model["state"] == "starting"
+        value = ip.run_cell_magic("taco_run", "--cluster starting --gather", "taco.size()")
+        assert value == [2, 2] and isinstance(clusters["starting"], AttachedCluster)
+        assert "waiting for cluster 'starting', which the sidebar is starting…" in capsys.readouterr().out
+        assert sorted(r.pid for r in clusters["starting"].ranks) == \
+            sorted(r.pid for r in manager._clusters[model["id"]].ranks)  # the server's engines, no others
+    finally:
+        clusters.pop("starting", None)
+        manager.shutdown()
