@@ -25,7 +25,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..errors import MPINotFoundError
 from .hostfiles import ProfileError, parse_hosts, read_hostfile, read_mpijob_hosts
@@ -127,21 +127,25 @@ def hosts_profile(hosts: str | None = None, hostfile: str | None = None, launche
     if (hosts is None) == (hostfile is None):
         raise ProfileError("--profile hosts needs --hosts HOST:SLOTS,… or --hostfile FILE (one of them)")
     parsed = parse_hosts(hosts) if hosts is not None else read_hostfile(str(hostfile))
-    emulated = _emulated(parsed)
+    return _over_ssh("hosts", parsed, launcher_exec, controller_ip)
+
+
+def _over_ssh(name: str, hosts: tuple[tuple[str, int], ...], launcher_exec: str | None,
+              controller_ip: str | None) -> Profile:
+    """A profile whose ranks hydra starts over ssh on ``hosts`` (emulated nodes bring their ssh and address)."""
+    emulated = _emulated(hosts)
     if emulated is not None:
         launcher_exec = launcher_exec or emulated.launcher_exec
         controller_ip = controller_ip or emulated.controller_ip
-    controller_ip = _checked(controller_ip or route_address(parsed[0][0]))
+    controller_ip = _checked(controller_ip or route_address(hosts[0][0]))
     env = emulated.environment if emulated is not None else {}
-    return Profile("hosts", parsed, launcher_exec, controller_ip, env)
+    return Profile(name, hosts, launcher_exec, controller_ip, env)
 
 
 def mpijob_profile(launcher_exec: str | None = None, controller_ip: str | None = None,
                    environ: Mapping[str, str] | None = None) -> Profile:
     """The ``mpijob`` profile: the ``hosts`` profile over the hosts of the MPIJob's hostfile (:mod:`.hostfiles`)."""
-    hosts = read_mpijob_hosts(environ)
-    spec = ",".join(f"{host}:{slots}" for host, slots in hosts)
-    return replace(hosts_profile(spec, None, launcher_exec, controller_ip), name="mpijob")
+    return _over_ssh("mpijob", read_mpijob_hosts(environ), launcher_exec, controller_ip)
 
 
 def profile_for(name: str | None, hosts: str | None = None, hostfile: str | None = None,
