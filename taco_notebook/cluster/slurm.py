@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from ..errors import ClusterStartError
 
 __all__ = ["SlurmError", "SlurmOptions", "JobState", "in_allocation", "job_state", "require_command",
-           "run_slurm_command", "TERMINAL_STATES", "SRUN_ARGS", "check_time", "TIME_FORMATS"]
+           "run_slurm_command", "TERMINAL_STATES", "SRUN_ARGS", "check_time", "check_partition", "check_count",
+           "TIME_FORMATS"]
 
 JOB_ENV = "SLURM_JOB_ID"
 # mpich (the wheel, and most site MPICHs) takes its ranks from Slurm's PMI2 server; pmix is not built everywhere.
@@ -69,13 +70,11 @@ class SlurmOptions:
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name.replace('_', '-')} must be a whole number >= 0, got {value!r}")
+            check_count(getattr(self, name), name.replace("_", "-"))
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError(f"queue timeout must be a positive number of seconds, got {self.queue_timeout!r}")
-        if any(c.isspace() for c in self.partition):
-            raise ValueError(f"a Slurm partition takes no spaces, got {self.partition!r}")
+        if self.partition:
+            check_partition(self.partition)
         if self.time:
             check_time(self.time)
         if any("\n" in arg for arg in self.sbatch_args):
@@ -94,6 +93,25 @@ class SlurmOptions:
         if self.gpus_per_node:
             lines.append(f"#SBATCH --gres=gpu:{self.gpus_per_node}")
         return lines + [f"#SBATCH {arg}" for arg in self.sbatch_args]
+
+
+def check_partition(text: str, what: str = "--partition") -> str:
+    """``text`` stripped when it is a partition name (no spaces: it goes on an ``#SBATCH`` line), else a ValueError."""
+    name = str(text).strip()
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"{what} must be a Slurm partition name (no spaces), got {text!r}")
+    return name
+
+
+def check_count(value: object, what: str) -> int:
+    """``value`` (an int or its text) as a whole number >= 0 (0: Slurm's default, or none), else a ValueError."""
+    try:
+        number = -1 if isinstance(value, bool | float) else int(str(value).strip())
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"{what} must be a whole number >= 0 (0: none), got {value!r}")
+    return number
 
 
 def check_time(text: str, what: str = "--time") -> str:

@@ -54,6 +54,7 @@ from traitlets.config import Configurable
 
 from ..cluster.mpi import LAUNCHERS
 from ..cluster.profiles import PROFILES
+from ..cluster.slurm import check_count, check_partition, check_time
 from ..comm.placement import GPU_MODES
 
 __all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "KERNEL_ENV", "SLURM_SETTINGS", "check_setting",
@@ -109,29 +110,6 @@ def _hosts(value: Any, what: str) -> str:
     return str(value)
 
 
-def _slurm_time(value: Any, what: str) -> str:
-    from ..cluster.slurm import check_time
-
-    return check_time(str(value), what)
-
-
-def _partition(value: Any, what: str) -> str:
-    text = str(value).strip()
-    if not text or any(c.isspace() for c in text):
-        raise ValueError(f"{what} must be a Slurm partition name (no spaces), got {value!r}")
-    return text
-
-
-def _whole(value: Any, what: str) -> int:
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = -1
-    if isinstance(value, bool) or number < 0:
-        raise ValueError(f"{what} must be a whole number >= 0 (0: none), got {value!r}")
-    return number
-
-
 def _address(value: Any, what: str) -> str:
     import ipaddress
 
@@ -182,10 +160,10 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "hosts": _hosts,
     "hostfile": lambda value, what: str(value),
     "controller_ip": _address,
-    "partition": _partition,
-    "time": _slurm_time,
+    "partition": check_partition,
+    "time": check_time,
     "nodes": _positive("nodes", int),
-    "gpus_per_node": _whole,
+    "gpus_per_node": check_count,
     "queue_timeout": _positive("seconds"),
 }
 SLURM_SETTINGS = ("partition", "time", "nodes", "gpus_per_node", "queue_timeout")  # the slurm profile's job
