@@ -7,6 +7,7 @@ the session's shared cluster.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -104,6 +105,16 @@ def keeps_the_sigint_handler(request) -> Iterator[None]:
     if after is not before:
         signal.signal(signal.SIGINT, before)
         pytest.fail(f"{request.node.nodeid} left the SIGINT handler changed: {after!r} instead of {before!r}")
+
+
+def assert_trait_refused(ip, caplog, line: str, message: str, unchanged: tuple[str, ...]) -> None:
+    """``%config <line>`` with a bad value: IPython logs what the trait's check raised (``message`` in it) and
+    keeps the old value, so every trait named in ``unchanged`` is still unset (None)."""
+    with caplog.at_level(logging.ERROR):
+        ip.run_line_magic("config", line)
+    assert message in caplog.text
+    magics = ip.magics_manager.registry["TacoMagics"]
+    assert {name: getattr(magics, name) for name in unchanged} == dict.fromkeys(unchanged)
 
 
 @pytest.fixture

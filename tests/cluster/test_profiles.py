@@ -8,7 +8,6 @@ openssh-server and skip with the reason otherwise. The state lives under $HOME (
 
 from __future__ import annotations
 
-import logging
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +31,7 @@ from taco_notebook.cluster.profiles import (
 )
 from taco_notebook.cluster.session import TacoCluster, clusters
 
-from ..conftest import session_processes
+from ..conftest import assert_trait_refused, session_processes
 from ..slurm import job_processes_after
 from .test_emulate_cli import SSH_SKIP
 from .test_emulated import MPIEXEC
@@ -107,11 +106,7 @@ def _unset_traits(ip) -> None:
 ])
 def test_a_bad_trait_is_refused_naming_it(ip, caplog, line: str, message: str) -> None:
     try:
-        with caplog.at_level(logging.ERROR):
-            ip.run_line_magic("config", line)  # IPython logs what the trait raised, and keeps the old value
-        assert message in caplog.text
-        magics = ip.magics_manager.registry["TacoMagics"]
-        assert (magics.profile, magics.hosts, magics.controller_ip) == (None, None, None)
+        assert_trait_refused(ip, caplog, line, message, ("profile", "hosts", "controller_ip"))
     finally:
         _unset_traits(ip)
 

@@ -7,7 +7,6 @@ what ``scontrol show job`` and ``squeue`` report of the submitted job is compare
 
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from taco_notebook.cluster.profiles import ProfileError, profile_for
 from taco_notebook.cluster.session import clusters
 from taco_notebook.cluster.slurm import SlurmError, SlurmOptions, check_time
 
-from ..conftest import session_processes
+from ..conftest import assert_trait_refused, session_processes
 from ..slurm import PARTITION, SlurmCluster, slurm  # noqa: F401 - the fixture
 
 SLURM_TRAITS = ("partition", "time", "nodes", "gpus_per_node", "queue_timeout")
@@ -85,11 +84,7 @@ def test_bad_job_options_are_usage_errors_and_start_nothing(ip, line: str, messa
 ])
 def test_a_bad_job_trait_is_refused_naming_it(ip, caplog, line: str, message: str) -> None:
     try:
-        with caplog.at_level(logging.ERROR):
-            ip.run_line_magic("config", line)  # IPython logs what the trait raised, and keeps the old value
-        assert message in caplog.text
-        magics = ip.magics_manager.registry["TacoMagics"]
-        assert [getattr(magics, name) for name in SLURM_TRAITS] == [None] * 5
+        assert_trait_refused(ip, caplog, line, message, SLURM_TRAITS)
     finally:
         _reset(ip)
 

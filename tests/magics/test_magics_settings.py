@@ -7,7 +7,6 @@ Real IPython shell (``%config`` is IPython's own magic), real MPI-launched engin
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from IPython.core.error import UsageError
 from taco_notebook.cluster.session import clusters
 from taco_notebook.magics.settings import TacoSettings
 
-from ..conftest import session_processes
+from ..conftest import assert_trait_refused, session_processes
 
 pytestmark = pytest.mark.cluster
 
@@ -78,11 +77,7 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
      "TacoMagics.require_hugepages must be a positive integer (free huge pages per node), got 0"),
 ])
 def test_a_bad_trait_value_is_refused_naming_the_trait_and_the_choices(ip, magics, caplog, line, message):
-    name = line.split("=")[0].strip().split(".")[1]
-    with caplog.at_level(logging.ERROR):
-        config(ip, line)  # IPython's %config logs what the trait raised, and keeps the old value
-    assert message in caplog.text
-    assert getattr(magics, name) is None
+    assert_trait_refused(ip, caplog, line, message, (line.split("=")[0].strip().split(".")[1],))
 
 
 # ---------------------------------------------------------------- env -> trait -> option
