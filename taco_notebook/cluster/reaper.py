@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .registry_files import discard_stale, owner_alive, read_entry
+from .registry_files import RegistryEntry, discard_stale, owner_alive, read_entry
 
 __all__ = ["ensure_reaper", "running_reapers", "owned_entries", "reap", "wait_for_exit", "main"]
 
@@ -89,25 +89,24 @@ def wait_for_exit(pid: int, create_time: float | None, still_needed: Callable[[]
     return True
 
 
-def owned_entries(directory: Path, owner: int) -> list[str]:
-    """The ids of the registry entries in ``directory`` whose owner is process ``owner``."""
-    found = []
+def owned_entries(directory: Path, owner: int) -> dict[str, RegistryEntry]:
+    """The registry entries in ``directory`` whose owner is process ``owner``, by cluster id."""
+    found = {}
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         cluster_id = path.name[: -len(".json")]
         if path.name.startswith(".") or cluster_id.endswith(".request"):
             continue
         entry = read_entry(directory, cluster_id)
         if entry is not None and entry["model"]["owner"]["pid"] == owner:
-            found.append(cluster_id)
+            found[cluster_id] = entry
     return found
 
 
 def reap(directory: Path, owner: int) -> list[str]:
     """Discard the registry entries in ``directory`` of the dead process ``owner``; returns their cluster ids."""
     reaped = []
-    for cluster_id in owned_entries(directory, owner):
-        entry = read_entry(directory, cluster_id)
-        if entry is None or owner_alive(owner, entry["owner_create_time"]):  # never a live owner's (a reused pid)
+    for cluster_id, entry in owned_entries(directory, owner).items():
+        if owner_alive(owner, entry["owner_create_time"]):  # never a live owner's (a reused pid)
             continue
         discard_stale(directory, cluster_id)
         reaped.append(cluster_id)
