@@ -6,8 +6,7 @@ iteration, and when its process group is replaced), so this is paid per bucket p
     python benchmarks/ddp_hook_describe.py [--tensors 200] [--calls 1000]
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hook's annotations against the real classes.
 import argparse
 import os
 import socket
