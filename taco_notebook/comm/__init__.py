@@ -9,6 +9,7 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 
 from __future__ import annotations
 
+from ..errors import StallError
 from . import excepthook as _excepthook
 from . import metrics, placement
 from . import rendezvous as _rendezvous
@@ -49,6 +50,7 @@ __all__ = [
     "broadcast",
     "barrier",
     "broadcast_parameters",
+    "StallError",
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
