@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import StallError
 from . import excepthook as _excepthook
-from . import metrics, placement
+from . import metrics, placement, stall
 from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
 from .bootstrap import device, init, is_initialized, reinit, shutdown
@@ -51,6 +51,7 @@ __all__ = [
     "barrier",
     "broadcast_parameters",
     "StallError",
+    "stall",
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)

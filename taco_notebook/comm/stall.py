@@ -134,7 +134,7 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
         board.seq += 1
         if not settings().stall_timeout:
             return work()
-        label = kind if name is None else f"{kind} {name!r}"
+        label = _label(kind, name)
         board.publish(board.seq, label)
         if board.abandoned():
             _late(board, board.seq, label)
@@ -147,6 +147,23 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
                 _watchdog.current = None
 
     return run
+
+
+_labels: dict[tuple[str, Any], str] = {}  # (kind, name) -> label: names repeat every step (buckets)
+
+
+def _label(kind: str, name: Any) -> str:
+    """``allreduce ('ddp-bucket', 3)``; cached, as formatting a name costs more than publishing it."""
+    try:
+        return _labels[(kind, name)]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable name
+        return f"{kind} {name!r}"
+    if len(_labels) > 4096:  # names that never repeat (tensor addresses): keep the cache small
+        _labels.clear()
+    label = _labels[(kind, name)] = kind if name is None else f"{kind} {name!r}"
+    return label
 
 
 def _title(seq: int, label: str) -> str:
