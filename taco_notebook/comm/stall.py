@@ -18,8 +18,9 @@ seconds (``taco.configure(stall_timeout=…)``, ``%%taco_run --stall-timeout``, 
 Until the group is rebuilt by an explicit ``taco.init()``/``taco.reinit()`` on every rank (``%%taco_run`` does
 it before the next cell), every collective raises the same error at once instead of rebuilding the group
 behind the user's back over ranks that may never come. A late rank learns that its peers gave up as it
-enters its next collective (one host), or when that collective stalls in turn (several hosts); it raises a
-StallError naming them, and tears its group down too.
+enters its next collective (one host), or when that collective fails or stalls in turn (several hosts, where the
+board cannot be checked on entry for free; the collective it entered late may even complete with its peers'
+abandoned ones); it raises a StallError naming them, and tears its group down too.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ _log = logging.getLogger(__name__)
 
 StallHook = Callable[[StallError], None]
 _hooks: list[StallHook] = []
+_kept: list[Any] = []  # the store of a group this rank gave up on, until a new group's first collective
 
 
 def on_stall(hook: StallHook) -> StallHook:
@@ -128,6 +130,8 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
     def run() -> T:
         if state.stalled is not None:
             raise _again(state.stalled)
+        if _kept:  # the group was rebuilt since a stall: the old store can go
+            _kept.clear()
         if not bootstrap.is_initialized():
             bootstrap.init()
         board = state.board
@@ -142,6 +146,10 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
         _watchdog.ensure_running()
         try:
             return work()
+        except Exception as exc:
+            if state.stalled is None and not isinstance(exc, StallError) and _peers_gave_up(board):
+                _late(board, job.seq, label, exc)  # several hosts: the backend's error says less
+            raise
         finally:
             if _watchdog.current is job:
                 _watchdog.current = None
@@ -193,9 +201,13 @@ def _where(entries: list[Any]) -> str:
 
 def diagnose(seq: int, label: str, waited: float) -> StallError:
     """The error for this rank's collective number ``seq``, which waited ``waited`` seconds: who has not arrived
-    (read from the board), where they are, and which ranks entered another collective under the same number."""
+    (read from the board), where they are, and which ranks entered another collective under the same number;
+    or, when nobody is missing but peers gave up on the group before this rank caught up (several hosts: the
+    board cannot tell it on entry), who they are."""
     entries = state.board.read() if state.board is not None else []
     missing = [e for e in entries if e.seq < seq]
+    if not missing and any(e.gave_up for e in entries):  # not fellow waiters: the ranks this one was late for
+        return _gave_up(entries, seq, label, f" stalled {waited:.0f} s")
     other = [e for e in entries if e.seq == seq and e.label and e.label != label]
     hosts = _hosts([e.rank for e in missing])
     text = f"{_title(seq, label)} stalled {waited:.0f} s: "
@@ -213,6 +225,15 @@ def diagnose(seq: int, label: str, waited: float) -> StallError:
                       missing=tuple(e.rank for e in missing), hosts=hosts)
 
 
+def _gave_up(entries: list[Any], seq: int, label: str, how: str = "") -> StallError:
+    """The error of a rank that reached collective ``seq`` after the ranks in ``entries`` that gave up had left."""
+    ranks = [e.rank for e in entries if e.gave_up]
+    first = min((e.gave_up for e in entries if e.gave_up), default=seq)
+    text = (f"{_title(seq, label)}{how}: {_ranks(ranks)} gave up waiting at collective #{first} before this rank "
+            f"entered it (the stall timeout); {_FIX}")
+    return StallError(text, collective=_title(seq, label), seq=seq, gave_up=tuple(ranks), hosts=_hosts(ranks))
+
+
 def _warn(job: _InFlight, waited: float, timeout: float) -> None:
     error = diagnose(job.seq, job.label, waited)
     rank = state.topology.rank if state.topology is not None else "?"
@@ -225,6 +246,9 @@ def _fire(job: _InFlight, waited: float) -> None:
     error = diagnose(job.seq, job.label, waited)
     if state.board is not None:
         state.board.give_up(job.seq)
+        # a TCPStore lives in rank 0's process: kept until the group is rebuilt, so that a late rank can still
+        # read there who gave up (one host: the mapped board outlives its file anyway)
+        _kept.append(getattr(state.board, "store", None))
     state.stalled = error
     pending = state.comm_thread.take_pending()
     for hook in list(_hooks):
@@ -241,17 +265,18 @@ def _fire(job: _InFlight, waited: float) -> None:
             future.set_exception(_again(error))
 
 
-def _late(board: Any, seq: int, label: str) -> None:
+def _peers_gave_up(board: Any) -> bool:
+    try:
+        return any(entry.gave_up for entry in board.read())
+    except Exception:  # noqa: BLE001 - the store went with rank 0: the backend's own error is what is known
+        return False
+
+
+def _late(board: Any, seq: int, label: str, cause: BaseException | None = None) -> None:
     """This rank entered collective ``seq`` after peers gave up on the group: raise, and tear the group down."""
-    gave_up = [e for e in board.read() if e.gave_up]
-    first = min((e.gave_up for e in gave_up), default=seq)
-    ranks = [e.rank for e in gave_up]
-    text = (f"{_title(seq, label)}: {_ranks(ranks)} gave up waiting at collective #{first} before this rank "
-            f"entered it (the stall timeout); {_FIX}")
-    error = StallError(text, collective=_title(seq, label), seq=seq, gave_up=tuple(ranks), hosts=_hosts(ranks))
-    state.stalled = error
+    error = state.stalled = _gave_up(board.read(), seq, label)
     bootstrap.abort()
-    raise _again(error)
+    raise _again(error) from cause
 
 
 def _again(error: StallError) -> StallError:
