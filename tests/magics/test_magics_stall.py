@@ -14,6 +14,14 @@ from taco_notebook.errors import RankFailedError
 pytestmark = pytest.mark.cluster
 
 ALLREDUCE_CELL = "t = torch.full((3,), float(taco.rank()))\ntaco.allreduce(t)\nt.tolist()"
+# how many communication threads each rank has, once those stuck in an abandoned collective had 5 s to go
+COMM_THREADS_CELL = """\
+import threading, time
+deadline = time.monotonic() + 5
+while sum(t.name == 'taco-comm' for t in threading.enumerate()) > 1 and time.monotonic() < deadline:
+    time.sleep(0.1)
+sum(t.name == 'taco-comm' for t in threading.enumerate())
+"""
 
 
 def engine_pids() -> list[int]:
@@ -37,6 +45,24 @@ def test_a_sleeping_rank_is_named_and_the_next_cell_runs(ip, shared_cluster):
     assert elapsed < 30, (elapsed, message)
     assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]  # the group was rebuilt
     assert engine_pids() == pids  # on the same engines
+    assert ip.run_cell_magic("taco_run", "--gather", COMM_THREADS_CELL) == [1, 1, 1, 1]
+
+
+def test_a_rank_that_never_comes_is_interrupted_and_nothing_stays_blocked(ip, shared_cluster):
+    """Rank 3 sleeps for minutes: the waiting ranks fail after 3 s, the cell's failure handling interrupts rank 3
+    (after its grace for the other ranks), and no thread is left in the abandoned allreduce afterwards."""
+    pids = engine_pids()
+    cell = "import time\nt = torch.ones(2)\nif taco.rank() == 3:\n    time.sleep(300)\ntaco.allreduce(t)"
+    began = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        ip.run_cell_magic("taco_run", "--stall-timeout 3", cell)
+    message = str(info.value)
+    assert re.search(r" raised StallError: allreduce #\d+ stalled 3 s: rank 3 \(host ", message), message
+    assert "rank 3 stalled" in message and "rank 3: KeyboardInterrupt" in message, message
+    assert time.monotonic() - began < 40
+    assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
+    assert engine_pids() == pids
+    assert ip.run_cell_magic("taco_run", "--gather", COMM_THREADS_CELL) == [1, 1, 1, 1]
 
 
 def test_the_option_reaches_the_ranks_for_one_cell(ip, shared_cluster):
