@@ -6,6 +6,8 @@ cluster raises a :class:`TacoError` subclass whose message names the rank, the h
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "TacoError",
     "ClusterStartError",
@@ -13,6 +15,7 @@ __all__ = [
     "RankDiedError",
     "CellTimeoutError",
     "MPINotFoundError",
+    "StallError",
 ]
 
 
@@ -66,3 +69,45 @@ class CellTimeoutError(TacoError):
     def __init__(self, message: str, running: list[int]) -> None:
         super().__init__(message)
         self.running = running
+
+
+class StallError(TacoError):
+    """A collective waited longer than the stall timeout (``taco.configure(stall_timeout=…)``,
+    ``--stall-timeout``, ``TACO_STALL_TIMEOUT``); the process group was torn down.
+
+    Raised on the ranks that waited, with ``missing`` the ranks that had not entered the collective (the ranks
+    to treat as lost), and on a late rank that entered it after its peers gave up, with ``missing`` empty and
+    ``gave_up`` the ranks that stopped waiting for it. ``collective`` is its label (``allreduce #57
+    ('ddp-bucket', 3)``), ``seq`` its number in the group, ``hosts`` the host of each rank named.
+    """
+
+    def __init__(self, message: str, *, collective: str = "", seq: int = 0, waited_s: float = 0.0,
+                 missing: tuple[int, ...] = (), gave_up: tuple[int, ...] = (),
+                 hosts: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.seq = seq
+        self.waited_s = waited_s
+        self.missing = tuple(missing)
+        self.gave_up = tuple(gave_up)
+        self.hosts = dict(hosts or {})
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword fields survive pickling (to the kernel, elastic driver)
+        return (_rebuild_stall, (str(self), self.__dict__.copy()))
+
+    @staticmethod
+    def missing_in(message: str) -> list[int]:
+        """The ranks a StallError's message names as not arrived (``[]`` if none): how the kernel, which gets
+        the rank's error as text, says which ranks stalled.
+
+        >>> StallError.missing_in("allreduce #3 stalled 3 s: ranks 2, 3 (host n1) have not arrived")
+        [2, 3]
+        """
+        found = re.search(r"stalled [^:]*: ranks? ([\d, ]+) \(host", message)
+        return [int(rank) for rank in found.group(1).split(",")] if found else []
+
+
+def _rebuild_stall(message: str, fields: dict[str, object]) -> StallError:
+    error = StallError(message)
+    error.__dict__.update(fields)
+    return error

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..model import RunModel
     from .session import TacoCluster
 
-__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds"]
+__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds", "stalled_ranks"]
 
 SNIPPET_CHARS = 120
 WRITE_EVERY_S = 1.0  # the sidebar polls every ~2 s: writing the entry more often would only cost the kernel
@@ -92,3 +92,13 @@ def error_kinds(errors: Mapping[int, Any]) -> str:
     if len(by_text) == 1:
         return next(iter(by_text))
     return "; ".join(f"{ranks_phrase(ranks)}: {text}" for text, ranks in by_text.items())
+
+
+def stalled_ranks(errors: Mapping[int, Any]) -> list[int]:
+    """The ranks that the ranks' StallErrors name as never having entered the stalled collective: what a cell's
+    summary says stalled (the message is cut to a line, and a rank names at most its own view)."""
+    from ..errors import StallError
+
+    named = {rank for error in errors.values() if getattr(error, "ename", None) == "StallError"
+             for rank in StallError.missing_in(str(getattr(error, "evalue", "")))}
+    return sorted(named)

@@ -33,7 +33,7 @@ from ipyparallel.error import RemoteError
 
 from ..errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 from . import engine
-from .reporting import error_kinds, error_line, ranks_phrase, were
+from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, were
 from .result import capture_last_expression, unwrap_result
 from .session import TacoCluster
 
@@ -306,6 +306,9 @@ class _CellRun:
         host = self._host(first)
         others = {r: e for r, e in self.errors.items() if r != first}
         message = f"rank {first} (host {host}) raised {error_line(error)}"
+        stalled = stalled_ranks(self.errors)
+        if stalled:
+            message += f"; {ranks_phrase(stalled)} stalled (never entered the collective the others waited in)"
         if others:
             message += f"; {ranks_phrase(list(others))} also failed ({error_kinds(others)})"
         if self.killed:

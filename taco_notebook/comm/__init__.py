@@ -9,8 +9,9 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 
 from __future__ import annotations
 
+from ..errors import StallError
 from . import excepthook as _excepthook
-from . import metrics, placement
+from . import metrics, placement, stall
 from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
 from .bootstrap import device, init, is_initialized, reinit, shutdown
@@ -49,6 +50,8 @@ __all__ = [
     "broadcast",
     "barrier",
     "broadcast_parameters",
+    "StallError",
+    "stall",
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)

@@ -34,6 +34,7 @@ from .compression import Compressor, NoneCompressor
 from .config import check_algorithm, compressor_for, settings
 from .reduction import all_gather, merge_sends, reduce_scatter, spread
 from .shm import NodeSegment, new_tag
+from .stall import tracked
 from .state import state
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "forget_groups", "comm_thread"]
@@ -176,7 +177,7 @@ def _job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str 
         resolved = resolve_algorithm(algorithm)  # may build groups: collective, so on this thread
         return _reduce_in_place(tensor, op, compressor, resolved, key)
 
-    return streams.on_comm_stream(tensor, work)
+    return streams.on_comm_stream(tensor, tracked("allreduce", name, work))
 
 
 def _reduce_in_place(tensor: torch.Tensor, op: str, compressor: Compressor, resolved: str,

@@ -18,7 +18,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from . import excepthook, rendezvous
+from . import board, excepthook, rendezvous
 from .state import ProcessState, state
 from .topology import Topology
 
@@ -110,6 +110,8 @@ def init(
         raise
     excepthook.install()  # outermost again: torch's init wrapped sys.excepthook in its own
     state.store, state.rendezvous = meeting.store, meeting
+    state.board = board.open_board(meeting, topology.rank, topology.size)  # the stall watchdog's (stall.py)
+    state.stalled = None  # a group rebuilt after a stall works again
     state.backend = backend
     if state.generation == 0:
         # Destroy the group before the interpreter tears torch down: a group left to C++ destructors at exit
@@ -161,7 +163,8 @@ def abort() -> None:
 
     skip = inspect.CO_GENERATOR | inspect.CO_COROUTINE  # clearing a suspended generator would close it
     for obj in gc.get_objects():
-        if (isinstance(obj, types.FrameType) and not obj.f_code.co_flags & skip
+        # type(), not isinstance(): that asks every object for __class__, and torch's deprecated ones warn
+        if (type(obj) is types.FrameType and not obj.f_code.co_flags & skip
                 and any(part in obj.f_code.co_filename.replace("\\", "/") for part in _HOLD_GROUPS)):
             try:
                 obj.clear()

@@ -1,7 +1,8 @@
 """Collectives on tensors over every rank: allreduce, broadcast, barrier, parameter broadcast.
 
 Each call brings the process group up on first use, so a plain ``mpiexec -n 4 python train.py`` needs no
-set-up call. Tensors are changed in place (and returned, for chaining), as in Horovod's ``allreduce_``.
+set-up call, and is watched by the stall watchdog (:mod:`.stall`). Tensors are changed in place (and returned,
+for chaining), as in Horovod's ``allreduce_``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import bootstrap, streams
+from .stall import tracked
 from .state import state
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = N
         _ready()
         return _in_place(tensor, lambda buf: dist.all_reduce(buf, op=reduce_op))
 
-    return state.comm_thread.run(*streams.on_comm_stream(tensor, work))
+    return state.comm_thread.run(*streams.on_comm_stream(tensor, tracked("allreduce", name, work)))
 
 
 def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -86,7 +88,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         _ready()
         return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
 
-    return state.comm_thread.run(*streams.on_comm_stream(tensor, work))
+    return state.comm_thread.run(*streams.on_comm_stream(tensor, tracked("broadcast", None, work)))
 
 
 def barrier() -> None:
@@ -97,7 +99,7 @@ def barrier() -> None:
         _ready()
         dist.barrier()
 
-    state.comm_thread.run(work)
+    state.comm_thread.run(tracked("barrier", None, work))
 
 
 def broadcast_parameters(params: Any, root: int = 0) -> None:

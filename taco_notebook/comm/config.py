@@ -5,7 +5,8 @@ for it behave the same here (``LIGHT_2D_ALLREDUCE``: 1 = hierarchical, 0 = flat,
 the job spans several nodes with several ranks each; ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` /
 ``LIGHT_TOPK_THRESHOLD``: TopK compression), ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by
 default), ``TACO_SHM`` (0 keeps the 2D algorithm's intra-node steps on the process group) and
-``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default). ``configure()``, each call's arguments and, from a
+``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default) and ``TACO_STALL_TIMEOUT`` (seconds, 300 by default, 0
+= off: see :mod:`.stall`). ``configure()``, each call's arguments and, from a
 notebook, ``%%taco_run``'s options and ``TacoMagics`` traits (``--algorithm/--compression/--fusion-mb`` configure
 the ranks for a cell; ``--shm/--collective-timeout`` go into the cluster's environment, see
 ``taco_notebook.magics.settings``) override them. The environment is read when a setting is first used, not at
@@ -23,9 +24,11 @@ from .specs import (
     algorithm_from_env,
     check_algorithm,
     check_fusion_mb,
+    check_stall_timeout,
     check_timeout,
     fusion_mb_from_env,
     shm_from_env,
+    stall_timeout_from_env,
     timeout_from_env,
 )
 
@@ -40,11 +43,12 @@ class Settings:
     fusion_mb: float  # gradients are packed into buckets up to this size before each allreduce
     shm: bool = True  # 2D's intra-node steps through a shared-memory segment (CPU tensors), not the group
     collective_timeout: float = 1800.0  # seconds a collective (and the rendezvous) of the next init() waits
+    stall_timeout: float = 300.0  # seconds a collective waits for missing ranks before it fails naming them; 0: off
 
 
 def _from_env() -> Settings:
     return Settings(algorithm_from_env(), compression_from_env().name, fusion_mb_from_env(), shm_from_env(),
-                    timeout_from_env())
+                    timeout_from_env(), stall_timeout_from_env())
 
 
 _current: Settings | None = None
@@ -62,11 +66,12 @@ def settings() -> Settings:
 
 def configure(algorithm: str | None = None, compression: str | None = None, fusion_mb: float | None = None,
               reset: bool = False, *, shm: bool | None = None,
-              collective_timeout: float | None = None) -> Settings:
+              collective_timeout: float | None = None, stall_timeout: float | str | None = None) -> Settings:
     """Change this rank's defaults (``reset=True`` goes back to the environment's). Returns the new ones.
 
     ``shm`` applies to the 2D groups built next (after ``reinit()``), ``collective_timeout`` to the next
-    ``init()``/``reinit()``: both are fixed when the groups are made.
+    ``init()``/``reinit()``: both are fixed when the groups are made. ``stall_timeout`` (seconds, 0 or
+    ``"off"`` for never) applies from the next collective on (:mod:`.stall`).
     """
     global _current
     base = _from_env() if reset else settings()
@@ -83,6 +88,8 @@ def configure(algorithm: str | None = None, compression: str | None = None, fusi
         changes["shm"] = shm
     if collective_timeout is not None:
         changes["collective_timeout"] = check_timeout(collective_timeout)
+    if stall_timeout is not None:
+        changes["stall_timeout"] = check_stall_timeout(stall_timeout)
     _current = replace(base, **changes)  # type: ignore[arg-type]
     return _current
 

@@ -31,11 +31,17 @@ __all__ = ["ALGORITHMS", "DEFAULT_FUSION_MB", "DEFAULT_TIMEOUT_S", "DEFAULT_TOPK
            "TOPK", "POWERSGD", "parse_flag", "parse_compression_spec",
            "check_algorithm", "check_fusion_mb", "check_timeout", "compression_spec_from_env",
            "algorithm_from_env", "fusion_mb_from_env", "shm_from_env", "timeout_from_env", "number_from_env",
-           "check_choice", "check_positive"]
+           "check_choice", "check_positive", "DEFAULT_STALL_TIMEOUT_S", "check_stall_timeout",
+           "stall_timeout_from_env"]
 
 ALGORITHMS = ("auto", "flat", "2d")
 DEFAULT_FUSION_MB = 64.0
 DEFAULT_TIMEOUT_S = 1800.0  # a collective (and the rendezvous) waits this long for its peers
+# The stall watchdog (stall.py) fails a collective that waited this long for ranks that never entered it. Longer
+# than a notebook step's legitimate imbalance (one rank evaluating, checkpointing or compiling while the others
+# wait: minutes at most), far shorter than the 30-minute collective timeout; Horovod warns at 60 s, and so does
+# the watchdog, before it fails.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 # LightCC's LIGHT_TOPK_THRESHOLD default: below 2M elements the index overhead and the selection cost
 # outweigh the bandwidth saved, so small tensors travel dense.
 DEFAULT_TOPK_THRESHOLD = 2_097_152
@@ -252,6 +258,31 @@ def check_timeout(value: float, what: str = "collective timeout") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{what} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def check_stall_timeout(value: object, what: str = "stall_timeout") -> float:
+    """Seconds (a number or its text) >= 0, or ``off``/``none``: 0.0 means the stall watchdog is off."""
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text in ("off", "none"):
+        return 0.0
+    try:
+        if isinstance(text, bool):
+            raise ValueError
+        number = float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0 <= number < math.inf:
+        raise ValueError(f"{what} must be a number of seconds >= 0 (0 or 'off' turns the stall watchdog off), "
+                         f"got {value!r}")
+    return number
+
+
+def stall_timeout_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """``TACO_STALL_TIMEOUT``: seconds a collective waits for missing ranks before it fails naming them (default
+    300; 0 or off: never)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("TACO_STALL_TIMEOUT", "").strip()
+    return check_stall_timeout(raw, "TACO_STALL_TIMEOUT") if raw else DEFAULT_STALL_TIMEOUT_S
 
 
 def algorithm_from_env(environ: Mapping[str, str] | None = None) -> str:

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,24 +36,32 @@ class CommThread:
     :meth:`abandon` (the process group is going away) hands later work to a fresh thread: a collective of the
     old group can stay blocked forever after a peer failed or was interrupted, and nothing queued behind it
     would ever run. The abandoned thread is a daemon, so it cannot hold the process at exit either.
+    :meth:`take_pending` (the stall watchdog) also hands over the futures of the work that will now never run,
+    so their waiters can be failed instead of waiting forever.
     """
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] | None = None
         self._ident: int | None = None
+        self._running: dict[int, Future[Any]] = {}  # thread id -> the future of the work it runs (old ones too)
         self._lock = threading.Lock()
 
     def _work(self, work: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
-        self._ident = threading.get_ident()
+        me = self._ident = threading.get_ident()
         while (item := work.get()) is not None:
             fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue
+            self._running[me], result = future, None
             try:
-                future.set_result(fn())
+                result = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-            del item, fn, future  # the finished work must not keep its tensors or groups alive
+                _settle(future, exc)
+            else:
+                _settle(future, None, result)
+            finally:
+                self._running.pop(me, None)
+            del item, fn, future, result  # the finished work must not keep its tensors or groups alive
 
     def submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
         """Queue ``fn``; its result (or exception) goes to ``future`` (a new one by default)."""
@@ -77,6 +85,37 @@ class CommThread:
             if self._queue is not None:
                 self._queue.put(None)
             self._queue = None
+
+    def take_pending(self) -> list[Future[Any]]:
+        """Abandon the thread (it is stuck in a collective that will never complete) and return the futures of
+        its running work and of everything queued behind it, which will now never run: the caller fails them."""
+        pending: list[Future[Any]] = []
+        with self._lock:
+            running = self._running.get(self._ident) if self._ident is not None else None
+            if running is not None and self._ident != threading.get_ident():
+                pending.append(running)
+            if self._queue is not None:
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        pending.append(item[1])
+                self._queue.put(None)
+            self._queue = None
+        return pending
+
+
+def _settle(future: Future[Any], error: BaseException | None, result: Any = None) -> None:
+    """Complete ``future``, unless the stall watchdog already failed it (the collective came back after all)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _mpi_world() -> Any:
@@ -102,6 +141,8 @@ class ProcessState:
     rendezvous: Any = field(default=None, repr=False)  # rendezvous.Rendezvous while the group is up
     comm_thread: CommThread = field(default_factory=CommThread, repr=False)
     hierarchy: dict[int, Any] = field(default_factory=dict, repr=False)  # generation -> 2D groups (or None)
+    board: Any = field(default=None, repr=False)  # progress.Board of the group: who entered which collective
+    stalled: Any = field(default=None, repr=False)  # the StallError that broke the group; init() clears it
     _teardown: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def ensure_topology(self, intra_size: int | None = None) -> Topology:
@@ -138,6 +179,9 @@ class ProcessState:
                 _log.debug("teardown callback %r failed", callback, exc_info=True)
                 errors.append(exc)
         self.store = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if self.rendezvous is not None:
             self.rendezvous.close(rendezvous_wait_s)  # its private directory goes with the group
             self.rendezvous = None

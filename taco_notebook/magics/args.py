@@ -110,6 +110,9 @@ run_args = _stack(
     argument("--fusion-mb", dest="fusion_mb", default=None, metavar="MB",
              help="fuse gradients into buckets of up to MB megabytes (default 64; 0 = no fusion; "
                   "TacoMagics.fusion_mb, TACO_FUSION_MB)"),
+    argument("--stall-timeout", dest="stall_timeout", default=None, metavar="SECONDS",
+             help="a collective that waits this long for ranks that have not entered it fails the cell, naming them "
+                  "(default 300; 0 or off: never; TacoMagics.stall_timeout, TACO_STALL_TIMEOUT)"),
     argument("--intra-size", dest="intra_size", default=None, metavar="N",
              help="ranks per node, to emulate several nodes on one machine (TacoMagics.intra_size, "
                   "LIGHT_INTRA_SIZE); a change restarts the cluster"),
@@ -130,12 +133,18 @@ def _flag_of(name: str) -> str:
 
 
 def comm_settings(config: TacoSettings, args: Any) -> dict[str, object]:
-    """The ranks' ``taco.configure()`` for this cell: each of ``--algorithm/--compression/--fusion-mb`` given,
-    else its trait when set (the ranks read the environment themselves), checked so that a typo starts nothing."""
-    from ..comm.specs import algorithm_from_env, compression_spec_from_env, fusion_mb_from_env
+    """The ranks' ``taco.configure()`` for this cell: each of ``--algorithm/--compression/--fusion-mb/
+    --stall-timeout`` given, else its trait when set (the ranks read the environment themselves), checked so
+    that a typo starts nothing."""
+    from ..comm.specs import (
+        algorithm_from_env,
+        compression_spec_from_env,
+        fusion_mb_from_env,
+        stall_timeout_from_env,
+    )
 
     from_env = {"algorithm": algorithm_from_env, "compression": compression_spec_from_env,
-                "fusion_mb": fusion_mb_from_env}  # fmt: skip
+                "fusion_mb": fusion_mb_from_env, "stall_timeout": stall_timeout_from_env}  # fmt: skip
     chosen: dict[str, object] = {}
     with usage_errors():
         for name in RANK_SETTINGS:

@@ -18,6 +18,7 @@ option                        trait (``TacoMagics.…``)   environment          
 ``--fusion-mb MB``            ``fusion_mb``              ``TACO_FUSION_MB``          64
 ``--shm`` / ``--no-shm``      ``shm``                    ``TACO_SHM``                on
 ``--collective-timeout S``    ``collective_timeout``     ``TACO_COLLECTIVE_TIMEOUT`` 1800
+``--stall-timeout S|off``     ``stall_timeout``          ``TACO_STALL_TIMEOUT``      300 (0 = off)
 ``--gpus``                    ``gpus``                   ``TACO_GPUS``               auto
 ``--mpi-launcher``            ``mpi_launcher``           ``TACO_MPI_LAUNCHER``       auto
 ``--dashboard``               ``dashboard``              ``TACO_DASHBOARD``          auto
@@ -35,12 +36,13 @@ option                        trait (``TacoMagics.…``)   environment          
 ``--queue-timeout S``         ``queue_timeout``          -                           none (wait in the queue)
 ============================  =========================  ==========================  ===========================
 
-Where each takes effect: ``algorithm``, ``compression`` and ``fusion_mb`` are the ranks' ``taco.configure()``
-for the cell; ``shm``, ``collective_timeout`` and ``gpus`` are fixed when the ranks build their process group,
-so they travel in the cluster's environment and a change restarts the cluster (as ``--gpus`` always did);
-``require_hugepages`` is checked against every node once its cluster has started (a shortfall stops it);
-``partition`` … ``queue_timeout`` are the slurm profile's job (given with another profile, the options are a
-UsageError and the traits are not used; a change restarts a slurm cluster); the rest are the kernel's.
+Where each takes effect: ``algorithm``, ``compression``, ``fusion_mb`` and ``stall_timeout`` are the ranks'
+``taco.configure()`` for the cell; ``shm``, ``collective_timeout`` and ``gpus`` are fixed when the ranks build
+their process group, so they travel in the cluster's environment and a change restarts the cluster (as
+``--gpus`` always did); ``require_hugepages`` is checked against every node once its cluster has started (a
+shortfall stops it); ``partition`` … ``queue_timeout`` are the slurm profile's job (given with another profile,
+the options are a UsageError and the traits are not used; a change restarts a slurm cluster); the rest are the
+kernel's.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from ..comm.placement import GPU_MODES
 __all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "KERNEL_ENV", "SLURM_SETTINGS", "check_setting",
            "setting_from_env"]
 
-RANK_SETTINGS = ("algorithm", "compression", "fusion_mb")  # sent to the ranks' taco.configure() per cell
+RANK_SETTINGS = ("algorithm", "compression", "fusion_mb", "stall_timeout")  # the ranks' taco.configure() per cell
 CLUSTER_ENV = {"gpus": "TACO_GPUS", "shm": "TACO_SHM", "collective_timeout": "TACO_COLLECTIVE_TIMEOUT"}
 # read by the kernel itself (setting_from_env) when neither the option nor the trait gives them
 KERNEL_ENV = {"link_gbits": "TACO_LINK_GBITS", "require_hugepages": "TACO_REQUIRE_HUGEPAGES"}
@@ -85,6 +87,12 @@ def _fusion_mb(value: Any, what: str) -> float:
         return check_fusion_mb(float(value))
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a number of megabytes >= 0, got {value!r}") from None
+
+
+def _stall_timeout(value: Any, what: str) -> float:
+    from ..comm.specs import check_stall_timeout
+
+    return check_stall_timeout(value, what)
 
 
 def _choice(choices: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> Callable[[Any, str], str]:
@@ -151,6 +159,7 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "fusion_mb": _fusion_mb,
     "shm": _flag,
     "collective_timeout": _positive("seconds"),
+    "stall_timeout": _stall_timeout,
     "gpus": _choice(GPU_MODES),
     "mpi_launcher": _choice(LAUNCHERS),
     "dashboard": _choice(_dashboard_modes),
@@ -205,6 +214,9 @@ class TacoSettings(Configurable):
                                            "TACO_SHM, else on").tag(config=True)
     collective_timeout = Float(None, allow_none=True, help="seconds a collective waits for its peers; default "
                                                            "TACO_COLLECTIVE_TIMEOUT, else 1800").tag(config=True)
+    stall_timeout = Float(None, allow_none=True, help="seconds a collective waits for ranks that have not entered "
+                                                      "it before the cell fails naming them (0 = never); default "
+                                                      "TACO_STALL_TIMEOUT, else 300").tag(config=True)
     gpus = Unicode(None, allow_none=True, help="auto, shared or none; default TACO_GPUS, else auto").tag(
         config=True)
     mpi_launcher = Unicode(None, allow_none=True, help="MPICH launcher of a one-host cluster: auto, hydra or "

@@ -43,7 +43,7 @@ def test_every_setting_is_a_trait_listed_by_config(ip, magics, capsys):
     assert TRAITS == ["algorithm", "collective_timeout", "compression", "controller_ip", "dashboard", "fusion_mb",
                       "gpus", "gpus_per_node", "hostfile", "hosts", "intra_size", "link_gbits", "max_ranks",
                       "mpi_launcher", "nodes", "np", "partition", "profile", "queue_timeout", "require_hugepages",
-                      "shm", "time", "timeout"]
+                      "shm", "stall_timeout", "time", "timeout"]
     config(ip, "TacoMagics")
     listed = capsys.readouterr().out
     for name in TRAITS:
@@ -73,6 +73,7 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
     ("TacoMagics.link_gbits = -1", "TacoMagics.link_gbits must be a positive number of Gbit/s, got -1"),
     ("TacoMagics.fusion_mb = -1", "TacoMagics.fusion_mb must be a number of megabytes >= 0, got -1.0"),
     ("TacoMagics.collective_timeout = 0", "TacoMagics.collective_timeout must be a positive number of seconds"),
+    ("TacoMagics.stall_timeout = -1", "TacoMagics.stall_timeout must be a number of seconds >= 0 (0 or 'off'"),
     ("TacoMagics.require_hugepages = 0",
      "TacoMagics.require_hugepages must be a positive integer (free huge pages per node), got 0"),
 ])
@@ -138,6 +139,9 @@ def test_cluster_settings_trait_then_option_restart_and_reach_the_ranks(ip, magi
     ("--mpi-launcher fork", "--mpi-launcher must be one of auto, hydra, gforker, got 'fork'"),
     ("--gpus many", "--gpus must be one of auto, shared, none, got 'many'"),
     ("--timeout soon", "--timeout must be a positive number of seconds, got 'soon'"),
+    ("--stall-timeout soon", "--stall-timeout must be a number of seconds >= 0 (0 or 'off' turns the stall "
+                             "watchdog off), got 'soon'"),
+    ("--stall-timeout -3", "--stall-timeout must be a number of seconds >= 0"),
 ])
 def test_a_bad_option_is_a_usage_error_and_starts_nothing(ip, magics, line, message):
     before, names = set(session_processes()), set(clusters)
@@ -152,6 +156,7 @@ def test_a_bad_option_is_a_usage_error_and_starts_nothing(ip, magics, line, mess
     ("TACO_SHM", "maybe", "TACO_SHM must be 1/true/yes/on or 0/false/no/off, got 'maybe'"),
     ("TACO_COLLECTIVE_TIMEOUT", "-5", "TACO_COLLECTIVE_TIMEOUT must be a number of seconds > 0, got -5.0"),
     ("TACO_FUSION_MB", "lots", "TACO_FUSION_MB must be a number of megabytes >= 0, got 'lots'"),
+    ("TACO_STALL_TIMEOUT", "never", "TACO_STALL_TIMEOUT must be a number of seconds >= 0 (0 or 'off'"),
     ("LIGHT_2D_ALLREDUCE", "sometimes", "LIGHT_2D_ALLREDUCE must be 1/true/yes/on or 0/false/no/off"),
 ])
 def test_a_bad_environment_value_is_a_usage_error_and_starts_nothing(ip, magics, monkeypatch, variable, value,
