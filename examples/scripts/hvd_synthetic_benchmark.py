@@ -73,7 +73,8 @@ MODELS = {"resnet18": lambda: ResNet([2, 2, 2, 2]), "resnet34": lambda: ResNet([
 
 parser = argparse.ArgumentParser(description="PyTorch Synthetic Benchmark",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--fp16-allreduce", action="store_true", default=False, help="use fp16 compression during allreduce")
+parser.add_argument("--fp16-allreduce", action="store_true", default=False,
+                    help="use fp16 compression during allreduce")
 parser.add_argument("--model", type=str, default="resnet18", choices=sorted(MODELS), help="model to benchmark")
 parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
 parser.add_argument("--image-size", type=int, default=224, help="height and width of the random images")

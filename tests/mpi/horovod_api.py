@@ -181,7 +181,8 @@ if r == root:
     before = [p.detach().clone() for p in net.parameters()]
 hvd.broadcast_optimizer_state(adam, root_rank=root)
 check(adam.param_groups[0]["lr"] == 0.05, adam.param_groups[0]["lr"])
-check(all(torch.equal(p, q) for p, q in zip(net.parameters(), before)), "broadcast_optimizer_state moved params")
+check(all(torch.equal(p, q) for p, q in zip(net.parameters(), before, strict=True)),
+      "broadcast_optimizer_state moved params")
 state = adam.state_dict()["state"]
 check(sorted(state) == [0, 1] and float(state[0]["step"]) == 1.0, state)
 for t in (state[0]["exp_avg"], state[1]["exp_avg_sq"]):

@@ -12,7 +12,6 @@ Prints 'OK <rank> <checks>' when all hold.
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import torch
@@ -87,7 +86,7 @@ for compression in (hvd.Compression.none, hvd.Compression.fp16, hvd.Compression.
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     x, y = batches(0, per_rank=16)
     first = None
-    for step in range(8):
+    for _step in range(8):
         for _ in range(2):
             loss = loss_fn(model(mine(x, 16)), mine(y, 16))
             loss.backward()
@@ -165,7 +164,8 @@ for dims, reference_cls in ((2, torch.nn.BatchNorm1d), (4, torch.nn.BatchNorm2d)
     part = full[3 * r: 3 * r + 3].clone().requires_grad_()
     out = sync(part)
     (out * upstream[3 * r: 3 * r + 3]).sum().backward()
-    check(torch.allclose(out, ref_out[3 * r: 3 * r + 3], atol=1e-5), ("forward", (out - ref_out[3 * r:3 * r + 3]).abs().max()))
+    expected = ref_out[3 * r: 3 * r + 3]
+    check(torch.allclose(out, expected, atol=1e-5), ("forward", (out - expected).abs().max()))
     check(torch.allclose(sync.running_mean, reference.running_mean, atol=1e-5), "running_mean")
     check(torch.allclose(sync.running_var, reference.running_var, atol=1e-4), "running_var")
     check(torch.allclose(part.grad, ref_in.grad[3 * r: 3 * r + 3], atol=1e-5), ("grad input", dims))
