@@ -69,7 +69,7 @@ def test_horovod_mnist_program_runs_and_learns(mpiexec: str, n: int) -> None:
     """The MNIST-shaped Horovod program (only its import line is taco's) trains under mpiexec, fp16 allreduce."""
     result = run_ranks(mpiexec, n, _example("hvd_mnist.py", "--epochs", "2", "--train-size", "512", "--test-size",
                                             "128", "--batch-size", "32", "--log-interval", "100",
-                                            "--fp16-allreduce", "--no-cuda"))
+                                            "--lr", "0.05", "--fp16-allreduce", "--no-cuda"))
     assert result.returncode == 0, result.stdout + result.stderr
     losses = [float(v) for v in re.findall(r"Epoch \d+: average train loss ([\d.]+)", result.stdout)]
     assert len(losses) == 2 and losses[1] < losses[0], result.stdout
