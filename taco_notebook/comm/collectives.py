@@ -128,6 +128,21 @@ def broadcast_async(tensor: torch.Tensor, root: int = 0) -> Future[torch.Tensor]
     return state.comm_thread.submit(*_broadcast_job(tensor, root))
 
 
+def _caller_stream(tensor: torch.Tensor) -> Any:
+    """The submitting thread's current CUDA stream for ``tensor``'s device (None on CPU)."""
+    import torch
+
+    return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+
+
+def _output(tensor: torch.Tensor, caller: Any) -> torch.Tensor:
+    """A new tensor made on the comm stream and handed to the caller: tell the caching allocator the caller's
+    stream uses it too, so its memory is not reused on the comm stream while the caller still reads it."""
+    if caller is not None:
+        tensor.record_stream(caller)
+    return tensor
+
+
 def _gathered_counts(count: int, device: Any) -> list[int]:
     """Every rank's ``count``, in rank order (a collective: call on the communication thread)."""
     import torch
@@ -153,6 +168,7 @@ def _allgather_job(tensor: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Fu
 
     _check_tensor(tensor, "allgather")
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+    caller = _caller_stream(rows)
 
     def work() -> torch.Tensor:
         _ready()
@@ -160,11 +176,11 @@ def _allgather_job(tensor: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Fu
         longest = max(counts)
         padded = rows if rows.shape[0] == longest else torch.cat(
             [rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
-        out = rows.new_empty((longest * len(counts), *rows.shape[1:]))
+        out = _output(rows.new_empty((longest * len(counts), *rows.shape[1:])), caller)
         all_gather(out, padded)
         if all(c == longest for c in counts):
             return out
-        return torch.cat([out[i * longest: i * longest + c] for i, c in enumerate(counts)])
+        return _output(torch.cat([out[i * longest: i * longest + c] for i, c in enumerate(counts)]), caller)
 
     return streams.on_comm_stream(rows, work)
 
@@ -206,6 +222,7 @@ def _alltoall_job(tensor: torch.Tensor, splits: Sequence[int] | None
             raise ValueError(f"alltoall splits must be {size} non-negative counts summing to the first dimension "
                              f"({rows}), got {sends}")
     source = tensor.contiguous()
+    caller = _caller_stream(source)
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:
         _ready()
@@ -213,7 +230,7 @@ def _alltoall_job(tensor: torch.Tensor, splits: Sequence[int] | None
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent)
         counts = [int(c) for c in received.tolist()]
-        out = source.new_empty((sum(counts), *source.shape[1:]))
+        out = _output(source.new_empty((sum(counts), *source.shape[1:])), caller)
         dist.all_to_all_single(out, source, output_split_sizes=counts, input_split_sizes=sends)
         return out, received.cpu()
 
