@@ -131,6 +131,9 @@ class PowerSGDCompressor(Compressor):
     would send); :meth:`reduce` interleaves the two sums over the group between the steps.
     """
 
+    # A 2D shard stays one matrix: chunks would each cost a rank-r factorisation and lose the warm start.
+    pipelines = False
+
     def __init__(self, rank: int, warmup: int = DEFAULT_POWERSGD_WARMUP,
                  min_size: int = DEFAULT_POWERSGD_MIN_SIZE, error_feedback: bool = True, seed: int = 0) -> None:
         super().__init__()
@@ -274,7 +277,7 @@ class PowerSGDCompressor(Compressor):
         return shapes
 
     def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
-               me: int) -> Reduced:
+               me: int, whole: int | None = None) -> Reduced:
         """Sum ``shard`` over ``group`` in place: allreduce ``P``, orthogonalise, allreduce ``Q``, rebuild.
 
         On ``2d`` the group is the cross-node one, so only what crosses nodes is compressed. Tensors left

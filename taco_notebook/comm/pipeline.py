@@ -1,0 +1,185 @@
+"""The 2D allreduce of CPU tensors through the node's shared memory, pipelined in chunks.
+
+A buffer goes in chunks. For each chunk, every rank copies it into its slot, sums its shard across the
+slots straight into the output area (in the wire dtype when the compression is a cast: fp16/bf16 are written
+by the same pass that sums), the cross-node step reduces that shard in place, and every rank reads the
+output area back (casting back in the same copy). The shared-memory passes run on a thread of their own
+(``_passes``), the cross-node steps on the communication thread, so the intra-node reduce-scatter of chunk
+k+1, the cross-node exchange of chunk k and the allgather of chunk k-1 overlap::
+
+    passes thread:  RS0  RS1  AG0  RS2  AG1  RS3  AG2 ...
+    comm thread:         X0        X1        X2   ...        (X = cross-node step, a collective)
+
+Why the order of collectives stays the same on every rank: the passes issue none (they wait on counters in
+the segment, :class:`.shm.NodeSegment`), and the communication thread issues the cross-node steps chunk by
+chunk, in order, the chunk bounds being a function of the buffer's size and of settings every rank agreed on
+(:class:`Calibration` is reduced over the world once, when the 2D groups are built).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .compressor import Compressor
+from .config import settings
+from .reduction import Reduced, merge_sends, spread
+from .shm import NodeSegment
+from .state import CommThread, state
+
+__all__ = ["Calibration", "calibrate", "chunk_bounds", "reduce_2d_shm"]
+
+_passes = CommThread()  # the shared-memory passes of the pipeline; left behind with the group on teardown
+state.on_teardown(_passes.abandon)
+
+# Bounds of the automatic chunk size. Below 256 KiB a chunk's fixed cost (a collective's latency, two thread
+# hand-offs) outweighs what it overlaps; above 64 MiB the first and last passes, which nothing overlaps,
+# cost more than the per-chunk latency saved.
+_MIN_CHUNK = 256 * 1024
+_MAX_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Speeds measured when the 2D groups were built, the same on every rank (slowest over the world).
+
+    ``pass_bytes_per_s``: one shared-memory pass (sum of two slots into a third buffer), bytes of the chunk per
+    second; ``chunk_overhead_s``: what a chunk costs besides its bytes (a small cross-node allreduce plus the
+    hand-off to the passes thread); ``link_bytes_per_s``: the cross-node allreduce's rate for 1 MiB.
+    """
+
+    pass_bytes_per_s: float
+    chunk_overhead_s: float
+    link_bytes_per_s: float
+
+    def chunk_bytes(self, nbytes: int) -> int:
+        """The chunk size that minimises ``J * overhead + 2 * (nbytes / J) / pass speed`` over J chunks.
+
+        The first chunk's reduce-scatter and the last one's allgather are not overlapped (2 C / pass speed);
+        every chunk adds the fixed overhead. The optimum is C = sqrt(S · overhead · pass speed / 2). A buffer
+        under two such chunks goes whole.
+        """
+        best = math.sqrt(nbytes * self.chunk_overhead_s * self.pass_bytes_per_s / 2)
+        best = min(max(best, _MIN_CHUNK), _MAX_CHUNK)
+        return nbytes if nbytes < 2 * best else int(best)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"pass_bytes_per_s": self.pass_bytes_per_s, "chunk_overhead_s": self.chunk_overhead_s,
+                "link_bytes_per_s": self.link_bytes_per_s}
+
+
+def _timed(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def calibrate(cross: Any) -> Calibration:
+    """Measure the pass speed, the per-chunk overhead and the cross-node rate; agree on the slowest.
+
+    Collective over ``cross`` and then the world (call it where every rank builds the 2D groups). Costs a
+    few tens of ms once per process-group generation (two 1 MiB allreduces over the cross-node link).
+    """
+    a, b = torch.ones(1 << 20), torch.ones(1 << 20)
+    out = torch.empty(1 << 20)
+    pass_s = _timed(lambda: torch.add(a, b, out=out), 5)
+    tiny, mib = torch.zeros(1), torch.zeros(1 << 18)
+    latency_s = _timed(lambda: dist.all_reduce(tiny, group=cross), 5)
+    handoff_s = _timed(lambda: _passes.run(lambda: None), 5)
+    mib_s = _timed(lambda: dist.all_reduce(mib, group=cross), 2)
+    slow = torch.tensor([pass_s / (4 << 20), latency_s + handoff_s, max(mib_s - latency_s, 1e-6) / (1 << 20)],
+                        dtype=torch.float64)
+    dist.all_reduce(slow, op=dist.ReduceOp.MAX)  # every rank must cut buffers the same way
+    return Calibration(1 / float(slow[0]), float(slow[1]), 1 / float(slow[2]))
+
+
+def chunk_bounds(numel: int, chunk_numel: int, local_size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each chunk: ``chunk_numel`` rounded down to a multiple of ``local_size`` (so that every
+    chunk but the last splits into equal shards), at least ``local_size``."""
+    step = max(local_size, chunk_numel - chunk_numel % local_size)
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)] or [(0, 0)]
+
+
+def _chunk_numel(buf: torch.Tensor, compressor: Compressor, calibration: Calibration | None) -> int:
+    numel = buf.numel()
+    chosen = settings().chunk_mb
+    if not compressor.pipelines or chosen == 0:
+        return numel
+    if chosen is None:
+        nbytes = calibration.chunk_bytes(numel * buf.element_size()) if calibration is not None else numel
+        return max(1, nbytes // buf.element_size())
+    return max(1, int(chosen * (1 << 20)) // buf.element_size())
+
+
+def _shard(lo: int, hi: int, local_size: int, local_rank: int) -> tuple[int, int, int]:
+    """This rank's ``[start, end)`` of the chunk ``[lo, hi)`` and the padded shard width (same on every rank)."""
+    width = -(-(hi - lo) // local_size)
+    start = lo + local_rank * width
+    return start, max(start, min(start + width, hi)), width
+
+
+def reduce_2d_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segment: NodeSegment, cross: Any,
+                  local_peers: tuple[int, ...], cross_peers: tuple[int, ...], me: int,
+                  calibration: Calibration | None) -> tuple[int, int, dict[int, int]]:
+    """Sum the CPU tensor ``buf`` over every rank in place (on the communication thread): the pipeline above.
+
+    Returns the raw and wire bytes of what crossed nodes and the bytes sent to each peer, as
+    :func:`.algorithms.reduce_flat` records them.
+    """
+    local_size, local_rank = len(local_peers), local_peers.index(me)
+    wire_dtype = compressor.fused_wire_dtype(buf.dtype)
+    area = wire_dtype or buf.dtype
+    bounds = chunk_bounds(buf.numel(), _chunk_numel(buf, compressor, calibration), local_size)
+    segment.prepare(buf.numel() * buf.element_size(), len(bounds))
+    widest = bounds[0][1] - bounds[0][0]
+    scratch = buf.new_empty(-(-widest // local_size)) if local_size > 2 and area != buf.dtype else None
+
+    def scatter(k: int) -> None:
+        lo, hi = bounds[k]
+        segment.copy_in(buf, lo, hi, k)
+        start, end, width = _shard(lo, hi, local_size, local_rank)
+        segment.sum_shard(buf, start, end, segment.output(area, start, width), k, scratch)
+
+    def gather(k: int) -> None:
+        segment.copy_out(buf, *bounds[k], area, k, last=k == len(bounds) - 1)
+
+    scattered: list[Future[None]] = [_passes.submit(partial(scatter, 0))]
+    gathered: list[Future[None]] = []
+    total = Reduced(0, 0, {})
+    try:
+        for k, (lo, hi) in enumerate(bounds):
+            if k + 1 < len(bounds):
+                scattered.append(_passes.submit(partial(scatter, k + 1)))
+            scattered[k].result()
+            start, _, width = _shard(lo, hi, local_size, local_rank)
+            shard = segment.output(area, start, width)
+            if wire_dtype is not None:
+                done = compressor.reduce_wire(shard, width * buf.element_size(), cross, cross_peers, me)
+            elif len(bounds) == 1:
+                done = compressor.reduce(shard, (key, "2d"), cross, cross_peers, me)
+            else:  # state per chunk, keyed by its bounds: a new chunk size starts fresh instead of mismatching
+                whole = -(-buf.numel() // local_size)
+                done = compressor.reduce(shard, (key, "2d", lo, hi), cross, cross_peers, me, whole=whole)
+            segment.reduced(k)
+            total = Reduced(total.raw + done.raw, total.wire + done.wire, merge_sends(total.sends, done.sends))
+            gathered.append(_passes.submit(partial(gather, k)))
+        for future in gathered:
+            future.result()
+    except BaseException:
+        _passes.abandon()  # passes still queued wait on peers that may never come: leave them to time out
+        raise
+    shard_bytes = -(-buf.numel() // local_size) * buf.element_size()
+    local = spread(local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
+    return total.raw, total.wire, merge_sends(local, total.sends)
