@@ -72,19 +72,33 @@ def calibration(sizes_mib: list[float]) -> dict[str, Any] | None:
 
 def measure(op: Any, buf: Any, src: Any, comm: Any, row: dict[str, Any], timed: bool, counts_links: bool) -> None:
     """One iteration of one variant: fresh input, barrier, the op timed; link bytes counted around it."""
+    phases = pipeline_phases()
     buf.copy_(src)
     comm.Barrier()
     before = er.link_counters() if counts_links and timed else None
+    if phases is not None:
+        phases.clear()
     began = time.perf_counter()
     op(buf)
     elapsed = time.perf_counter() - began
     if timed:
         row["times"].append(elapsed)
+        for phase, seconds in (phases or {}).items():  # this rank's time in each phase of the 2D pipeline
+            row.setdefault("phases_s", {}).setdefault(phase, []).append(round(seconds, 5))
     if before is not None:
         comm.Barrier()  # every rank's share of this op has crossed the link
         after = er.link_counters()
         if after is not None:
             row["link"] = [row["link"][0] + after[0] - before[0], row["link"][1] + after[1] - before[1]]
+
+
+def pipeline_phases() -> dict[str, float] | None:
+    """The 2D pipeline's per-phase seconds (a taco from before the pipeline has none)."""
+    try:
+        from taco_notebook.comm.pipeline import phase_seconds
+    except ImportError:
+        return None
+    return phase_seconds
 
 
 def finish(row: dict[str, Any], comm: Any, rank: int, iters: int) -> None:

@@ -36,7 +36,20 @@ from .reduction import Reduced, merge_sends, spread
 from .shm import NodeSegment
 from .state import CommThread, state
 
-__all__ = ["Calibration", "calibrate", "chunk_bounds", "reduce_2d_shm"]
+__all__ = ["Calibration", "calibrate", "chunk_bounds", "reduce_2d_shm", "phase_seconds", "reset_phases"]
+
+# Seconds this rank spent in each phase since reset_phases(): the passes ("scatter": copy in and sum,
+# "gather": read back), the cross-node steps ("cross") and the comm thread's waits for the passes
+# ("wait_scatter", "wait_gather"). Where the pipeline's time goes, for benchmarks and profiling.
+phase_seconds: dict[str, float] = {}
+
+
+def reset_phases() -> None:
+    phase_seconds.clear()
+
+
+def _add(phase: str, began: float) -> None:
+    phase_seconds[phase] = phase_seconds.get(phase, 0.0) + time.perf_counter() - began
 
 _passes = CommThread()  # the shared-memory passes of the pipeline; left behind with the group on teardown
 state.on_teardown(_passes.abandon)
@@ -92,14 +105,15 @@ def calibrate(cross: Any) -> Calibration:
     Collective over ``cross`` and then the world (call it where every rank builds the 2D groups). Costs a
     few tens of ms once per process-group generation (two 1 MiB allreduces over the cross-node link).
     """
-    a, b = torch.ones(1 << 20), torch.ones(1 << 20)
-    out = torch.empty(1 << 20)
-    pass_s = _timed(lambda: torch.add(a, b, out=out), 5)
+    # 16 MiB operands, more than a cache holds: a pass over a large chunk streams from memory
+    a, b = torch.ones(1 << 22), torch.ones(1 << 22)
+    out = torch.empty(1 << 22)
+    pass_s = _timed(lambda: torch.add(a, b, out=out), 3)
     tiny, mib = torch.zeros(1), torch.zeros(1 << 18)
     latency_s = _timed(lambda: dist.all_reduce(tiny, group=cross), 5)
     handoff_s = _timed(lambda: _passes.run(lambda: None), 5)
     mib_s = _timed(lambda: dist.all_reduce(mib, group=cross), 2)
-    slow = torch.tensor([pass_s / (4 << 20), latency_s + handoff_s, max(mib_s - latency_s, 1e-6) / (1 << 20)],
+    slow = torch.tensor([pass_s / (16 << 20), latency_s + handoff_s, max(mib_s - latency_s, 1e-6) / (1 << 20)],
                         dtype=torch.float64)
     dist.all_reduce(slow, op=dist.ReduceOp.MAX)  # every rank must cut buffers the same way
     return Calibration(1 / float(slow[0]), float(slow[1]), 1 / float(slow[2]))
@@ -130,6 +144,59 @@ def _shard(lo: int, hi: int, local_size: int, local_rank: int) -> tuple[int, int
     return start, max(start, min(start + width, hi)), width
 
 
+class _Run:
+    """One pipelined allreduce of ``buf``: its chunks, and the three steps of a chunk."""
+
+    def __init__(self, buf: torch.Tensor, compressor: Compressor, key: Hashable, segment: NodeSegment,
+                 local_peers: tuple[int, ...], me: int, calibration: Calibration | None) -> None:
+        self.buf, self.compressor, self.key, self.segment = buf, compressor, key, segment
+        self.local_size, self.local_rank = len(local_peers), local_peers.index(me)
+        self.wire_dtype = compressor.fused_wire_dtype(buf.dtype)
+        self.area = self.wire_dtype or buf.dtype  # what the output area holds: the wire dtype when fused
+        self.bounds = chunk_bounds(buf.numel(), _chunk_numel(buf, compressor, calibration), self.local_size)
+        widest = -(-(self.bounds[0][1] - self.bounds[0][0]) // self.local_size)
+        self.scratch = (buf.new_empty(widest) if self.local_size > 2 and self.area != buf.dtype else None)
+
+    def shard(self, k: int) -> tuple[int, int, int]:
+        return _shard(*self.bounds[k], self.local_size, self.local_rank)
+
+    def scatter(self, k: int) -> None:
+        """Passes thread: copy chunk ``k`` in, sum this rank's shard of it into the output area."""
+        began, (lo, hi) = time.perf_counter(), self.bounds[k]
+        self.segment.copy_in(self.buf, lo, hi, k)
+        start, end, width = self.shard(k)
+        self.segment.sum_shard(self.buf, start, end, self.segment.output(self.area, start, width), k, self.scratch)
+        _add("scatter", began)
+
+    def cross(self, k: int, group: Any, peers: tuple[int, ...], me: int) -> Reduced:
+        """Comm thread: reduce this rank's shard of chunk ``k`` across nodes, in place in the output area."""
+        began, (lo, hi) = time.perf_counter(), self.bounds[k]
+        start, _, width = self.shard(k)
+        shard = self.segment.output(self.area, start, width)
+        if self.wire_dtype is not None:
+            done = self.compressor.reduce_wire(shard, width * self.buf.element_size(), group, peers, me)
+        elif len(self.bounds) == 1:
+            done = self.compressor.reduce(shard, (self.key, "2d"), group, peers, me)
+        else:  # state per chunk, keyed by its bounds: a new chunk size starts fresh instead of mismatching
+            whole = -(-self.buf.numel() // self.local_size)
+            done = self.compressor.reduce(shard, (self.key, "2d", lo, hi), group, peers, me, whole=whole)
+        self.segment.reduced(k)
+        _add("cross", began)
+        return done
+
+    def gather(self, k: int) -> None:
+        """Passes thread: read chunk ``k`` back once every local rank reduced its shard of it."""
+        began = time.perf_counter()
+        self.segment.copy_out(self.buf, *self.bounds[k], self.area, k, last=k == len(self.bounds) - 1)
+        _add("gather", began)
+
+
+def _waited(future: Future[None], phase: str) -> None:
+    began = time.perf_counter()
+    future.result()
+    _add(phase, began)
+
+
 def reduce_2d_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segment: NodeSegment, cross: Any,
                   local_peers: tuple[int, ...], cross_peers: tuple[int, ...], me: int,
                   calibration: Calibration | None) -> tuple[int, int, dict[int, int]]:
@@ -138,48 +205,25 @@ def reduce_2d_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segm
     Returns the raw and wire bytes of what crossed nodes and the bytes sent to each peer, as
     :func:`.algorithms.reduce_flat` records them.
     """
-    local_size, local_rank = len(local_peers), local_peers.index(me)
-    wire_dtype = compressor.fused_wire_dtype(buf.dtype)
-    area = wire_dtype or buf.dtype
-    bounds = chunk_bounds(buf.numel(), _chunk_numel(buf, compressor, calibration), local_size)
-    segment.prepare(buf.numel() * buf.element_size(), len(bounds))
-    widest = bounds[0][1] - bounds[0][0]
-    scratch = buf.new_empty(-(-widest // local_size)) if local_size > 2 and area != buf.dtype else None
-
-    def scatter(k: int) -> None:
-        lo, hi = bounds[k]
-        segment.copy_in(buf, lo, hi, k)
-        start, end, width = _shard(lo, hi, local_size, local_rank)
-        segment.sum_shard(buf, start, end, segment.output(area, start, width), k, scratch)
-
-    def gather(k: int) -> None:
-        segment.copy_out(buf, *bounds[k], area, k, last=k == len(bounds) - 1)
-
-    scattered: list[Future[None]] = [_passes.submit(partial(scatter, 0))]
+    run = _Run(buf, compressor, key, segment, local_peers, me, calibration)
+    chunks = len(run.bounds)
+    segment.prepare(buf.numel() * buf.element_size(), chunks)  # may grow: a node collective, on this thread
+    scattered: list[Future[None]] = [_passes.submit(partial(run.scatter, 0))]
     gathered: list[Future[None]] = []
     total = Reduced(0, 0, {})
     try:
-        for k, (lo, hi) in enumerate(bounds):
-            if k + 1 < len(bounds):
-                scattered.append(_passes.submit(partial(scatter, k + 1)))
-            scattered[k].result()
-            start, _, width = _shard(lo, hi, local_size, local_rank)
-            shard = segment.output(area, start, width)
-            if wire_dtype is not None:
-                done = compressor.reduce_wire(shard, width * buf.element_size(), cross, cross_peers, me)
-            elif len(bounds) == 1:
-                done = compressor.reduce(shard, (key, "2d"), cross, cross_peers, me)
-            else:  # state per chunk, keyed by its bounds: a new chunk size starts fresh instead of mismatching
-                whole = -(-buf.numel() // local_size)
-                done = compressor.reduce(shard, (key, "2d", lo, hi), cross, cross_peers, me, whole=whole)
-            segment.reduced(k)
+        for k in range(chunks):
+            if k + 1 < chunks:  # queued behind the allgather of chunk k-1: RS k+1, X k and AG k-1 overlap
+                scattered.append(_passes.submit(partial(run.scatter, k + 1)))
+            _waited(scattered[k], "wait_scatter")
+            done = run.cross(k, cross, cross_peers, me)
             total = Reduced(total.raw + done.raw, total.wire + done.wire, merge_sends(total.sends, done.sends))
-            gathered.append(_passes.submit(partial(gather, k)))
+            gathered.append(_passes.submit(partial(run.gather, k)))
         for future in gathered:
-            future.result()
+            _waited(future, "wait_gather")
     except BaseException:
         _passes.abandon()  # passes still queued wait on peers that may never come: leave them to time out
         raise
-    shard_bytes = -(-buf.numel() // local_size) * buf.element_size()
+    shard_bytes = -(-buf.numel() // run.local_size) * buf.element_size()
     local = spread(local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
     return total.raw, total.wire, merge_sends(local, total.sends)
