@@ -85,8 +85,9 @@ def measure(op: Any, buf: Any, src: Any, comm: Any, row: dict[str, Any], timed: 
         row["times"].append(elapsed)
         for phase, seconds in (phases or {}).items():  # this rank's time in each phase of the 2D pipeline
             row.setdefault("phases_s", {}).setdefault(phase, []).append(round(seconds, 5))
+    if timed:
+        comm.Barrier()  # every rank's share of this op has crossed the link (on every rank: same barriers)
     if before is not None:
-        comm.Barrier()  # every rank's share of this op has crossed the link
         after = er.link_counters()
         if after is not None:
             row["link"] = [row["link"][0] + after[0] - before[0], row["link"][1] + after[1] - before[1]]
