@@ -67,8 +67,8 @@ class Compressor(ABC):
 
     name: str = "abstract"
     # Whether the pipelined 2D allreduce may hand this compressor a large shard in chunks, each reduced on its
-    # own (its state keyed per chunk). True for element-wise payloads (casts, TopK: a chunk's top entries are
-    # selected within the chunk); PowerSGD says False, since each chunk would cost a rank-r factorisation.
+    # own (its state keyed per chunk). True for dense payloads, whose network time the chunks hide; TopK and
+    # PowerSGD say False (little network time to hide; a chunk's selection or factorisation costs more).
     pipelines: bool = True
 
     def __init__(self) -> None:
@@ -92,11 +92,8 @@ class Compressor(ABC):
         """Rebuild a dense tensor with the shape and dtype ``compress`` saw."""
 
     def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
-               me: int, whole: int | None = None) -> Reduced:
+               me: int) -> Reduced:
         """Sum ``shard`` over ``group`` (ranks ``peers``, this one ``me``) in place, sending it compressed.
-
-        ``whole``: when ``shard`` is one chunk of a larger shard (the pipelined 2D algorithm), that shard's
-        number of elements, for decisions that must not depend on the chunking (TopK's dense threshold).
 
         The default suits dense payloads (none, fp16, bf16): an allreduce of the payload, then decompress.
         A compressor whose payloads cannot be summed on the wire (TopK's values and indices, a low-rank

@@ -1,10 +1,12 @@
 """The 2D allreduce of CPU tensors through the node's shared memory, pipelined in chunks.
 
-A buffer goes in chunks. For each chunk, every rank copies it into its slot, sums its shard across the
-slots straight into the output area (in the wire dtype when the compression is a cast: fp16/bf16 are written
-by the same pass that sums), the cross-node step reduces that shard in place, and every rank reads the
-output area back (casting back in the same copy). The shared-memory passes run on a thread of their own
-(``_passes``), the cross-node steps on the communication thread, so the intra-node reduce-scatter of chunk
+A buffer goes in chunks when its compressor's payload is dense (none, fp16, bf16: ``Compressor.pipelines``;
+TopK and PowerSGD reduce a shard whole, with the same passes and one chunk). For each chunk, every rank copies
+it into its slot, sums its shard across the slots straight into the output area (in the wire dtype when the
+compression is a cast: fp16/bf16 are written by the same pass that sums), the cross-node step reduces that
+shard in place, and every rank reads the output area back (casting back in the same copy). The shared-memory
+passes run on a thread of their own (``_passes``), the cross-node steps on the communication thread, so the
+intra-node reduce-scatter of chunk
 k+1, the cross-node exchange of chunk k and the allgather of chunk k-1 overlap::
 
     passes thread:  RS0  RS1  AG0  RS2  AG1  RS3  AG2 ...
@@ -178,8 +180,7 @@ class _Run:
         elif len(self.bounds) == 1:
             done = self.compressor.reduce(shard, (self.key, "2d"), group, peers, me)
         else:  # state per chunk, keyed by its bounds: a new chunk size starts fresh instead of mismatching
-            whole = -(-self.buf.numel() // self.local_size)
-            done = self.compressor.reduce(shard, (self.key, "2d", lo, hi), group, peers, me, whole=whole)
+            done = self.compressor.reduce(shard, (self.key, "2d", lo, hi), group, peers, me)
         self.segment.reduced(k)
         _add("cross", began)
         return done

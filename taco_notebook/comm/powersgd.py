@@ -277,7 +277,7 @@ class PowerSGDCompressor(Compressor):
         return shapes
 
     def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
-               me: int, whole: int | None = None) -> Reduced:
+               me: int) -> Reduced:
         """Sum ``shard`` over ``group`` in place: allreduce ``P``, orthogonalise, allreduce ``Q``, rebuild.
 
         On ``2d`` the group is the cross-node one, so only what crosses nodes is compressed. Tensors left
