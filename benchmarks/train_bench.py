@@ -26,7 +26,8 @@ from typing import Any
 import emulated_run as er
 
 DDP_VARIANTS = ["compute-only", "ddp", "ddp+fp16", "ddp+powersgd"]
-TACO_VARIANTS = {"taco-2d": None, "taco-2d+fp16": "fp16", "taco-2d+topk:0.01": "topk:0.01"}
+TACO_VARIANTS = ["taco-2d", "taco-2d+fp16", "taco-2d+topk:0.01", "taco-2d+powersgd", "taco-flat+powersgd",
+                 "ddp+taco-powersgd"]
 TACO_MISSING = "taco API not available yet (no taco_notebook.comm.DistributedOptimizer)"
 IN_FEATURES, HIDDEN, CLASSES = 2048, 4096, 10
 CENTROID_SCALE = 0.1
@@ -43,8 +44,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD matrix approximation rank")
     parser.add_argument("--variants", nargs="+", default=None, help="only these variants (names as in the table)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every variant this many times, interleaved (round 1: all, round 2: all, ...); "
+                        "the table shows the median samples/s")
+    parser.add_argument("--fusion-mb", nargs="+", type=float, default=None,
+                        help="fusion thresholds to measure, each a variant of every taco DistributedOptimizer row")
     er.add_launch_args(parser, timeout_s=1200)
     return parser.parse_args(argv)
+
+
+def taco_spec(variant: str, args: argparse.Namespace) -> tuple[str | None, str]:
+    """(compression, algorithm) of a taco variant; PowerSGD starts compressing at step 2, as torch's hook does
+    here (``start_powerSGD_iter=2``), at the same rank."""
+    base = variant.split(" [")[0]
+    algorithm = "flat" if "flat" in base or base.startswith("ddp") else "2d"
+    kind = base.split("+", 1)[1] if "+" in base else None
+    if kind is not None and "powersgd" in kind:
+        kind = f"powersgd:{args.powersgd_rank}:warmup=2"
+    return kind, algorithm
+
+
+def variant_names(args: argparse.Namespace, taco_ok: bool) -> list[str]:
+    names = DDP_VARIANTS + (TACO_VARIANTS if taco_ok else [])
+    if args.variants:
+        names = [v for v in names if v in args.variants]
+    if args.fusion_mb:
+        names = [f"{v} [fusion {mb:g}]" if v.startswith("taco") else v for v in names
+                 for mb in (args.fusion_mb if v.startswith("taco") else [None])]
+    return names
 
 
 def build_model(hidden_layers: int) -> Any:
@@ -92,9 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     batches = synthetic_batches(args.warmup + args.steps, args.batch, seed=100 + rank)
     eval_x, eval_y = synthetic_batches(1, 1024, seed=999)[0]
     taco_ok = hasattr(taco, "DistributedOptimizer")
-    names = DDP_VARIANTS + (list(TACO_VARIANTS) if taco_ok else [])
-    if args.variants:
-        names = [v for v in names if v in args.variants]
+    names = variant_names(args, taco_ok)
     result: dict[str, Any] = {"world_size": n, "nodes": topo.num_nodes, "node_ranks": topo.node_ranks,
                               "parameters": sum(p.numel() for p in build_model(args.hidden_layers).parameters()),
                               "taco_available": taco_ok, "taco_note": None if taco_ok else TACO_MISSING,
@@ -105,6 +130,12 @@ def worker(args: argparse.Namespace) -> None:
         sgd = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)  # noqa: E731
         if variant == "compute-only":
             return model, model, sgd(model.parameters())
+        if variant == "ddp+taco-powersgd":  # taco's hook: DDP's own buckets, taco's PowerSGD per weight
+            net = DDP(model)
+            compression, algorithm = taco_spec(variant, args)
+            net.register_comm_hook(taco.hooks.TacoHookState(compression=compression, algorithm=algorithm),
+                                   taco.hooks.allreduce_hook)
+            return model, net, sgd(net.parameters())
         if variant.startswith("ddp"):
             if variant == "ddp+powersgd":  # gloo: one bucket, and compress from step 2 (ENVIRONMENT.md)
                 net = DDP(model, bucket_cap_mb=1024)
@@ -117,12 +148,14 @@ def worker(args: argparse.Namespace) -> None:
                 if variant == "ddp+fp16":
                     net.register_comm_hook(None, default_hooks.fp16_compress_hook)  # type: ignore[arg-type]
             return model, net, sgd(net.parameters())
+        compression, algorithm = taco_spec(variant, args)
+        fusion = float(variant.split("[fusion ")[1].rstrip("]")) if "[fusion " in variant else None
         opt = taco.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),  # type: ignore[operator]
-                                        compression=TACO_VARIANTS[variant], algorithm="2d")
+                                        compression=compression, algorithm=algorithm, fusion_mb=fusion)
         return model, model, opt
 
-    for variant in names:
-        row: dict[str, Any] = {"variant": variant}
+    for round_, variant in [(i, v) for i in range(args.rounds) for v in names]:
+        row: dict[str, Any] = {"variant": variant, "round": round_}
         try:
             model, net, opt = make(variant)
             losses = []
@@ -164,8 +197,20 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---- driver ------------------------------------------------------------------------------------------------
+def median_rows(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant: the round with the median samples/s (all rounds' figures kept alongside)."""
+    rows = []
+    for name in dict.fromkeys(r["variant"] for r in raw):
+        runs = [r for r in raw if r["variant"] == name]
+        timed = sorted((r for r in runs if "samples_per_s" in r), key=lambda r: r["samples_per_s"])
+        row = dict(timed[(len(timed) - 1) // 2] if timed else runs[0])
+        row["samples_per_s_all"] = [round(r.get("samples_per_s", 0.0), 1) for r in runs]
+        rows.append(row)
+    return rows
+
+
 def build_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = [dict(r) for r in result.get("rows", [])]
+    rows = median_rows(result.get("rows", []))
     by_name = {r["variant"]: r for r in rows}
     ddp, alone = by_name.get("ddp", {}), by_name.get("compute-only", {})
     for r in rows:
@@ -184,14 +229,15 @@ def build_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ["variant", "samples/s", "vs ddp", "vs compute-only", "final loss", "Δ loss vs ddp",
-              "replicas equal", "note"]
+    header = ["variant", "samples/s (median)", "all rounds", "vs ddp", "vs compute-only", "final loss",
+              "Δ loss vs ddp", "replicas equal", "note"]
     out = []
     for r in rows:
         ok = "samples_per_s" in r
         out.append([
             r["variant"],
             f"{r['samples_per_s']:.1f}" if ok else "",
+            ", ".join(f"{x:g}" for x in r.get("samples_per_s_all", [])),
             f"{r['vs_ddp']:.2f}×" if "vs_ddp" in r else "",
             f"{r['vs_compute_only']:.2f}×" if "vs_compute_only" in r else "",
             f"{r['final_loss']:.4f}" if ok else "",

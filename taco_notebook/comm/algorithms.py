@@ -2,7 +2,8 @@
 
 ``2d`` (TACO-Training's LightCC, also Horovod's hierarchical allreduce) for L ranks on each of M nodes:
 
-1. reduce-scatter inside each node: local rank i ends up with the node's sum of shard i (1/L of the tensor);
+1. reduce-scatter inside each node: local rank i ends up with the node's sum of shard i (1/L of the tensor)
+   (CPU tensors: through shared memory, in chunks pipelined with steps 2 and 3, see :mod:`.pipeline`);
 2. L parallel inter-node allreduces, one per local rank, of that shard only, over the ranks with the same
    local rank on the other nodes: every rank's NIC share and core work, and only 2(M-1)/M·S/L per rank
    crosses the network, compressed (fp16/bf16 cast or TopK with error feedback) if asked;
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from . import bootstrap, metrics, streams
 from .compression import Compressor, NoneCompressor
 from .config import check_algorithm, compressor_for, settings
+from .pipeline import Calibration, calibrate, reduce_2d_shm
 from .reduction import all_gather, merge_sends, reduce_scatter, spread
 from .shm import NodeSegment, new_tag
 from .stall import tracked
@@ -49,6 +51,7 @@ class _Hierarchy:
     local_peers: tuple[int, ...]
     cross_peers: tuple[int, ...]
     segment: NodeSegment | None  # shared memory for the intra-node steps of CPU tensors
+    calibration: Calibration | None = None  # measured speeds that size the pipeline's chunks (with segment)
 
 
 _hierarchy = state.hierarchy  # generation -> this rank's 2D groups, dropped on teardown
@@ -66,11 +69,13 @@ def _build_hierarchy() -> _Hierarchy | None:
     crosses = [dist.new_group([ranks[i] for ranks in topo.node_ranks], backend=backend)
                for i in range(topo.local_size)]
     local = locals_[topo.node]
-    segment = None
+    segment, calibration = None, None
     if settings().shm:  # configure(shm=False) / TACO_SHM=0 keeps the intra-node steps on the process group
-        segment = NodeSegment(local, topo.local_rank, topo.local_size, new_tag(local))
+        segment = NodeSegment(local, topo.local_rank, topo.local_size, new_tag(local),
+                              settings().collective_timeout)
+        calibration = calibrate(crosses[topo.local_rank])
     return _Hierarchy(local, crosses[topo.local_rank], topo.node_ranks[topo.node],
-                      tuple(ranks[topo.local_rank] for ranks in topo.node_ranks), segment)
+                      tuple(ranks[topo.local_rank] for ranks in topo.node_ranks), segment, calibration)
 
 
 def hierarchy() -> _Hierarchy | None:
@@ -111,21 +116,20 @@ def resolve_algorithm(algorithm: str | None) -> str:
 
 def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: _Hierarchy,
                me: int) -> tuple[int, int, dict[int, int]]:
+    if tiers.segment is not None and buf.device.type == "cpu":
+        return reduce_2d_shm(buf, compressor, key, tiers.segment, tiers.cross, tiers.local_peers,
+                             tiers.cross_peers, me, tiers.calibration)
+    # CUDA tensors (and shm=False): the node's process group (NCCL on GPUs), on the comm stream
     local_size = len(tiers.local_peers)
     chunk = -(-buf.numel() // local_size)
     shard = buf.new_empty(chunk)
-    if tiers.segment is not None and buf.device.type == "cpu":
-        tiers.segment.reduce_scatter(buf, shard)
-        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
-        tiers.segment.all_gather(buf, shard)
-    else:
-        padded = buf if buf.numel() == chunk * local_size else torch.cat(
-            [buf, buf.new_zeros(chunk * local_size - buf.numel())])
-        reduce_scatter(shard, padded, group=tiers.local)
-        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
-        all_gather(padded, shard, group=tiers.local)
-        if padded is not buf:
-            buf.copy_(padded[: buf.numel()])
+    padded = buf if buf.numel() == chunk * local_size else torch.cat(
+        [buf, buf.new_zeros(chunk * local_size - buf.numel())])
+    reduce_scatter(shard, padded, group=tiers.local)
+    raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
+    all_gather(padded, shard, group=tiers.local)
+    if padded is not buf:
+        buf.copy_(padded[: buf.numel()])
     shard_bytes = chunk * buf.element_size()
     local = spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
     return raw, wire, merge_sends(local, cross_sends)

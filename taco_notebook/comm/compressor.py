@@ -66,6 +66,10 @@ class Compressor(ABC):
     """
 
     name: str = "abstract"
+    # Whether the pipelined 2D allreduce may hand this compressor a large shard in chunks, each reduced on its
+    # own (its state keyed per chunk). True for dense payloads, whose network time the chunks hide; TopK and
+    # PowerSGD say False (little network time to hide; a chunk's selection or factorisation costs more).
+    pipelines: bool = True
 
     def __init__(self) -> None:
         self.stats = CompressionStats()
@@ -112,6 +116,27 @@ class Compressor(ABC):
         sends = ring_sends(peers, me, wire)
         factor = sum(sends.values()) / wire if wire else 0.0
         return Reduced(int(factor * raw), sum(sends.values()), sends)
+
+    def fused_wire_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype of this compressor's payload for a ``dtype`` tensor when that payload is the tensor cast
+        (none: ``dtype`` itself; fp16/bf16: theirs), else None (TopK, PowerSGD).
+
+        A pass that produces the shard anyway (the 2D algorithm's shared-memory sum) then writes it straight
+        in this dtype and calls :meth:`reduce_wire`, instead of a full-size cast before and after the network.
+        """
+        return None
+
+    def reduce_wire(self, payload: torch.Tensor, raw_bytes: int, group: Any, peers: tuple[int, ...],
+                    me: int) -> Reduced:
+        """Sum over ``group`` a ``payload`` already in :meth:`fused_wire_dtype` (a shard of ``raw_bytes``
+        before the cast), in place: the dense reduction without the casts, with the same accounting."""
+        wire = payload.numel() * payload.element_size()
+        self.stats.add(raw_bytes, wire)
+        if len(peers) > 1:
+            dist.all_reduce(payload, group=group)
+        sends = ring_sends(peers, me, wire)
+        factor = sum(sends.values()) / wire if wire else 0.0
+        return Reduced(int(factor * raw_bytes), sum(sends.values()), sends)
 
     def describe_buffer(self, name: Hashable, shapes: Sequence[Sequence[int]]) -> None:
         """The buffers allreduced under ``name`` pack tensors of ``shapes``, in order (DistributedOptimizer

@@ -4,11 +4,12 @@ Defaults come from the environment (parsed in :mod:`.specs`): TACO-Training's Li
 for it behave the same here (``LIGHT_2D_ALLREDUCE``: 1 = hierarchical, 0 = flat, unset = hierarchical when
 the job spans several nodes with several ranks each; ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` /
 ``LIGHT_TOPK_THRESHOLD``: TopK compression), ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by
-default), ``TACO_SHM`` (0 keeps the 2D algorithm's intra-node steps on the process group) and
-``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default) and ``TACO_STALL_TIMEOUT`` (seconds, 300 by default, 0
-= off: see :mod:`.stall`). ``configure()``, each call's arguments and, from a
-notebook, ``%%taco_run``'s options and ``TacoMagics`` traits (``--algorithm/--compression/--fusion-mb`` configure
-the ranks for a cell; ``--shm/--collective-timeout`` go into the cluster's environment, see
+default), ``TACO_SHM`` (0 keeps the 2D algorithm's intra-node steps on the process group),
+``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default), ``TACO_STALL_TIMEOUT`` (seconds, 300 by default, 0
+= off: see :mod:`.stall`) and ``TACO_CHUNK_MB`` (the 2D pipeline's chunk in MiB; ``auto``, the default, picks
+it from measured speeds; 0 turns pipelining off). ``configure()``, each call's arguments and, from a notebook,
+``%%taco_run``'s options and ``TacoMagics`` traits (``--algorithm/--compression/--fusion-mb`` configure the
+ranks for a cell; ``--shm/--collective-timeout`` go into the cluster's environment, see
 ``taco_notebook.magics.settings``) override them. The environment is read when a setting is first used, not at
 import.
 """
@@ -23,9 +24,11 @@ from .specs import (
     DEFAULT_FUSION_MB,
     algorithm_from_env,
     check_algorithm,
+    check_chunk_mb,
     check_fusion_mb,
     check_stall_timeout,
     check_timeout,
+    chunk_mb_from_env,
     fusion_mb_from_env,
     shm_from_env,
     stall_timeout_from_env,
@@ -44,11 +47,14 @@ class Settings:
     shm: bool = True  # 2D's intra-node steps through a shared-memory segment (CPU tensors), not the group
     collective_timeout: float = 1800.0  # seconds a collective (and the rendezvous) of the next init() waits
     stall_timeout: float = 300.0  # seconds a collective waits for missing ranks before it fails naming them; 0: off
+    # 2D pipeline chunk in MiB: None = from the speeds measured when the 2D groups are built (see
+    # pipeline.Calibration), 0 = one chunk (no overlap of the shared-memory passes with the network)
+    chunk_mb: float | None = None
 
 
 def _from_env() -> Settings:
     return Settings(algorithm_from_env(), compression_from_env().name, fusion_mb_from_env(), shm_from_env(),
-                    timeout_from_env(), stall_timeout_from_env())
+                    timeout_from_env(), stall_timeout_from_env(), chunk_mb_from_env())
 
 
 _current: Settings | None = None
@@ -66,12 +72,15 @@ def settings() -> Settings:
 
 def configure(algorithm: str | None = None, compression: str | None = None, fusion_mb: float | None = None,
               reset: bool = False, *, shm: bool | None = None,
-              collective_timeout: float | None = None, stall_timeout: float | str | None = None) -> Settings:
+              collective_timeout: float | None = None, stall_timeout: float | str | None = None,
+              chunk_mb: float | str | None = None) -> Settings:
     """Change this rank's defaults (``reset=True`` goes back to the environment's). Returns the new ones.
 
     ``shm`` applies to the 2D groups built next (after ``reinit()``), ``collective_timeout`` to the next
     ``init()``/``reinit()``: both are fixed when the groups are made. ``stall_timeout`` (seconds, 0 or
-    ``"off"`` for never) applies from the next collective on (:mod:`.stall`).
+    ``"off"`` for never) applies from the next collective on (:mod:`.stall`); ``chunk_mb`` sets the 2D
+    pipeline's chunk size in MiB from the next allreduce on (``"auto"``: from measured speeds; 0: no
+    pipelining).
     """
     global _current
     base = _from_env() if reset else settings()
@@ -90,6 +99,8 @@ def configure(algorithm: str | None = None, compression: str | None = None, fusi
         changes["collective_timeout"] = check_timeout(collective_timeout)
     if stall_timeout is not None:
         changes["stall_timeout"] = check_stall_timeout(stall_timeout)
+    if chunk_mb is not None:
+        changes["chunk_mb"] = check_chunk_mb(chunk_mb)
     _current = replace(base, **changes)  # type: ignore[arg-type]
     return _current
 

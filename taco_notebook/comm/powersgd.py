@@ -131,6 +131,9 @@ class PowerSGDCompressor(Compressor):
     would send); :meth:`reduce` interleaves the two sums over the group between the steps.
     """
 
+    # A 2D shard stays one matrix: chunks would each cost a rank-r factorisation and lose the warm start.
+    pipelines = False
+
     def __init__(self, rank: int, warmup: int = DEFAULT_POWERSGD_WARMUP,
                  min_size: int = DEFAULT_POWERSGD_MIN_SIZE, error_feedback: bool = True, seed: int = 0) -> None:
         super().__init__()

@@ -29,7 +29,8 @@ from typing import Any
 __all__ = ["ALGORITHMS", "DEFAULT_FUSION_MB", "DEFAULT_TIMEOUT_S", "DEFAULT_TOPK_RATIO", "DEFAULT_TOPK_THRESHOLD",
            "DEFAULT_POWERSGD_WARMUP", "DEFAULT_POWERSGD_MIN_SIZE", "CompressionSpec", "SpecOption", "SpecGrammar",
            "TOPK", "POWERSGD", "parse_flag", "parse_compression_spec",
-           "check_algorithm", "check_fusion_mb", "check_timeout", "compression_spec_from_env",
+           "check_algorithm", "check_fusion_mb", "check_chunk_mb", "chunk_mb_from_env", "check_timeout",
+           "compression_spec_from_env",
            "algorithm_from_env", "fusion_mb_from_env", "shm_from_env", "timeout_from_env", "number_from_env",
            "check_choice", "check_positive", "DEFAULT_STALL_TIMEOUT_S", "check_stall_timeout",
            "stall_timeout_from_env"]
@@ -252,6 +253,27 @@ def check_fusion_mb(value: float) -> float:
     if not value >= 0:
         raise ValueError(f"fusion threshold must be >= 0 MB (0 = no fusion), got {value!r}")
     return float(value)
+
+
+def check_chunk_mb(value: float | str | None, what: str = "pipeline chunk size") -> float | None:
+    """A pipeline chunk size in MiB: None or ``"auto"`` = chosen from measured speeds, 0 = no pipelining."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not 0 <= number < float("inf"):
+        raise ValueError(f"{what} must be 'auto' or a number of MiB >= 0 (0 = no pipelining), got {value!r}")
+    return number
+
+
+def chunk_mb_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """``TACO_CHUNK_MB``: the 2D pipeline's chunk size in MiB (unset or ``auto``: from measured speeds)."""
+    env = os.environ if environ is None else environ
+    return check_chunk_mb(env.get("TACO_CHUNK_MB", "").strip() or None, "TACO_CHUNK_MB")
 
 
 def check_timeout(value: float, what: str = "collective timeout") -> float:

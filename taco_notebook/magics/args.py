@@ -105,7 +105,7 @@ run_args = _stack(
              help="allreduce for this cell: auto (2d across several nodes), flat or 2d (TacoMagics.algorithm, "
                   "LIGHT_2D_ALLREDUCE)"),
     argument("--compression", default=None, metavar="SPEC",
-             help="what crosses nodes: none, fp16, bf16 or topk:RATIO (TacoMagics.compression, "
+             help="what crosses nodes: none, fp16, bf16, topk:RATIO or powersgd:RANK (TacoMagics.compression, "
                   "LIGHT_TOPK_ALLREDUCE)"),
     argument("--fusion-mb", dest="fusion_mb", default=None, metavar="MB",
              help="fuse gradients into buckets of up to MB megabytes (default 64; 0 = no fusion; "

@@ -10,6 +10,7 @@ import sys
 import torch
 
 import taco_notebook.comm as taco
+from taco_notebook.comm import algorithms
 
 torch.set_num_threads(1)
 r, n = taco.rank(), taco.size()
@@ -38,19 +39,55 @@ for algorithm in ("flat", "2d"):
             assert torch.allclose(c, want, rtol=tol, atol=tol), (algorithm, spec, (c - want).abs().max())
             assert c.dtype == torch.float32 and same_everywhere(c)
 
+# --- pipelined 2D: shared-memory passes in chunks on their own thread, casts fused into the passes. Chunks of
+# 4 KiB and of an odd size (not a multiple of the local size in bytes) force many chunks and a ragged last one.
+for chunk_mb in (0.004, 0.0013):
+    taco.configure(chunk_mb=chunk_mb)
+    for size in (5, 4099, 20_001):
+        base = torch.arange(size, dtype=torch.float32) % 97
+        t = base * (r + 1)
+        taco.allreduce(t, algorithm="2d")
+        assert torch.equal(t, base * sum(range(1, n + 1))), (chunk_mb, size)  # exact for none
+        wide = base.double() * (r + 1)
+        taco.allreduce(wide, algorithm="2d")
+        assert torch.equal(wide, base.double() * sum(range(1, n + 1))), (chunk_mb, size)
+        for spec, tol in (("fp16", 1e-3), ("bf16", 1e-2)):
+            c = (base + 0.5) * (r + 1) / 7
+            taco.allreduce(c, op="avg", compression=spec, algorithm="2d")
+            want = (base + 0.5) * (n + 1) / 2 / 7
+            assert torch.allclose(c, want, rtol=tol, atol=tol), (chunk_mb, spec, (c - want).abs().max())
+            assert c.dtype == torch.float32 and same_everywhere(c)
+        for spec in ("topk:0.05:threshold=0", "powersgd:1:warmup=0:min_size=0"):
+            c = torch.randn(size, generator=torch.Generator().manual_seed(r))
+            taco.allreduce(c, compression=spec, algorithm="2d", name=("chunks", spec, chunk_mb, size))
+            assert same_everywhere(c), (chunk_mb, spec, size)
+taco.configure(chunk_mb=0.004)
+taco.metrics.reset()
+t = torch.ones(40_000)
+taco.allreduce(t, compression="topk:0.01:threshold=0", algorithm="2d", name="chunked-m")
+assert taco.metrics.snapshot()["compression_ratio"] > 10  # TopK ignores the chunk size: the shard goes whole
+taco.configure(chunk_mb="auto")
+calibration = algorithms.hierarchy().calibration
+assert calibration is not None and calibration.pass_bytes_per_s > 0 and calibration.chunk_overhead_s > 0
+agreed = torch.tensor([calibration.chunk_bytes(100 << 20)], dtype=torch.float64)
+assert same_everywhere(agreed), agreed  # every rank cuts a buffer the same way
+
 # --- TopK with error feedback: a constant gradient is fully delivered over steps; all ranks agree
-for algorithm in ("flat", "2d"):
+for algorithm, chunk_mb in (("flat", "auto"), ("2d", "auto"), ("2d", 0.004)):
+    taco.configure(chunk_mb=chunk_mb)
     g = torch.linspace(-1, 1, 4000) * (r + 1)
     delivered = torch.zeros_like(g)
     steps = 200  # the residual stays bounded (~1/ratio steps of gradient), so its share shrinks
     for _ in range(steps):
         out = g.clone()
-        taco.allreduce(out, compression="topk:0.05:threshold=0", algorithm=algorithm, name=("ef", algorithm))
+        taco.allreduce(out, compression="topk:0.05:threshold=0", algorithm=algorithm,
+                       name=("ef", algorithm, chunk_mb))
         assert same_everywhere(out)
         delivered += out
     truth = torch.linspace(-1, 1, 4000) * sum(range(1, n + 1)) * steps
     err = (delivered - truth).norm() / truth.norm()
-    assert err < 0.08, (algorithm, float(err))
+    assert err < 0.08, (algorithm, chunk_mb, float(err))
+taco.configure(chunk_mb="auto")
 
 # --- metrics: bytes per link and compression ratio
 taco.metrics.reset()
@@ -127,7 +164,8 @@ for spec in ("none", "fp16"):
 for bad, kind, words in ((lambda: taco.allreduce(torch.ones(2), compression="gzip"), ValueError, "unknown compression"),
                          (lambda: taco.allreduce(torch.ones(2), algorithm="3d"), ValueError, "unknown algorithm"),
                          (lambda: taco.DistributedOptimizer(object()), TypeError, "wraps a torch.optim.Optimizer"),
-                         (lambda: taco.configure(fusion_mb=-1), ValueError, "fusion threshold")):
+                         (lambda: taco.configure(fusion_mb=-1), ValueError, "fusion threshold"),
+                         (lambda: taco.configure(chunk_mb="big"), ValueError, "pipeline chunk size must be")):
     try:
         bad()
     except kind as exc:
