@@ -29,7 +29,7 @@ import pickle
 from typing import Any
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result"]
+           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "flush_metrics"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
@@ -110,6 +110,12 @@ def begin_cell(dashboard: bool = True, interval: float = SEND_S) -> None:
     metrics.reset()
     _sender.sent = None
     metrics.set_sender(_sender if dashboard else None, interval)
+
+
+def flush_metrics() -> None:
+    """Send the dashboard the end state now, as the post_execute hook does after a cell: for work run through
+    ``view.apply`` (a script, ``cluster/script.py``), which fires no post_execute."""
+    _sender.flush()
 
 
 def configure_cell(settings: dict[str, Any]) -> None:
