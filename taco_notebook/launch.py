@@ -8,9 +8,9 @@ sidebar under that name is used and left running) and stops what it started when
 interrupted (Ctrl-C, SIGTERM, SIGHUP) or cannot start.
 
 Exit status: 0 when every rank finished; 1 when a rank raised, died or timed out (the first failing rank and its
-traceback on stderr), or the cluster could not start; 2 for a usage mistake (before anything starts); 130 after
-Ctrl-C. ``TacoMagics.*`` traits are the notebook's: here each option's default comes from the environment
-(``LIGHT_TOPK_ALLREDUCE``, ``TACO_GPUS``…), as a plain ``mpiexec`` job's would.
+traceback on stderr), or the cluster could not start; 2 for a usage mistake (before anything starts); 128 + the
+signal after one (130 Ctrl-C, 143 SIGTERM). ``TacoMagics.*`` traits are the notebook's: here each option's
+default comes from the environment (``LIGHT_TOPK_ALLREDUCE``, ``TACO_GPUS``…), as a plain ``mpiexec`` job's would.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.description = __doc__.split("\n\n")[0].replace("``", "")
     parser.epilog = ("Options go before SCRIPT; everything after it is the script's own (`launch -np 2 train.py "
                      "--lr 0.1 -np 3` gives train.py `--lr 0.1 -np 3`). Exit status: 0 every rank finished, 1 a "
-                     "rank failed or the cluster did not start, 2 a usage mistake, 130 interrupted.")
+                     "rank failed or the cluster did not start, 2 a usage mistake, 130 Ctrl-C (128 + the signal).")
     return add_arguments(parser, run_args)
 
 
@@ -72,7 +72,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.cluster == "default":  # the magic's default name: a command of its own must not take a notebook's
         args.cluster = f"launch-{os.getpid()}"
     say = RankOutput(live=args.stream, quiet=args.quiet)
-    plan = None
+    there_before = clusters.get(args.cluster)
     try:
         with _signals_end_the_run():
             script = script_of(args, "launch")
@@ -88,10 +88,11 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(text if sys.stderr.isatty() else ANSI.sub("", text), file=sys.stderr)
         return FAILED_EXIT
     except KeyboardInterrupt as exc:
-        say.warn(f"interrupted ({exc or 'Ctrl-C'}): stopping the cluster")
-        return INTERRUPTED_EXIT
+        name = str(exc) or "SIGINT"  # what _signals_end_the_run raised for, else Ctrl-C
+        say.warn(f"interrupted ({name}): stopping the cluster")
+        return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else INTERRUPTED_EXIT
     finally:
-        mine = [c for c in clusters.values() if not isinstance(c, AttachedCluster)]
-        for cluster in mine:  # this process's own: a cluster it started (possibly failed half-way)
-            clusters.pop(cluster.name, None)
-            cluster.stop()
+        started = clusters.get(args.cluster)  # a cluster that failed to start has stopped itself already
+        if started is not None and started is not there_before and not isinstance(started, AttachedCluster):
+            clusters.pop(args.cluster)
+            started.stop()
