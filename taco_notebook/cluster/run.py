@@ -1,4 +1,5 @@
-"""Run one cell on the ranks of a TacoCluster: stream output, notice failure, never hang.
+"""Run one cell (or a script, :func:`run_script`) on the ranks of a TacoCluster: stream output, notice failure,
+never hang.
 
 The wait loop polls, every few tens of milliseconds, four things: the cell's result, the engines' output, the
 mpiexec process (a rank that dies takes it down) and the deadline. When something goes wrong it climbs one
@@ -35,7 +36,7 @@ from ..errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFai
 from . import engine
 from .reporting import error_kinds, error_line, ranks_phrase, were
 from .result import capture_last_expression, unwrap_result
-from .script import Script, run_on_rank
+from .script import Script
 from .session import TacoCluster
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
@@ -371,7 +372,7 @@ def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink:
     with a cell's live output, failure handling, Ctrl-C ladder and monitors. ``options.gather`` is ignored:
     a script has no last expression."""
     _run(cluster, f"%taco_run {script.command()}", options, sink,
-         lambda view: view.apply_async(run_on_rank, script), captured=False, origin=script.path)
+         lambda view: view.apply_async(engine.run_script, script), captured=False, origin=script.path)
 
 
 def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSink,

@@ -9,8 +9,8 @@ kernel's filesystem (the hosts, slurm and mpijob profiles), and an edit saved wh
 some ranks and not others. Modules the script imports from its own directory are found only where that
 directory exists on the rank's host (always on the local profile; elsewhere, a shared filesystem).
 
-On the rank (:func:`run_on_rank`, called with ``view.apply``) the script runs as python runs it: in a fresh
-``__main__`` module (``__name__ == "__main__"``, ``__file__`` set, classes it defines picklable),
+On the rank (:func:`~.engine.run_script`, called with ``view.apply``) the script runs as python runs it: in a
+fresh ``__main__`` module (``__name__ == "__main__"``, ``__file__`` set, classes it defines picklable),
 ``sys.argv == [path, *args]``, its directory first on ``sys.path``; all three are put back afterwards, so the
 engine is ready for the next cell. ``sys.exit(0)``/``sys.exit()`` ends the run normally; any other exit status
 fails the rank, naming it.
@@ -18,14 +18,11 @@ fails the rank, naming it.
 
 from __future__ import annotations
 
-import linecache
 import os
-import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Script", "ScriptExit", "load_script", "run_on_rank"]
+__all__ = ["Script", "load_script"]
 
 
 @dataclass(frozen=True)
@@ -41,11 +38,6 @@ class Script:
         import shlex
 
         return shlex.join([self.path, *self.args])
-
-
-class ScriptExit(RuntimeError):
-    """A script called ``sys.exit`` with a non-zero status (raised on the rank in place of SystemExit, which
-    would end the engine)."""
 
 
 def load_script(path: str | os.PathLike[str], args: list[str] | tuple[str, ...] = (),
@@ -71,43 +63,3 @@ def load_script(path: str | os.PathLike[str], args: list[str] | tuple[str, ...] 
     except OSError as exc:
         raise ValueError(f"cannot read the script {full}: {exc.strerror or exc}") from None
     return Script(str(full), source, tuple(args))
-
-
-def run_on_rank(script: Script) -> None:
-    """Run ``script`` in this process as ``python path args`` would, then put ``__main__``, ``sys.argv`` and
-    ``sys.path`` back (the engine runs further cells). On ipyparallel engines, called with ``view.apply``."""
-    main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=script.path, __builtins__=__builtins__, __cached__=None)
-    directory = os.path.dirname(script.path)
-    saved = sys.modules.get("__main__"), list(sys.argv), list(sys.path)
-    # the sent source is what runs: tracebacks show its lines even on a host without the file
-    lines = script.source.splitlines(keepends=True)
-    linecache.cache[script.path] = (len(script.source), None, lines, script.path)
-    sys.modules["__main__"], sys.argv = main, [script.path, *script.args]
-    sys.path.insert(0, directory)
-    try:
-        code = compile(script.source, script.path, "exec", dont_inherit=True)
-        exec(code, main.__dict__)  # noqa: S102 - running the user's script is the point
-    except SystemExit as exc:
-        status = exc.code
-        if status not in (None, 0):
-            detail = f"status {status}" if isinstance(status, int) else repr(status)
-            raise ScriptExit(f"{os.path.basename(script.path)} called sys.exit({detail})") from None
-    finally:
-        _restore(*saved)
-        _flush_metrics()
-
-
-def _restore(main: types.ModuleType | None, argv: list[str], path: list[str]) -> None:
-    if main is not None:
-        sys.modules["__main__"] = main
-    sys.argv = argv
-    sys.path[:] = path
-
-
-def _flush_metrics() -> None:
-    """A cell's end sends the dashboard its final picture (engine.py's post_execute hook); an applied call
-    fires no post_execute, so the run does it here."""
-    from . import engine
-
-    engine.flush_metrics()
