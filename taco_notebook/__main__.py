@@ -1,6 +1,7 @@
-"""Command line: ``python -m taco_notebook run NOTEBOOK`` executes a notebook headless and prints its outputs.
+"""Command line: ``python -m taco_notebook run NOTEBOOK`` executes a notebook headless and prints its outputs;
+``python -m taco_notebook launch -np 4 train.py ARGS`` runs a script on every rank (:mod:`.launch`).
 
-This is the README's main job: it runs ``examples/01-quickstart.ipynb`` on a local cluster in a real kernel,
+``run`` is the README's main job: it runs ``examples/01-quickstart.ipynb`` on a local cluster in a real kernel,
 shows each cell's progress and text output, and exits non-zero, naming the cell, if one fails.
 """
 
@@ -62,13 +63,21 @@ def run_notebook(path: Path, timeout: float, save: Path | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m taco_notebook", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m taco_notebook", description="taco_notebook from a shell: run "
+                                     "a notebook headless, or a script on every rank")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute a notebook headless in a fresh kernel and print its outputs")
     run.add_argument("notebook", type=Path)
     run.add_argument("--timeout", type=float, default=600, help="seconds allowed per cell (default 600)")
     run.add_argument("--save", type=Path, default=None, help="write the executed notebook here")
+    from .launch import build_parser, launch
+
+    launcher = build_parser(sub.add_parser(
+        "launch", help="run a Python script on every rank of a cluster (horovodrun's shape): launch -np 4 "
+                       "train.py ARGS"))
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        return launch(args, launcher)
     if not args.notebook.is_file():
         parser.error(f"no notebook at {args.notebook}")
     return run_notebook(args.notebook, args.timeout, args.save)

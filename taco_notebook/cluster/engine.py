@@ -2,7 +2,8 @@
 
 The notebook kernel drives its engines only through the plain functions below, called with
 ``view.apply(engine.func, ...)`` (``apply_sync`` where the kernel needs the answer, ``apply_async`` where it
-only needs the order): the user's cell is the one thing sent as source. A module-level function travels as
+only needs the order): the user's cell is the one thing sent as source (a script's source travels as the
+argument of :func:`run_script`). A module-level function travels as
 its code and runs on the engine with this module's globals (ipyparallel re-imports the module there), so
 the engine's state (the metrics sender) lives here and a rename fails at import, not in a cell at run time.
 
@@ -24,12 +25,17 @@ as its globals and so cut it off from this module's state and helpers.
 
 from __future__ import annotations
 
+import linecache
 import os
 import pickle
+import sys
+import types
 from typing import Any
 
+from .script import Script
+
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result"]
+           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "run_script", "ScriptExit"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
@@ -148,3 +154,32 @@ def fetch_result() -> Any:
     except Exception:  # noqa: BLE001 - any pickling failure: the notebook shows the repr instead
         return (UNPICKLABLE, repr(value))
     return value
+
+
+class ScriptExit(RuntimeError):
+    """A script called ``sys.exit`` with a non-zero status (raised in place of SystemExit, which would end the
+    engine)."""
+
+
+def run_script(script: Script) -> None:
+    """Run ``script`` (``%taco_run SCRIPT ARGS``, :mod:`.script`) in this engine as ``python path args`` would,
+    then put ``__main__``, ``sys.argv`` and ``sys.path`` back for the next cell, and send the dashboard its end
+    state (an applied call fires no post_execute)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script.path, __builtins__=__builtins__, __cached__=None)
+    saved = sys.modules.get("__main__"), sys.argv, list(sys.path)
+    # the sent source is what runs: tracebacks show its lines even on a host without the file
+    linecache.cache[script.path] = (len(script.source), None, script.source.splitlines(keepends=True), script.path)
+    sys.modules["__main__"], sys.argv = main, [script.path, *script.args]
+    sys.path.insert(0, os.path.dirname(script.path))
+    try:
+        exec(compile(script.source, script.path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            status = f"status {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
+            raise ScriptExit(f"{os.path.basename(script.path)} called sys.exit({status})") from None
+    finally:
+        if saved[0] is not None:
+            sys.modules["__main__"] = saved[0]
+        sys.argv, sys.path[:] = saved[1], saved[2]
+        _sender.flush()

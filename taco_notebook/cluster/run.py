@@ -1,4 +1,5 @@
-"""Run one cell on the ranks of a TacoCluster: stream output, notice failure, never hang.
+"""Run one cell (or a script, :func:`run_script`) on the ranks of a TacoCluster: stream output, notice failure,
+never hang.
 
 The wait loop polls, every few tens of milliseconds, four things: the cell's result, the engines' output, the
 mpiexec process (a rank that dies takes it down) and the deadline. When something goes wrong it climbs one
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -35,9 +36,10 @@ from ..errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFai
 from . import engine
 from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, were
 from .result import capture_last_expression, unwrap_result
+from .script import Script
 from .session import TacoCluster
 
-__all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell"]
+__all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
 
 log = logging.getLogger("taco_notebook")
 
@@ -93,6 +95,7 @@ class _CellRun:
         self.reported_at = 0.0
         self.reported: dict[int, int] = {}  # rank -> id() of the payload last handed to the monitors
         self.sending = any(m.wants_metrics for m in options.monitors)
+        self.origin: str | None = None  # a script's path: its tracebacks are shown from its first frame
 
     # ---------------------------------------------------------------- output
     def drain(self) -> None:
@@ -234,8 +237,9 @@ class _CellRun:
         self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
         return stuck
 
-    def run(self, code: str) -> Any:
-        source, captured = capture_last_expression(code)
+    def run(self, submit: Callable[[Any], Any], captured: bool) -> Any:
+        """Prepare the ranks, ``submit(view)`` the work (a cell's ``execute`` or a script's ``apply``), and
+        wait for it through the ladder; ``captured``: the cell's last expression is to be fetched."""
         if self.cluster.needs_reinit:
             self.cluster.view.apply_sync(engine.reinit)
             self.cluster.needs_reinit = False
@@ -244,7 +248,7 @@ class _CellRun:
         # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
         self.cluster.client[self.targets].apply_async(engine.begin_cell, self.sending)
         try:
-            value = self._execute(source, captured)
+            value = self._execute(submit, captured)
         except BaseException as exc:
             try:
                 self.finish_monitors(exc)
@@ -258,8 +262,8 @@ class _CellRun:
             if self.options.settings and self.cluster.running:
                 self.cluster.client[self.targets].apply_async(engine.reset_settings)
 
-    def _execute(self, source: str, captured: bool) -> Any:
-        self.ar = self.cluster.client[self.targets].execute(source, silent=False, block=False)
+    def _execute(self, submit: Callable[[Any], Any], captured: bool) -> Any:
+        self.ar = submit(self.cluster.client[self.targets])
         self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
         self.started = time.monotonic()
         try:
@@ -316,7 +320,7 @@ class _CellRun:
         ok = [r for r in self.targets if r not in self.errors and r not in self.killed]
         if ok:
             message += f"; {ranks_phrase(ok)} finished"
-        tracebacks = {r: _render(e) for r, e in self.errors.items()}
+        tracebacks = {r: _render(e, self.origin) for r, e in self.errors.items()}
         tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
         return RankFailedError(message, tracebacks, first_rank=first)
 
@@ -343,11 +347,16 @@ def _earliest(a: float | None, b: float) -> float:
     return b if a is None else min(a, b)
 
 
-def _render(error: Any) -> str:
+def _render(error: Any, origin: str | None = None) -> str:
+    """A rank's traceback as text; from the first frame in file ``origin`` on, when given and found (a script's
+    traceback then starts in the script, not in the engine's machinery that ran it)."""
     try:
-        return "\n".join(error.render_traceback()[1:])
+        text = "\n".join(error.render_traceback()[1:])
     except Exception:
         return f"{type(error).__name__}: {error}"
+    lines = text.splitlines()
+    first = next((i for i, line in enumerate(lines) if i and "File" in line and origin and origin in line), None)
+    return text if first is None else "\n".join([lines[0], *lines[first:]])
 
 
 def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
@@ -356,6 +365,23 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
 
     Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end.
     """
+    source, captured = capture_last_expression(code)
+    return _run(cluster, code, options, sink,
+                lambda view: view.execute(source, silent=False, block=False), captured)
+
+
+def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink: OutputSink) -> None:
+    """Run ``script`` (:func:`~.script.load_script`) on the cluster's ranks as ``python script args`` would,
+    with a cell's live output, failure handling, Ctrl-C ladder and monitors. ``options.gather`` is ignored:
+    a script has no last expression."""
+    _run(cluster, f"%taco_run {script.command()}", options, sink,
+         lambda view: view.apply_async(engine.run_script, script), captured=False, origin=script.path)
+
+
+def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSink,
+         submit: Callable[[Any], Any], captured: bool, origin: str | None = None) -> Any:
+    """Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end;
+    ``shown`` is what the sidebar says runs."""
     from .reporting import RegistryRun
 
     with cluster.busy:
@@ -363,5 +389,7 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
             why = cluster.error or "it was stopped or rescaled from the sidebar just before this cell"
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
-        options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, code)])
-        return _CellRun(cluster, options, sink).run(code)
+        options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, shown)])
+        run = _CellRun(cluster, options, sink)
+        run.origin = origin
+        return run.run(submit, captured)

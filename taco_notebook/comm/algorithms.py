@@ -78,6 +78,21 @@ def _build_hierarchy() -> _Hierarchy | None:
                       tuple(ranks[topo.local_rank] for ranks in topo.node_ranks), segment, calibration)
 
 
+_world: dict[int, Any] = {}  # generation -> taco's own group of every rank, for the flat algorithm
+
+
+def world_group() -> Any:
+    """Every rank, in a group of taco's own (built on the comm thread, once per generation): the flat algorithm's
+    collectives run on the comm thread, and on the default group they could interleave differently on each rank
+    with what other code sends there meanwhile from its own thread (DDP's unused-parameter map during backward
+    with ``find_unused_parameters=True``: gloo then fails with "Received data size doesn't match")."""
+    generation = state.generation
+    if generation not in _world:
+        _world.clear()
+        _world[generation] = dist.new_group(list(range(dist.get_world_size())), backend=state.backend)
+    return _world[generation]
+
+
 def hierarchy() -> _Hierarchy | None:
     """This rank's groups for the 2D algorithm, or None when the job is one node or uneven."""
     generation = state.generation
@@ -95,6 +110,7 @@ def forget_groups() -> None:
     importing this module.
     """
     comm_thread.abandon()
+    _world.clear()
     for tiers in _hierarchy.values():
         if tiers is not None and tiers.segment is not None:
             tiers.segment.close()
@@ -149,7 +165,7 @@ def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: 
     if tiers is not None:
         raw, wire, sends = _reduce_2d(buf, compressor, key, tiers, me)
     else:
-        raw, wire, sends = compressor.reduce(buf, (key, "flat"), None, tuple(range(topo.size)), me)
+        raw, wire, sends = compressor.reduce(buf, (key, "flat"), world_group(), tuple(range(topo.size)), me)
     metrics.record(time.perf_counter() - began, raw, wire, sends)
 
 

@@ -264,6 +264,15 @@ class PowerSGDCompressor(Compressor):
         """
         self.state.layouts[name] = tuple(torch.Size(shape) for shape in shapes)
 
+    def forget(self, name: Hashable) -> None:
+        """Drop the residuals, warm starts and layout kept for ``name`` (a DDP bucket rebuilt, a model gone): the
+        whole shards' keys ``(name, where)`` and the described tensors' ``((name, "flat"), index)``."""
+        super().forget(name)
+        for key in self.state.keys():
+            if isinstance(key, tuple) and key and isinstance(key[0], tuple) and key[0][:1] == (name,):
+                self.state.reset(key)
+        self.state.layouts.pop(name, None)
+
     def _layout(self, shard: torch.Tensor, key: Hashable) -> tuple[torch.Size, ...] | None:
         """The registered shapes of ``shard`` when the flat algorithm reduces it whole (key ``(name, "flat")``)."""
         if not (isinstance(key, tuple) and len(key) == 2 and key[1] == "flat"):

@@ -6,6 +6,7 @@ the option when given, else the trait when set, else the environment.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings, setting_from_env
 
 __all__ = ["cluster_args", "run_args", "comm_settings", "cluster_settings", "usage_errors", "positive_int",
            "cluster_size", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option",
-           "required_hugepages"]
+           "required_hugepages", "add_arguments", "run_wants_help"]
 
 DEFAULT_NP = 4
 
@@ -116,7 +117,38 @@ run_args = _stack(
     argument("--intra-size", dest="intra_size", default=None, metavar="N",
              help="ranks per node, to emulate several nodes on one machine (TacoMagics.intra_size, "
                   "LIGHT_INTRA_SIZE); a change restarts the cluster"),
+    # the line form's script: the first word that is no option nor an option's value; every word after it is
+    # the script's own, options of this magic included (`train.py --lr 0.1 -np 3` gives the script `-np 3`)
+    argument("script", nargs="?", default=None, metavar="SCRIPT",
+             help="the line form's script (a cell takes none): a Python file, relative to the working directory "
+                  "(the kernel's, in a notebook), run on every rank as `python SCRIPT ARGS` (sys.argv, "
+                  "__name__ == '__main__', __file__); its source is sent to the ranks"),
+    argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+             help="the script's arguments: everything after SCRIPT, options of this command included"),
 )
+
+
+def add_arguments(parser: argparse.ArgumentParser, stack: Callable[[Any], Any]) -> argparse.ArgumentParser:
+    """Put the options of a magic's argument ``stack`` (such as :data:`run_args`) on a plain argparse
+    ``parser``, in their order: the command line (``python -m taco_notebook launch``) takes the same options
+    as the magic, defined once."""
+    def holder() -> None: ...
+
+    for decorator in reversed(stack(holder).decorators):  # decorators are listed innermost (last) first
+        decorator.add_to_parser(parser, None)
+    return parser
+
+
+def run_wants_help(magic: Any, line: str) -> bool:
+    """Whether ``%taco_run``'s line asks for its usage: ``-h``/``--help`` among its own options, not among the
+    script's arguments (``%taco_run train.py --help`` shows the script's help)."""
+    from IPython.utils.process import arg_split
+
+    try:
+        _, unknown = magic.parser.parse_known_args(arg_split(line, posix=True))
+    except (UsageError, ValueError):  # a bad option: parsing it again says what is wrong, unless help was asked
+        return wants_help(line)
+    return any(word in ("-h", "--help") for word in unknown)
 
 
 @contextmanager

@@ -6,24 +6,23 @@ Their defaults are :class:`TacoMagics`'s traits, then the environment (:mod:`.se
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..cluster.run import CellOptions, run_cell
-from ..cluster.session import TacoCluster, clusters
+from ..cluster.run import run_cell, run_script
+from ..cluster.session import clusters
 from .args import (
-    DEFAULT_NP,
     cluster_args,
     cluster_settings,
     cluster_size,
-    comm_settings,
-    parse_targets,
     positive_int,
     required_hugepages,
     run_args,
+    run_wants_help,
     usage,
     usage_errors,
     wants_help,
@@ -35,21 +34,14 @@ from .clusters import (
     ensure_cluster,
     format_status,
     restart_reason,
-    shared_size,
     start_cluster,
 )
 from .output import RankOutput
-from .settings import TacoSettings, setting_from_env
+from .runplan import dashboard_mode, link_capacity, new_size, plan_run, script_of
+from .settings import TacoSettings
 
 __all__ = ["TacoMagics"]
 
-
-
-def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str, capacity: float | None) -> Any:
-    from ..widgets.dashboard import CellDashboard
-
-    node_of_rank = {r.rank: r.node for r in cluster.ranks if targets is None or r.rank in targets}
-    return CellDashboard(node_of_rank, mode, title=f"cluster {cluster.name!r}", capacity_bps=capacity)
 
 
 @magics_class
@@ -63,74 +55,49 @@ class TacoMagics(Magics, TacoSettings):
     def taco_run(self, line: str, cell: str | None = None) -> Any:
         """Run the cell on every MPI rank of a cluster (started on first use); ``taco`` is the rank's API
         (``taco_notebook.comm``; in the notebook itself ``taco`` is the package, for ``taco.dashboard()``).
+        The line form runs a script on every rank as ``python SCRIPT ARGS`` would: options first, then the
+        script (relative to the notebook's directory), then its arguments, all of them the script's.
 
         Example::
 
             %%taco_run -np 4
             t = torch.full((3,), float(taco.rank())); taco.allreduce(t); print(t)
 
+            %taco_run -np 4 --compression fp16 train.py --epochs 1
+
         Each option's default is its trait when set (``%config TacoMagics.compression = "fp16"``, or
         ``c.TacoMagics.compression`` in ipython_config.py; ``%config TacoMagics`` lists them), else the
         environment variable named with it.
         """
-        if wants_help(line):
-            print(usage(self.taco_run, "%%taco_run"))
+        if run_wants_help(self.taco_run, line):
+            print(usage(self.taco_run, "%%taco_run" if cell is not None else "%taco_run"))
             return None
-        if cell is None:  # a line magic only so that `%taco_run?` and `%taco_run --help` show this help
-            raise UsageError("%taco_run runs a whole cell: put %%taco_run (two %) and its options on the cell's "
-                             "first line and the code below it; %%taco_run --help lists the options")
         args = parse_argstring(self.taco_run, line)
-        size = cluster_size(args.np, "-np", self.max_ranks)
-        with usage_errors():
-            timeout = self.chosen("timeout", args.timeout, "--timeout")
-            launcher = self.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")
-            intra_size = self.chosen("intra_size", args.intra_size, "--intra-size")
-        settings = comm_settings(self, args)
-        running = clusters.get(args.cluster)
         say = RankOutput(live=args.stream, quiet=args.quiet)
-        planned = size or (running.size if running is not None else shared_size(args.cluster, say) or self._new_size())
-        targets = parse_targets(args.targets, planned)
-        if intra_size is not None and planned % intra_size:
-            raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
-        mode = self._dashboard_mode(args.dashboard)
-        capacity = self._link_capacity(args.link_gbits)  # checked before anything starts
-        env = cluster_settings(self, args, planned)
-        if intra_size:
-            env["LIGHT_INTRA_SIZE"] = str(intra_size)
-        need = required_hugepages(self, args)
-        profile = chosen_profile(self, args, planned)
-        cluster = ensure_cluster(args.cluster, planned, args.mpiexec, say, env, launcher, self.max_ranks,
-                                 profile=profile)
-        check_hugepages(cluster, need, started=cluster is not running)
-        monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
-        options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
-                              monitors=monitors)  # fmt: skip
-        return run_cell(cluster, cell, options, say)
+        if cell is None:  # the line form: a script
+            if not args.script:
+                raise UsageError("%taco_run needs a script: %taco_run -np 4 train.py --epochs 1 runs train.py on "
+                                 "every rank; to run code instead, put %%taco_run (two %) and its options on a "
+                                 "cell's first line and the code below it; %taco_run --help lists the options")
+            script = script_of(args, "%taco_run")  # read before anything starts
+            plan = plan_run(self, args, say)
+            return run_script(plan.cluster, script, plan.options, say)
+        if args.script:
+            command = shlex.join([args.script, *args.script_args])
+            raise UsageError(f"%%taco_run runs the cell below it and takes no script (got {args.script!r}): to "
+                             f"run a script, use the line form, %taco_run {command}")
+        plan = plan_run(self, args, say)
+        return run_cell(plan.cluster, cell, plan.options, say)
 
     def _new_size(self) -> int:
         """Ranks of a cluster started without ``-np``: ``TacoMagics.np`` when set, else 4."""
-        return self.np or DEFAULT_NP
+        return new_size(self)
 
     def _dashboard_mode(self, option: str | None) -> str:
-        """``--dashboard``/``--no-dashboard``, else ``TacoMagics.dashboard``, else ``TACO_DASHBOARD``/auto."""
-        if option == "off":  # --no-dashboard: no need to import the widgets (and bokeh) to check it
-            return "off"
-        with usage_errors():
-            chosen = self.chosen("dashboard", option, "--dashboard")
-            if chosen == "off":
-                return "off"
-            from ..widgets.dashboard import dashboard_mode
-
-            return dashboard_mode(chosen)
+        return dashboard_mode(self, option)
 
     def _link_capacity(self, option: str | None) -> float | None:
-        """Bytes/s of a node's network link (``--link-gbits``, ``TacoMagics.link_gbits``, ``TACO_LINK_GBITS``),
-        for the heatmaps' scale; None when unknown."""
-        with usage_errors():
-            gbits = self.chosen("link_gbits", option, "--link-gbits")
-            if gbits is None:
-                gbits = setting_from_env("link_gbits")
-        return None if gbits is None else gbits * 1e9 / 8
+        return link_capacity(self, option)
 
     @magic_arguments()
     @argument("action", choices=["start", "stop", "restart", "status", "list", "manifest"],

@@ -73,7 +73,7 @@ def test_the_limit_follows_taco_max_ranks(ip, monkeypatch):
 @pytest.mark.parametrize("cell, shown", [
     ("%%taco_run --help\nprint('never runs')", "usage: %%taco_run [-np N]"),
     ("%%taco_run -np 2 -h\nprint('never runs')", "usage: %%taco_run [-np N]"),
-    ("%taco_run --help", "usage: %%taco_run [-np N]"),
+    ("%taco_run --help", "usage: %taco_run [-np N]"),
     ("%taco_cluster --help", "usage: %taco_cluster [-n N]"),
     ("%taco_cluster start --help", "usage: %taco_cluster [-n N]"),
 ])
