@@ -54,9 +54,10 @@ _kept: list[Any] = []  # the store of a group this rank gave up on, until a new 
 
 
 def on_stall(hook: StallHook) -> StallHook:
-    """Call ``hook(error)`` on the watchdog thread when a collective of this rank stalls, after the group is torn
-    down and before the waiters raise ``error`` (``error.missing``: the ranks to treat as lost). Usable as a
-    decorator; a hook that raises is logged and skipped."""
+    """Call ``hook(error)`` on the watchdog thread when a collective of this rank stalls: before the group is
+    torn down and before the waiters raise ``error`` (``error.missing``: the ranks to treat as lost). Usable as
+    a decorator; a hook that raises is logged and skipped. Not called on a late rank (it raises on its own
+    thread: catch the StallError there, ``error.gave_up`` names who left)."""
     if hook not in _hooks:
         _hooks.append(hook)
     return hook
@@ -135,6 +136,8 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
         if not bootstrap.is_initialized():
             bootstrap.init()
         board = state.board
+        if board is None:  # a group made by torch.distributed directly, not by taco's init(): nothing to watch
+            return work()
         board.seq += 1
         if not settings().stall_timeout:
             return work()
