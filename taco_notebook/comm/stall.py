@@ -3,7 +3,8 @@
 Like Horovod's stall check (``horovod/common/stall_inspector.cc``), but failing instead of only warning, so a
 notebook cell ends instead of hanging: every collective of comm/ (allreduce, broadcast, barrier, the buckets of
 ``DistributedOptimizer`` and of the DDP hook) runs through :func:`tracked` on the communication thread, which
-numbers it and publishes the number on the group's progress board (:mod:`.board`; about 0.3 µs on one host).
+numbers it and publishes the number on the group's progress board (:mod:`.board`; a few µs per collective,
+benchmarks/stall_overhead.py).
 One watchdog thread per process looks at the collective in flight; when it has waited ``stall_timeout``
 seconds (``taco.configure(stall_timeout=…)``, ``%%taco_run --stall-timeout``, ``TACO_STALL_TIMEOUT``; default
 300 s, 0 = off; a warning on stderr at 60 s first), the watchdog reads the board and
@@ -54,9 +55,10 @@ _kept: list[Any] = []  # the store of a group this rank gave up on, until a new 
 
 
 def on_stall(hook: StallHook) -> StallHook:
-    """Call ``hook(error)`` on the watchdog thread when a collective of this rank stalls, after the group is torn
-    down and before the waiters raise ``error`` (``error.missing``: the ranks to treat as lost). Usable as a
-    decorator; a hook that raises is logged and skipped."""
+    """Call ``hook(error)`` on the watchdog thread when a collective of this rank stalls: before the group is
+    torn down and before the waiters raise ``error`` (``error.missing``: the ranks to treat as lost). Usable as
+    a decorator; a hook that raises is logged and skipped. Not called on a late rank (it raises on its own
+    thread: catch the StallError there, ``error.gave_up`` names who left)."""
     if hook not in _hooks:
         _hooks.append(hook)
     return hook
@@ -135,6 +137,8 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
         if not bootstrap.is_initialized():
             bootstrap.init()
         board = state.board
+        if board is None:  # a group made by torch.distributed directly, not by taco's init(): nothing to watch
+            return work()
         board.seq += 1
         if not settings().stall_timeout:
             return work()
@@ -148,7 +152,10 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
             return work()
         except Exception as exc:
             if state.stalled is None and not isinstance(exc, StallError) and _peers_gave_up(board):
-                _late(board, job.seq, label, exc)  # several hosts: the backend's error says less
+                # a peer gave up and left, so the backend failed ("connection closed"): say why instead
+                error = state.stalled = _after_failure(board, job)
+                bootstrap.abort()
+                raise _again(error) from exc
             raise
         finally:
             if _watchdog.current is job:
@@ -202,12 +209,12 @@ def _where(entries: list[Any]) -> str:
 def diagnose(seq: int, label: str, waited: float) -> StallError:
     """The error for this rank's collective number ``seq``, which waited ``waited`` seconds: who has not arrived
     (read from the board), where they are, and which ranks entered another collective under the same number;
-    or, when nobody is missing but peers gave up on the group before this rank caught up (several hosts: the
-    board cannot tell it on entry), who they are."""
+    or, when peers gave up on an earlier collective (this rank is the late one, on several hosts where the board
+    is not read on entry), who they are."""
     entries = state.board.read() if state.board is not None else []
-    missing = [e for e in entries if e.seq < seq]
-    if not missing and any(e.gave_up for e in entries):  # not fellow waiters: the ranks this one was late for
+    if any(0 < e.gave_up < seq for e in entries):  # they gave up on an earlier collective: this rank is late
         return _gave_up(entries, seq, label, f" stalled {waited:.0f} s")
+    missing = [e for e in entries if e.seq < seq]
     other = [e for e in entries if e.seq == seq and e.label and e.label != label]
     hosts = _hosts([e.rank for e in missing])
     text = f"{_title(seq, label)} stalled {waited:.0f} s: "
@@ -265,6 +272,15 @@ def _fire(job: _InFlight, waited: float) -> None:
             future.set_exception(_again(error))
 
 
+def _after_failure(board: Any, job: _InFlight) -> StallError:
+    """Why collective ``job`` failed once peers gave up: this rank came late (they left at an earlier one), or
+    it waited with them and they saw the stall first."""
+    entries = board.read()
+    if any(0 < e.gave_up < job.seq for e in entries):
+        return _gave_up(entries, job.seq, job.label)
+    return diagnose(job.seq, job.label, time.monotonic() - job.began)
+
+
 def _peers_gave_up(board: Any) -> bool:
     try:
         return any(entry.gave_up for entry in board.read())
@@ -272,11 +288,11 @@ def _peers_gave_up(board: Any) -> bool:
         return False
 
 
-def _late(board: Any, seq: int, label: str, cause: BaseException | None = None) -> None:
+def _late(board: Any, seq: int, label: str) -> None:
     """This rank entered collective ``seq`` after peers gave up on the group: raise, and tear the group down."""
     error = state.stalled = _gave_up(board.read(), seq, label)
     bootstrap.abort()
-    raise _again(error) from cause
+    raise _again(error)
 
 
 def _again(error: StallError) -> StallError:

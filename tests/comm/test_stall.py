@@ -41,6 +41,20 @@ def test_a_rank_sleeping_before_an_allreduce_is_named_and_the_job_ends(mpiexec):
     assert elapsed < 40, f"the job took {elapsed:.0f} s: it waited for the sleeping rank"
 
 
+def test_ranks_in_different_collectives_are_told_apart(mpiexec):
+    """Rank 3 broadcasts while the others allreduce (same number in the group): nobody is missing, and whichever
+    rank reports first says which collective the other side entered instead."""
+    result = run_mpi(mpiexec, 4, "stall.py", {"MODE": "mismatch", "TACO_STALL_TIMEOUT": str(STALL_S)}, timeout=60)
+    assert result.returncode != 0
+    found = stalls(result.stdout)
+    assert found, result.stdout + result.stderr
+    for rank, (_, missing, _, message) in found.items():
+        assert missing == "[]"
+        expected = (r"broadcast #2 stalled 3 s: rank 0 entered allreduce #2 'step' instead" if rank == 3 else
+                    r"allreduce #2 'step' stalled 3 s: rank 3 entered broadcast #2 instead")
+        assert re.match(expected + r" \(the ranks run different collectives\)", message), message
+
+
 @pytest.mark.parametrize("store", ["file", "tcp"])
 def test_a_late_rank_fails_and_every_rank_rebuilds_the_group(mpiexec, store):
     """Rank 3 enters 6 s late. One host: it raises at once, naming the ranks that gave up. Several hosts (rank 0's
@@ -60,8 +74,8 @@ def test_a_late_rank_fails_and_every_rank_rebuilds_the_group(mpiexec, store):
         assert "ranks 0, 1, 2 gave up waiting at collective #2 before this rank entered it" in message
     else:  # its late allreduce met the abandoned ones (or raised naming who gave up); the next one raised
         assert ("NO-STALL 3" in result.stdout) != (3 in found and found[3][2] == "[0, 1, 2]"), result.stdout
-    assert sorted(re.findall(r"^STILL-BROKEN (\d)", result.stdout, re.M)) == ["0", "1", "2", "3"], result.stdout
-    recovered = re.findall(r"^RECOVERED (\d) (\[.*\]) comm-threads=(\d+)", result.stdout, re.M)
+    assert sorted(re.findall(r"STILL-BROKEN (\d)", result.stdout)) == ["0", "1", "2", "3"], result.stdout
+    recovered = re.findall(r"RECOVERED (\d) (\[[\d., ]*\]) comm-threads=(\d+)", result.stdout)
     assert sorted(recovered) == [(str(r), "[6.0, 6.0, 6.0, 6.0]", "1") for r in range(4)], result.stdout
 
 

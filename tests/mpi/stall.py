@@ -5,11 +5,13 @@ StallError end the job (plain mpiexec aborts every rank on an uncaught exception
 sleeps ``SLEEP_S`` (past the timeout) and then enters the allreduce, which raises at once since its peers gave
 up; every rank then rebuilds the group with ``taco.reinit()``, checks an allreduce, and reports how many
 communication threads are still alive (the ones stuck in the abandoned collective must have been released).
+``MODE=mismatch``: rank 3 broadcasts while the others allreduce; the ranks that report say so, then the job ends.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -17,29 +19,39 @@ import torch
 
 import taco_notebook.comm as taco
 
+
+def report(line: str) -> None:
+    """One write per line: the ranks share mpiexec's stdout, and print()'s separate newline lets lines mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 MODE = os.environ.get("MODE", "fail")
 if "STALL_S" in os.environ:  # else TACO_STALL_TIMEOUT decides
     taco.configure(stall_timeout=float(os.environ["STALL_S"]))
 t = torch.ones(4)
 taco.allreduce(t)  # the group is up everywhere: the stall below is in collective #2
 rank = taco.rank()
-if rank == 3:
+if rank == 3 and MODE != "mismatch":
     time.sleep(60.0 if MODE == "fail" else float(os.environ.get("SLEEP_S", "6")))
 began = time.monotonic()
 try:
-    taco.allreduce(t, name="step")
+    if MODE == "mismatch" and rank == 3:
+        taco.broadcast(t)  # the others allreduce: a program whose ranks disagree on the order of collectives
+    else:
+        taco.allreduce(t, name="step")
 except taco.StallError as error:
-    print(f"STALL {rank} {time.monotonic() - began:.2f} missing={list(error.missing)} "
-          f"gave_up={list(error.gave_up)} {error}", flush=True)
-    if MODE == "fail":
+    report(f"STALL {rank} {time.monotonic() - began:.2f} missing={list(error.missing)} "
+           f"gave_up={list(error.gave_up)} {error}")
+    if MODE in ("fail", "mismatch"):
         raise
 else:
-    print(f"NO-STALL {rank}", flush=True)
+    report(f"NO-STALL {rank}")
 if MODE == "recover":
     try:
         taco.allreduce(t)
     except taco.StallError:
-        print(f"STILL-BROKEN {rank}", flush=True)  # until the group is rebuilt
+        report(f"STILL-BROKEN {rank}")  # until the group is rebuilt
     taco.reinit()
     t = torch.full((4,), float(rank))
     taco.allreduce(t)
@@ -49,4 +61,4 @@ if MODE == "recover":
         if len(comm) <= 1:
             break
         time.sleep(0.1)
-    print(f"RECOVERED {rank} {t.tolist()} comm-threads={len(comm)}", flush=True)
+    report(f"RECOVERED {rank} {t.tolist()} comm-threads={len(comm)}")
