@@ -29,7 +29,8 @@ import pickle
 from typing import Any
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result"]
+           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "elastic_mode", "placement",
+           "open_group", "join_group", "elastic_restore"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
@@ -148,3 +149,57 @@ def fetch_result() -> Any:
     except Exception:  # noqa: BLE001 - any pickling failure: the notebook shows the repr instead
         return (UNPICKLABLE, repr(value))
     return value
+
+
+# ---------------------------------------------------------------- elastic (cluster/elastic.py drives these)
+
+def elastic_mode(on: bool) -> bool:
+    """Tell this rank's wrapper (cluster/rankwrap.py) whether its death should keep the MPI job alive
+    (``%%taco_run --elastic``); False when the engine was not started by the wrapper."""
+    from .rankwrap import MODE_FD_ENV
+
+    fd = os.environ.get(MODE_FD_ENV)
+    if fd is None:
+        return False
+    try:
+        os.write(int(fd), b"elastic\n" if on else b"strict\n")
+    except OSError:
+        return False
+    return True
+
+
+def placement() -> dict[str, Any]:
+    """Where this engine runs, for the client that numbers the members and picks the store's kind: ``key``
+    (boot id and pid: unique across hosts), ``where`` (what tells hosts apart), ``node`` (its node name) and
+    ``tcp`` (``TACO_MASTER_ADDR`` set: a TCPStore even on one host)."""
+    from ..comm.membership import placement as where
+    from ..comm.topology import node_name
+
+    here = where()
+    return {"key": f"{here[0]}:{os.getpid()}", "where": here, "node": node_name(),
+            "tcp": bool(os.environ.get("TACO_MASTER_ADDR"))}
+
+
+def open_group(kind: str, size: int) -> str:
+    """On the new rank 0: the address of a fresh store for a ``size``-member group (comm/membership.py)."""
+    from ..comm.membership import open_group as _open
+
+    return _open(kind, size)
+
+
+def join_group(ranks_by_key: dict[str, int], hostnames: list[str], kind: str, address: str) -> int:
+    """Join the group the client chose: this engine's new rank is ``ranks_by_key[placement()["key"]]``."""
+    from ..comm.membership import join_group as _join
+
+    return _join(ranks_by_key[placement()["key"]], hostnames, kind, address)
+
+
+def elastic_restore() -> dict[str, Any]:
+    """Roll every ``taco.elastic.State`` back to its last commit and take rank 0's (collective); the first
+    state's counters afterwards, for the cell's message ({} without a State)."""
+    from ..comm.elastic import live_states, restore_all, sync_all
+
+    restore_all()
+    sync_all(0)
+    states = sorted(live_states(), key=lambda s: s.order)
+    return states[0].counters if states else {}

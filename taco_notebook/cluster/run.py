@@ -82,6 +82,7 @@ class _CellRun:
         self.options = options
         self.sink = sink
         self.targets = options.targets if options.targets is not None else [r.rank for r in cluster.ranks]
+        self.engines = cluster.engine_ids(self.targets)  # the targets' engine ids (differ after an elastic change)
         self.shown: dict[tuple[int, str], int] = {}  # (rank, stdout/stderr/outputs) -> how much was shown
         self.errors: dict[int, Any] = {}
         self.shut_down_pg: set[int] = set()
@@ -177,7 +178,7 @@ class _CellRun:
             return
         self.shut_down_pg.update(finished)
         self.cluster.needs_reinit = True
-        self.cluster.client[finished].apply_async(engine.abort)
+        self.cluster.client[self.cluster.engine_ids(finished)].apply_async(engine.abort)
 
     def check_alive(self) -> None:
         if not self.cluster.engines_alive():
@@ -237,12 +238,11 @@ class _CellRun:
     def run(self, code: str) -> Any:
         source, captured = capture_last_expression(code)
         if self.cluster.needs_reinit:
-            self.cluster.view.apply_sync(engine.reinit)
-            self.cluster.needs_reinit = False
+            self.cluster.reinit()
         if self.options.settings:
-            self.cluster.client[self.targets].apply_sync(engine.configure_cell, self.options.settings)
+            self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
         # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
-        self.cluster.client[self.targets].apply_async(engine.begin_cell, self.sending)
+        self.cluster.client[self.engines].apply_async(engine.begin_cell, self.sending)
         try:
             value = self._execute(source, captured)
         except BaseException as exc:
@@ -256,10 +256,10 @@ class _CellRun:
             return value
         finally:
             if self.options.settings and self.cluster.running:
-                self.cluster.client[self.targets].apply_async(engine.reset_settings)
+                self.cluster.client[self.engines].apply_async(engine.reset_settings)
 
     def _execute(self, source: str, captured: bool) -> Any:
-        self.ar = self.cluster.client[self.targets].execute(source, silent=False, block=False)
+        self.ar = self.cluster.client[self.engines].execute(source, silent=False, block=False)
         self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
         self.started = time.monotonic()
         try:
@@ -279,7 +279,7 @@ class _CellRun:
             raise self.failure()
         if not captured:
             return None
-        values = [unwrap_result(v) for v in self.cluster.client[self.targets].apply_sync(engine.fetch_result)]
+        values = [unwrap_result(v) for v in self.cluster.client[self.engines].apply_sync(engine.fetch_result)]
         return values if self.options.gather else values[0]
 
     def _wait_with_ladder(self) -> None:
@@ -347,9 +347,10 @@ def _render(error: Any) -> str:
         return f"{type(error).__name__}: {error}"
 
 
-def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
+def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink, elastic: Any = None) -> Any:
     """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
-    ``gather``) value of the last expression, or None.
+    ``gather``) value of the last expression, or None. ``elastic``: an :class:`~.elastic.ElasticSpec`
+    (``--elastic MIN:MAX``): a rank's death then shrinks the group and runs the cell again (cluster/elastic.py).
 
     Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end.
     """
@@ -361,4 +362,8 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, code)])
+        if elastic is not None:
+            from .elastic import run_elastic
+
+            return run_elastic(cluster, code, options, sink, elastic)
         return _CellRun(cluster, options, sink).run(code)

@@ -95,6 +95,7 @@ class TacoCluster:
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
         self.progress: Callable[[str], None] | None = None  # the slurm profile's queue-state lines go here
+        self.elastic: Any = None  # cluster/elastic.py's Membership once an --elastic cell ran here
 
     # ---------------------------------------------------------------- state
     @property
@@ -259,7 +260,8 @@ class TacoCluster:
             if (mismatch := mismatch_in(exc)) is not None:
                 raise ClusterStartError(f"cluster {self.name!r} failed to start: {mismatch}") from None
             raise
-        self.ranks = sorted((RankInfo(**info) for info in infos), key=lambda r: r.rank)
+        self.ranks = sorted((RankInfo(**info, engine_id=eid) for eid, info in zip(self.client.ids, infos, strict=True)),
+                            key=lambda r: r.rank)
         mismatched = [(eid, info["rank"]) for eid, info in zip(self.client.ids, infos, strict=True)
                       if eid != info["rank"]]
         if mismatched:
@@ -302,7 +304,7 @@ class TacoCluster:
     def _stop_processes(self, fast: bool = False) -> None:
         cluster, client = self.ipp_cluster, self.client
         self.ipp_cluster = self.client = None
-        self.ranks = []
+        self.ranks, self.elastic = [], None
         if cluster is None:
             return
         tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory  # teardown adds the mapped
@@ -313,9 +315,26 @@ class TacoCluster:
     # ---------------------------------------------------------------- engines
     @property
     def view(self) -> Any:
+        """A view on the cluster's engines: all of them, or after an elastic change the members only."""
         if self.client is None:
             raise RuntimeError(f"cluster {self.name!r} is not running")
-        return self.client[:]
+        return self.client[self.engine_ids()] if self.elastic is not None else self.client[:]
+
+    def engine_ids(self, ranks: list[int] | None = None) -> list[int]:
+        """The ipyparallel engine ids of ``ranks`` (default: every rank), in that order."""
+        by_rank = {r.rank: (r.engine_id if r.engine_id >= 0 else r.rank) for r in self.ranks}
+        return [by_rank[r] for r in (sorted(by_rank) if ranks is None else ranks)]
+
+    def reinit(self) -> None:
+        """Rebuild the process group on every rank (after a failed or interrupted cell): over MPI's world, or
+        over the members the client chose once an elastic change happened (cluster/elastic.py)."""
+        if self.elastic is not None and self.elastic.owns_membership:
+            from .elastic import rebuild
+
+            rebuild(self, list(self.ranks))
+        else:
+            self.view.apply_sync(engine.reinit)
+        self.needs_reinit = False
 
     def _engine_sets(self, cluster: Any = None) -> list[Any]:
         cluster = cluster or self.ipp_cluster
@@ -338,6 +357,10 @@ class TacoCluster:
 
             return bool(engine_sets) and all(job_alive(es) for es in engine_sets)
         return bool(engine_sets) and all(alive(getattr(es, "process", None)) for es in engine_sets)
+
+    def engine_log_paths(self) -> list[str]:
+        """The engine sets' logs, where mpiexec gathers what the ranks and their wrappers print."""
+        return self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
 
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""

@@ -102,6 +102,9 @@ class ProcessState:
     rendezvous: Any = field(default=None, repr=False)  # rendezvous.Rendezvous while the group is up
     comm_thread: CommThread = field(default_factory=CommThread, repr=False)
     hierarchy: dict[int, Any] = field(default_factory=dict, repr=False)  # generation -> 2D groups (or None)
+    # Every member's node name once the notebook chose the group's members (elastic, :mod:`.membership`):
+    # MPI's world then no longer describes the group, and init() must not build one over it.
+    membership: tuple[str, ...] | None = None
     _teardown: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def ensure_topology(self, intra_size: int | None = None) -> Topology:

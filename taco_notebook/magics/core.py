@@ -20,6 +20,7 @@ from .args import (
     cluster_settings,
     cluster_size,
     comm_settings,
+    elastic_spec,
     parse_targets,
     positive_int,
     required_hugepages,
@@ -81,6 +82,7 @@ class TacoMagics(Magics, TacoSettings):
                              "first line and the code below it; %%taco_run --help lists the options")
         args = parse_argstring(self.taco_run, line)
         size = cluster_size(args.np, "-np", self.max_ranks)
+        elastic = elastic_spec(args.elastic, args.targets)
         with usage_errors():
             timeout = self.chosen("timeout", args.timeout, "--timeout")
             launcher = self.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")
@@ -88,7 +90,8 @@ class TacoMagics(Magics, TacoSettings):
         settings = comm_settings(self, args)
         running = clusters.get(args.cluster)
         say = RankOutput(live=args.stream, quiet=args.quiet)
-        planned = size or (running.size if running is not None else shared_size(args.cluster, say) or self._new_size())
+        planned = size or (running.size if running is not None else shared_size(args.cluster, say)
+                           or (elastic.max if elastic else self._new_size()))
         targets = parse_targets(args.targets, planned)
         if intra_size is not None and planned % intra_size:
             raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
@@ -105,7 +108,7 @@ class TacoMagics(Magics, TacoSettings):
         monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
-        return run_cell(cluster, cell, options, say)
+        return run_cell(cluster, cell, options, say, elastic)
 
     def _new_size(self) -> int:
         """Ranks of a cluster started without ``-np``: ``TacoMagics.np`` when set, else 4."""

@@ -1,0 +1,287 @@
+"""``%%taco_run --elastic MIN:MAX``: a rank dies, the survivors roll back to the last commit and go on.
+
+The client owns the membership. In an elastic cell every engine tells its wrapper (cluster/rankwrap.py) to keep
+the MPI job alive if the engine dies; the wrapper still prints its marker line (rank, host, pid, signal) into
+the engine set's log, which :class:`DeathWatch` reads while the cell runs. On a death:
+
+1. the survivors' cell ends: those whose collective failed drop their group at once (``engine.abort``), which
+   releases peers blocked on them; any still running after :data:`SETTLE_S` get SIGINT;
+2. hosts that failed :data:`BLACKLIST_AFTER` times within :data:`BLACKLIST_WINDOW_S` are blacklisted for
+   :data:`COOLDOWN_S` (their live engines sit out); with fewer than MIN members left the cell fails, naming them;
+3. :func:`rebuild`: the members get contiguous ranks in their old order, the new rank 0 opens a store, every
+   member joins it (comm/membership.py: a new topology, hence a new 2D layout), all through ``view.apply`` of
+   functions in cluster/engine.py;
+4. every ``taco.elastic.State`` is restored to its last commit and synced from the new rank 0, and the cell
+   runs again, so ``while state.step < N`` resumes at the committed step.
+
+The survivors' other variables stay: their processes never restarted.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import TacoError
+from . import engine
+from .deaths import signal_name
+from .describe import RankInfo
+from .rankwrap import MARKER
+from .reporting import ranks_phrase
+from .run import CellOptions, OutputSink, _CellRun
+from .session import TacoCluster
+
+__all__ = ["ElasticSpec", "ElasticError", "Membership", "Death", "DeathWatch", "parse_elastic", "run_elastic",
+           "rebuild"]
+
+SETTLE_S = 3.0  # how long survivors get to fail on their own (gloo errors at once on a reset peer) before SIGINT
+INTERRUPT_S = 3.0  # ...and to honour SIGINT, before the cluster is given up on
+BLACKLIST_AFTER = 2  # failures of one host ...
+BLACKLIST_WINDOW_S = 600.0  # ... within this window blacklist it ...
+COOLDOWN_S = 300.0  # ... for this long
+
+_MARK = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)")
+
+
+class ElasticError(TacoError):
+    """An elastic cell cannot go on: fewer than MIN ranks are left, or survivors could not be stopped."""
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """``--elastic MIN:MAX``: go on while at least ``min`` ranks live; at most ``max`` ranks take part."""
+
+    min: int
+    max: int
+
+
+def parse_elastic(text: str) -> ElasticSpec:
+    """``"2:4"`` -> ``ElasticSpec(2, 4)``; a ValueError naming the mistake otherwise."""
+    parts = text.split(":")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) != 2 or numbers[0] <= 0 or numbers[0] > numbers[1]:
+        raise ValueError(f"--elastic must be MIN:MAX with 1 <= MIN <= MAX (say 2:4), got {text!r}")
+    return ElasticSpec(numbers[0], numbers[1])
+
+
+@dataclass(frozen=True)
+class Death:
+    """One engine's death as its wrapper told it."""
+
+    rank: int  # its rank in the membership it died in
+    host: str
+    pid: int
+    how: str  # "SIGKILL", "exit code 3"
+
+
+@dataclass
+class Membership:
+    """What the client knows of an elastic cluster's membership: changes so far and the blacklist."""
+
+    spec: ElasticSpec
+    owns_membership: bool = False  # True once ranks were renumbered: the group is no longer MPI's world
+    lost: list[Death] = field(default_factory=list)
+    joined: int = 0
+    failures: dict[str, list[float]] = field(default_factory=dict)  # host -> when its ranks died
+    blacklist: dict[str, float] = field(default_factory=dict)  # host -> until when (time.time())
+
+    def record(self, death: Death, now: float | None = None) -> bool:
+        """Count ``death`` against its host; True when that blacklists the host."""
+        now = time.time() if now is None else now
+        self.lost.append(death)
+        recent = [t for t in self.failures.get(death.host, []) if now - t < BLACKLIST_WINDOW_S] + [now]
+        self.failures[death.host] = recent
+        if len(recent) >= BLACKLIST_AFTER and death.host not in self.blacklisted(now):
+            self.blacklist[death.host] = now + COOLDOWN_S
+            return True
+        return False
+
+    def blacklisted(self, now: float | None = None) -> list[str]:
+        """Hosts in their cooldown now."""
+        now = time.time() if now is None else now
+        return sorted(host for host, until in self.blacklist.items() if until > now)
+
+
+class DeathWatch:
+    """Reads the marker lines the wrappers print into the engine sets' logs, from where it last stopped."""
+
+    def __init__(self, cluster: TacoCluster) -> None:
+        self.cluster = cluster
+        self.offsets: dict[str, int] = {}
+        self.seen: set[tuple[str, int]] = set()  # a member who died between cells is found at the cell's start
+
+    def read(self) -> list[Death]:
+        """Deaths of current members not reported yet."""
+        members = {(r.host, r.pid): r for r in self.cluster.ranks}
+        found = []
+        for path in self.cluster.engine_log_paths():
+            try:
+                with open(path, "rb") as log:
+                    log.seek(self.offsets.get(path, 0))
+                    text = log.read()
+            except OSError:
+                continue
+            end = text.rfind(b"\n") + 1  # a line still being written is read next time
+            self.offsets[path] = self.offsets.get(path, 0) + end
+            for match in _MARK.finditer(text[:end].decode(errors="replace")):
+                _, host, pid, kind, value = match.groups()
+                key = (host, int(pid))
+                if key in self.seen or key not in members:
+                    continue
+                self.seen.add(key)
+                how = signal_name(int(value)) if kind == "signal" else f"exit code {value}"
+                found.append(Death(members[key].rank, host, int(pid), how))
+        return found
+
+
+class MembershipLost(Exception):
+    """Raised inside the cell's wait loop when members died (never reaches the user)."""
+
+    def __init__(self, deaths: list[Death]) -> None:
+        super().__init__(", ".join(f"rank {d.rank}" for d in deaths))
+        self.deaths = deaths
+
+
+class _ElasticCellRun(_CellRun):
+    """The cell's wait loop, watching the wrappers' markers as well as mpiexec."""
+
+    def __init__(self, cluster: TacoCluster, options: CellOptions, sink: OutputSink, watch: DeathWatch) -> None:
+        super().__init__(cluster, options, sink)
+        self.watch = watch
+
+    def check_alive(self) -> None:
+        deaths = self.watch.read()
+        if deaths:
+            raise MembershipLost(deaths)
+        super().check_alive()  # the whole job gone (mpiexec died): not recoverable
+
+    def collect_errors(self) -> None:
+        self.check_alive()  # a survivor's gloo error usually lands before we read its peer's marker
+        super().collect_errors()
+
+    def engine_died(self) -> None:
+        deadline = time.monotonic() + 3.0  # the hub can see an engine go before its wrapper's line is in the log
+        while time.monotonic() < deadline and self.cluster.engines_alive():
+            if deaths := self.watch.read():
+                raise MembershipLost(deaths)
+            time.sleep(0.05)
+        super().engine_died()
+
+    def finish_monitors(self, error: BaseException | None) -> None:
+        if not isinstance(error, MembershipLost):  # the cell runs again: not its end
+            super().finish_monitors(error)
+
+
+def _survivors(cluster: TacoCluster, deaths: list[Death]) -> list[RankInfo]:
+    dead = {(d.host, d.pid) for d in deaths}
+    return [r for r in cluster.ranks if (r.host, r.pid) not in dead]
+
+
+def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
+    """Wait for the survivors' cell to end (dropping the group of those done, SIGINT after SETTLE_S); returns
+    further deaths seen meanwhile (a node going down takes its ranks one by one)."""
+    cluster, deaths = run.cluster, []
+    parts = {r.rank: run.parts[r.rank] for r in survivors if r.rank in run.parts}
+    aborted: set[int] = set()
+    start, interrupted = time.monotonic(), False
+    while True:
+        deaths += run.watch.read()
+        gone = {(d.host, d.pid) for d in deaths}
+        running = [r for r in survivors if (r.host, r.pid) not in gone and not parts[r.rank].ready()]
+        done = [r for r in survivors if (r.host, r.pid) not in gone and parts[r.rank].ready()
+                and r.rank not in aborted]
+        if done and running:
+            cluster.client[[r.engine_id for r in done]].apply_async(engine.abort)  # releases peers blocked on them
+            aborted.update(r.rank for r in done)
+        if not running:
+            return deaths
+        waited = time.monotonic() - start
+        if waited > SETTLE_S and not interrupted:
+            cluster.client.send_signal(signal.SIGINT, targets=[r.engine_id for r in running], block=False)
+            interrupted = True
+        elif waited > SETTLE_S + INTERRUPT_S:
+            cluster.kill_engines(f"{ranks_phrase([r.rank for r in running])} hung after a rank died")
+            raise ElasticError(f"{ranks_phrase([r.rank for r in running])} did not stop after a rank died, not even "
+                               "on SIGINT: the cluster's engines were killed; the next cell starts a fresh cluster")
+        time.sleep(0.05)
+
+
+def rebuild(cluster: TacoCluster, members: list[RankInfo]) -> None:
+    """Give ``members`` (in this order) ranks 0..n-1 and a new process group, all through engine calls."""
+    ids = [m.engine_id if m.engine_id >= 0 else m.rank for m in members]
+    view = cluster.client[ids]
+    facts = view.apply_sync(engine.placement)
+    one_host = len({tuple(f["where"]) for f in facts}) == 1 and not any(f["tcp"] for f in facts)
+    kind = "file" if one_host else "tcp"
+    address = cluster.client[ids[0]].apply_sync(engine.open_group, kind, len(ids))
+    ranks_by_key = {f["key"]: rank for rank, f in enumerate(facts)}
+    view.apply_sync(engine.join_group, ranks_by_key, [f["node"] for f in facts], kind, address)
+    infos = view.apply_sync(engine.rank_info)
+    cluster.ranks = [RankInfo(**info, engine_id=eid) for eid, info in zip(ids, infos, strict=True)]
+    cluster.size = len(members)
+    cluster.needs_reinit = False
+    if cluster.elastic is not None:
+        cluster.elastic.owns_membership = True
+
+
+def _committed(counters: dict[str, Any]) -> str:
+    if "step" in counters:
+        return f"from commit at step {counters['step']}"
+    if counters:
+        return "from commit at " + ", ".join(f"{k}={v}" for k, v in counters.items())
+    return "(no taco.elastic.State to roll back)"
+
+
+def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership, sink: OutputSink) -> None:
+    """After ``lost``: settle the survivors, rebuild over them, restore every State, say what happened."""
+    cluster = run.cluster
+    deaths = list(lost.deaths)
+    deaths += _settle(run, _survivors(cluster, deaths))
+    survivors = _survivors(cluster, deaths)
+    banned = [host for d in deaths if membership.record(d) for host in [d.host]]
+    blacklisted = set(membership.blacklisted())
+    members = [r for r in survivors if r.host not in blacklisted][: membership.spec.max]
+    what = "; ".join(f"rank {d.rank} (host {d.host}) died: {d.how}" for d in deaths)
+    if banned:
+        what += f"; host {', '.join(banned)} failed {BLACKLIST_AFTER} times: blacklisted for {COOLDOWN_S:g} s"
+    cluster.needs_reinit = membership.owns_membership = True  # MPI's world has a dead rank from now on
+    if len(members) < membership.spec.min:
+        cluster.ranks = survivors
+        raise ElasticError(f"{what}; {len(members)} rank{'s' if len(members) != 1 else ''} left, fewer than "
+                           f"--elastic's MIN {membership.spec.min}: the cell stops here. The survivors keep their "
+                           "variables; run it with a lower MIN, or %taco_cluster restart for a full cluster")
+    started = time.monotonic()
+    rebuild(cluster, members)
+    counters = cluster.view.apply_sync(engine.elastic_restore)[0]
+    sink.notice(f"{what}; continuing on {len(members)} ranks {_committed(counters)} "
+                f"(group rebuilt in {time.monotonic() - started:.1f} s)")
+
+
+def run_elastic(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink, spec: ElasticSpec) -> Any:
+    """Run ``code`` as an elastic cell: on a rank's death recover (module docstring) and run it again."""
+    membership = cluster.elastic = cluster.elastic or Membership(spec)
+    membership.spec = spec
+    if len(cluster.ranks) < spec.min:
+        raise ElasticError(f"cluster {cluster.name!r} has {len(cluster.ranks)} ranks, fewer than --elastic's MIN "
+                           f"{spec.min}: lower MIN or %taco_cluster restart -n {spec.min}")
+    if cluster.needs_reinit:
+        cluster.reinit()
+    cluster.view.apply_sync(engine.elastic_mode, True)
+    watch = DeathWatch(cluster)
+    try:
+        while True:
+            run = _ElasticCellRun(cluster, options, sink, watch)
+            try:
+                return run.run(code)
+            except MembershipLost as lost:
+                sink.flush()
+                _recover(run, lost, membership, sink)
+    finally:
+        if cluster.running and cluster.ranks:
+            cluster.view.apply_sync(engine.elastic_mode, False)
