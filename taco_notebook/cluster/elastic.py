@@ -37,7 +37,7 @@ from .session import TacoCluster
 __all__ = ["ElasticSpec", "ElasticError", "Membership", "Death", "DeathWatch", "parse_elastic", "run_elastic",
            "rebuild"]
 
-SETTLE_S = 3.0  # how long survivors get to fail on their own (gloo errors at once on a reset peer) before SIGINT
+SETTLE_S = 0.3  # how long survivors get to fail on their own (a reset peer's neighbours do at once) before SIGINT
 INTERRUPT_S = 3.0  # ...and to honour SIGINT, before the cluster is given up on
 BLACKLIST_AFTER = 2  # failures of one host ...
 BLACKLIST_WINDOW_S = 600.0  # ... within this window blacklist it ...
@@ -184,8 +184,9 @@ def _survivors(cluster: TacoCluster, deaths: list[Death]) -> list[RankInfo]:
 
 
 def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
-    """Wait for the survivors' cell to end (dropping the group of those done, SIGINT after SETTLE_S); returns
-    further deaths seen meanwhile (a node going down takes its ranks one by one)."""
+    """End the survivors' cell: drop the group of those done (releasing peers blocked on them) and SIGINT those
+    still running after :data:`SETTLE_S` (all roll back anyway; a rank blocked on a failed peer would otherwise
+    wait for the collective timeout). Returns further deaths seen meanwhile (a node's ranks go one by one)."""
     cluster, deaths = run.cluster, []
     parts = {r.rank: run.parts[r.rank] for r in survivors if r.rank in run.parts}
     aborted: set[int] = set()
@@ -193,23 +194,29 @@ def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
     while True:
         deaths += run.watch.read()
         gone = {(d.host, d.pid) for d in deaths}
-        running = [r for r in survivors if (r.host, r.pid) not in gone and not parts[r.rank].ready()]
-        done = [r for r in survivors if (r.host, r.pid) not in gone and parts[r.rank].ready()
-                and r.rank not in aborted]
+        live = [r for r in survivors if (r.host, r.pid) not in gone]
+        running = [r for r in live if not parts[r.rank].ready()]
+        done = [r for r in live if parts[r.rank].ready() and r.rank not in aborted]
         if done and running:
-            cluster.client[[r.engine_id for r in done]].apply_async(engine.abort)  # releases peers blocked on them
+            cluster.client[[r.engine_id for r in done]].apply_async(engine.abort)
             aborted.update(r.rank for r in done)
         if not running:
             return deaths
         waited = time.monotonic() - start
         if waited > SETTLE_S and not interrupted:
-            cluster.client.send_signal(signal.SIGINT, targets=[r.engine_id for r in running], block=False)
+            delivered = cluster.client.send_signal(signal.SIGINT, targets=[r.engine_id for r in running],
+                                                   block=False)
+            try:  # see it delivered: a signal still in flight could land in the cell's next run
+                delivered.result(timeout=1.0)
+            except Exception:  # noqa: BLE001 - a wedged engine: the kill below deals with it
+                pass
             interrupted = True
         elif waited > SETTLE_S + INTERRUPT_S:
-            cluster.kill_engines(f"{ranks_phrase([r.rank for r in running])} hung after a rank died")
-            raise ElasticError(f"{ranks_phrase([r.rank for r in running])} did not stop after a rank died, not even "
-                               "on SIGINT: the cluster's engines were killed; the next cell starts a fresh cluster")
-        time.sleep(0.05)
+            phrase = ranks_phrase([r.rank for r in running])
+            cluster.kill_engines(f"{phrase} hung after a rank died")
+            raise ElasticError(f"{phrase} did not stop after a rank died, not even on SIGINT: the cluster's "
+                               "engines were killed; the next cell starts a fresh cluster")
+        time.sleep(0.02)
 
 
 def rebuild(cluster: TacoCluster, members: list[RankInfo]) -> None:
@@ -250,6 +257,9 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
     what = "; ".join(f"rank {d.rank} (host {d.host}) died: {d.how}" for d in deaths)
     if banned:
         what += f"; host {', '.join(banned)} failed {BLACKLIST_AFTER} times: blacklisted for {COOLDOWN_S:g} s"
+    if len(members) < min(membership.spec.min, len(survivors)):  # sitting hosts out would end the run: keep them
+        members = survivors[: membership.spec.max]
+        what += " (its ranks stay: without them fewer than MIN would be left)" if blacklisted else ""
     cluster.needs_reinit = membership.owns_membership = True  # MPI's world has a dead rank from now on
     if len(members) < membership.spec.min:
         cluster.ranks = survivors

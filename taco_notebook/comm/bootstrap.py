@@ -22,8 +22,8 @@ from . import excepthook, rendezvous
 from .state import ProcessState, state
 from .topology import Topology
 
-__all__ = ["CommState", "state", "init", "start_group", "shutdown", "abort", "reinit", "is_initialized", "default_backend",
-           "device"]
+__all__ = ["CommState", "state", "init", "start_group", "shutdown", "abort", "reinit", "is_initialized",
+           "default_backend", "device"]
 
 
 # How long shutdown()'s rendezvous creator waits for its peers to let go of the FileStore before removing its

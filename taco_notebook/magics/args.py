@@ -19,8 +19,8 @@ from ..comm.specs import check_positive
 from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings, setting_from_env
 
 __all__ = ["cluster_args", "run_args", "comm_settings", "cluster_settings", "usage_errors", "positive_int",
-           "cluster_size", "elastic_spec", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option",
-           "required_hugepages"]
+           "cluster_size", "elastic_spec", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP",
+           "gpu_option", "required_hugepages"]
 
 DEFAULT_NP = 4
 

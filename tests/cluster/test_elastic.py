@@ -1,0 +1,123 @@
+"""``%%taco_run --elastic``: ranks killed with SIGKILL mid-training, the survivors go on from the last commit.
+
+One 4-rank cluster serves every check of the cluster test (conftest stops any cluster but 'default' after each
+test): a kill under ``--elastic 2:4``, the survivors' variables in the next cell, then a kill below MIN.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from taco_notebook.cluster.elastic import Death, ElasticError, ElasticSpec, Membership, parse_elastic
+from taco_notebook.cluster.session import clusters
+from taco_notebook.comm.elastic import State
+
+from ..conftest import session_processes
+
+SETUP = """\
+import os, signal, time
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+state = taco.elastic.State(model=model, optimizer=opt, step=0)
+victim, kill_at = taco.rank() == 2, 25
+kept = f"engine {os.getpid()}"
+"""
+
+TRAIN = """\
+print(f"start {state.step} {time.time():.3f}", flush=True)
+while state.step < 60:
+    torch.manual_seed(state.step * 100 + taco.rank())
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward()
+    for p in model.parameters():
+        taco.allreduce(p.grad, op="avg")
+    opt.step(); state.step += 1
+    if state.step % 10 == 0:
+        state.commit()
+    if victim and state.step == kill_at:
+        print(f"kill {state.step} {time.time():.3f}", flush=True)
+        time.sleep(0.5)  # the line must reach the notebook before the engine goes
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.02)
+[taco.rank(), taco.size(), state.step, [p.detach().tolist() for p in model.parameters()]]
+"""
+
+SUMMARY = "[kept, victim, taco.rank(), taco.size(), state.step]"
+
+
+def _stamps(text: str, word: str) -> list[tuple[int, float]]:
+    return [(int(m[0]), float(m[1])) for m in re.findall(rf"\] {word} (\d+) ([\d.]+)", text)]
+
+
+def test_state_commits_restores_and_names_a_missing_counter() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=opt, step=0)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    state.step = 10
+    state.commit()
+    committed = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    state.step = 15
+    state.restore()
+    assert state.step == 10 and state.committed == {"step": 10}
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), committed, strict=True))
+    with pytest.raises(AttributeError, match="no counter 'epoch'.*State\\(..., epoch=0\\)"):
+        _ = state.epoch
+
+
+def test_elastic_option_is_checked_and_hosts_that_fail_twice_are_blacklisted(ip) -> None:
+    assert parse_elastic("2:4") == ElasticSpec(2, 4)
+    for bad in ("4:2", "0:2", "two:4", "2"):
+        with pytest.raises(ValueError, match="--elastic must be MIN:MAX"):
+            parse_elastic(bad)
+    with pytest.raises(UsageError, match="leave out --targets"):
+        ip.run_cell_magic("taco_run", "--elastic 2:4 --targets 0 --cluster none", "pass")
+    membership = Membership(ElasticSpec(1, 4))
+    assert not membership.record(Death(1, "n1", 11, "SIGKILL"), now=100.0)
+    assert membership.record(Death(0, "n1", 12, "SIGKILL"), now=200.0)
+    assert membership.blacklisted(now=201.0) == ["n1"]
+    assert membership.blacklisted(now=200.0 + 301) == []
+
+
+@pytest.mark.cluster
+def test_killed_rank_under_elastic_the_survivors_go_on_from_the_commit(ip, capsys) -> None:
+    ip.run_cell_magic("taco_run", "-np 4 --cluster elastic --no-dashboard", SETUP)
+    pids = [r.pid for r in clusters["elastic"].ranks]
+    capsys.readouterr()
+
+    began = time.monotonic()
+    values = ip.run_cell_magic("taco_run", "--elastic 2:4 --cluster elastic --no-dashboard --gather", TRAIN)
+    took = time.monotonic() - began
+    out = capsys.readouterr().out
+    assert "rank 2 (host" in out and "died: SIGKILL; continuing on 3 ranks from commit at step 20" in out
+    assert [v[:3] for v in values] == [[0, 3, 60], [1, 3, 60], [2, 3, 60]]
+    assert values[0][3] == values[1][3] == values[2][3]  # the survivors' parameters are identical
+    starts = _stamps(out, "start")
+    assert sorted(step for step, _ in starts) == [0] * 4 + [20] * 3  # the loop resumed at the commit
+    [(_, killed_at)] = _stamps(out, "kill")
+    resumed_at = min(t for step, t in starts if step == 20)
+    print(f"elastic: kill -> training resumed in {resumed_at - killed_at:.2f} s; cell {took:.1f} s")
+    assert resumed_at - killed_at < 10
+    assert pids[2] not in session_processes()
+
+    # the survivors' other variables are still there, renumbered 0..2
+    summary = ip.run_cell_magic("taco_run", "--cluster elastic --no-dashboard --gather", SUMMARY)
+    assert summary == [[f"engine {pid}", False, rank, 3, 60] for rank, pid in enumerate(pids[:2] + pids[3:])]
+
+    # below MIN: a clear error, no hang, and the last two keep their variables
+    cell = "victim, kill_at = taco.rank() == 0, 65\n" + TRAIN.replace("state.step < 60", "state.step < 90")
+    began = time.monotonic()
+    with pytest.raises(ElasticError, match="died: SIGKILL; .*2 ranks left, fewer than --elastic's MIN 3"):
+        ip.run_cell_magic("taco_run", "--elastic 3:4 --cluster elastic --no-dashboard", cell)
+    assert time.monotonic() - began < 20
+    assert ip.run_cell_magic("taco_run", "--cluster elastic --no-dashboard --gather", "kept") == \
+        [f"engine {pid}" for pid in (pids[1], pids[3])]
