@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TacoError
+from ..model import MembershipModel
 from . import engine
 from .deaths import signal_name
 from .describe import RankInfo
@@ -35,7 +36,7 @@ from .run import CellOptions, OutputSink, _CellRun
 from .session import TacoCluster
 
 __all__ = ["ElasticSpec", "ElasticError", "Membership", "Death", "DeathWatch", "parse_elastic", "run_elastic",
-           "rebuild"]
+           "rebuild", "membership_text"]
 
 SETTLE_S = 0.3  # how long survivors get to fail on their own (a reset peer's neighbours do at once) before SIGINT
 INTERRUPT_S = 3.0  # ...and to honour SIGINT, before the cluster is given up on
@@ -78,6 +79,7 @@ class Death:
     host: str
     pid: int
     how: str  # "SIGKILL", "exit code 3"
+    at: float = field(default_factory=time.time, compare=False)
 
 
 @dataclass
@@ -102,10 +104,29 @@ class Membership:
             return True
         return False
 
+    def model(self) -> MembershipModel:
+        """As the registry, the REST API and the sidebar show it."""
+        return {"min": self.spec.min, "max": self.spec.max, "joined": self.joined,
+                "lost": [{"rank": d.rank, "host": d.host, "how": d.how, "at": d.at} for d in self.lost],
+                "blacklisted": self.blacklisted()}
+
     def blacklisted(self, now: float | None = None) -> list[str]:
         """Hosts in their cooldown now."""
         now = time.time() if now is None else now
         return sorted(host for host, until in self.blacklist.items() if until > now)
+
+
+def membership_text(model: MembershipModel) -> str:
+    """``elastic 2:4 · lost rank 2 (n1, SIGKILL) · 1 joined · blacklisted n1`` (as the sidebar's format.ts)."""
+    parts = [f"elastic {model['min']}:{model['max']}"]
+    if model["lost"]:
+        lost = ", ".join(f"{x['rank']} ({x['host']}, {x['how']})" for x in model["lost"])
+        parts.append(f"lost rank{'s' if len(model['lost']) > 1 else ''} {lost}")
+    if model["joined"]:
+        parts.append(f"{model['joined']} joined")
+    if model["blacklisted"]:
+        parts.append(f"blacklisted {', '.join(model['blacklisted'])}")
+    return " · ".join(parts)
 
 
 class DeathWatch:
@@ -271,6 +292,12 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
     counters = cluster.view.apply_sync(engine.elastic_restore)[0]
     sink.notice(f"{what}; continuing on {len(members)} ranks {_committed(counters)} "
                 f"(group rebuilt in {time.monotonic() - started:.1f} s)")
+    lost = ", ".join(f"rank {d.rank} ({d.host}) lost" for d in deaths)
+    for monitor in run.options.monitors:  # the dashboard's status line; the sidebar reads cluster.model()
+        if hasattr(monitor, "membership_changed"):
+            monitor.membership_changed(f"{lost}: {len(members)} ranks {_committed(counters)}",
+                                       {r.rank: r.node for r in cluster.ranks})
+    cluster.set_run(cluster.run)  # publishes the model (its membership) to the registry, hence the sidebar
 
 
 def run_elastic(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink, spec: ElasticSpec) -> Any:

@@ -128,6 +128,7 @@ class TacoCluster:
             "started_at": self.started_at if state != "starting" else None, "updated_at": time.time(),
             "run": self.run, "pending": self.pending,
             "error": self.error or (NO_ENGINES if state == "broken" else None),
+            "membership": self.elastic.model() if self.elastic is not None else None,
         }
 
     def subscribe(self, subscriber: Subscriber) -> None:

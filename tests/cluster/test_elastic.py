@@ -17,6 +17,7 @@ from taco_notebook.cluster.elastic import Death, ElasticError, ElasticSpec, Memb
 from taco_notebook.cluster.session import clusters
 from taco_notebook.comm.elastic import State
 
+from ..comm.test_comm import run_mpi
 from ..conftest import session_processes
 
 SETUP = """\
@@ -74,6 +75,14 @@ def test_state_commits_restores_and_names_a_missing_counter() -> None:
         _ = state.epoch
 
 
+def test_elastic_run_under_plain_mpiexec_retries_from_the_commit(mpiexec) -> None:
+    """``taco.elastic.run``: a collective failing on every rank rolls back to the commit and runs again."""
+    result = run_mpi(mpiexec, 2, "elastic_run.py")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(re.findall(r"rank \d starts \[0, 10\] done 30", result.stdout)) == [
+        "rank 0 starts [0, 10] done 30", "rank 1 starts [0, 10] done 30"]
+
+
 def test_elastic_option_is_checked_and_hosts_that_fail_twice_are_blacklisted(ip) -> None:
     assert parse_elastic("2:4") == ElasticSpec(2, 4)
     for bad in ("4:2", "0:2", "two:4", "2"):
@@ -108,6 +117,9 @@ def test_killed_rank_under_elastic_the_survivors_go_on_from_the_commit(ip, capsy
     print(f"elastic: kill -> training resumed in {resumed_at - killed_at:.2f} s; cell {took:.1f} s")
     assert resumed_at - killed_at < 10
     assert pids[2] not in session_processes()
+    membership = clusters["elastic"].model()["membership"]
+    assert membership is not None and (membership["min"], membership["max"]) == (2, 4)
+    assert [(lost["rank"], lost["how"]) for lost in membership["lost"]] == [(2, "SIGKILL")]
 
     # the survivors' other variables are still there, renumbered 0..2
     summary = ip.run_cell_magic("taco_run", "--cluster elastic --no-dashboard --gather", SUMMARY)
