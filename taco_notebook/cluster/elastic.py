@@ -36,7 +36,7 @@ from .run import CellOptions, OutputSink, _CellRun
 from .session import TacoCluster
 
 __all__ = ["ElasticSpec", "ElasticError", "Membership", "Death", "DeathWatch", "parse_elastic", "run_elastic",
-           "rebuild", "membership_text"]
+           "rebuild", "membership_text", "collect_joiners", "wait_for_joiners", "admit"]
 
 SETTLE_S = 0.3  # how long survivors get to fail on their own (a reset peer's neighbours do at once) before SIGINT
 INTERRUPT_S = 3.0  # ...and to honour SIGINT, before the cluster is given up on
@@ -92,6 +92,8 @@ class Membership:
     joined: int = 0
     failures: dict[str, list[float]] = field(default_factory=dict)  # host -> when its ranks died
     blacklist: dict[str, float] = field(default_factory=dict)  # host -> until when (time.time())
+    launching: list[tuple[int, set[int]]] = field(default_factory=list)  # (engines started, engine ids before)
+    pending: list[RankInfo] = field(default_factory=list)  # registered joiners, admitted at the next commit
 
     def record(self, death: Death, now: float | None = None) -> bool:
         """Count ``death`` against its host; True when that blacklists the host."""
@@ -161,6 +163,10 @@ class DeathWatch:
         return found
 
 
+class JoinRequested(Exception):  # noqa: N818 - an event, like MembershipLost
+    """Every rank stopped at a commit because engines wait to join (never reaches the user)."""
+
+
 class MembershipLost(Exception):
     """Raised inside the cell's wait loop when members died (never reaches the user)."""
 
@@ -175,15 +181,24 @@ class _ElasticCellRun(_CellRun):
     def __init__(self, cluster: TacoCluster, options: CellOptions, sink: OutputSink, watch: DeathWatch) -> None:
         super().__init__(cluster, options, sink)
         self.watch = watch
+        self.asked_to_stop = False
 
     def check_alive(self) -> None:
         deaths = self.watch.read()
         if deaths:
             raise MembershipLost(deaths)
         super().check_alive()  # the whole job gone (mpiexec died): not recoverable
+        if collect_joiners(self.cluster) and not self.asked_to_stop and _room(self.cluster):
+            self.asked_to_stop = True  # every rank stops at its next commit (State.commit: MembershipChanged)
+            self.cluster.client.send_signal(signal.SIGUSR1, targets=self.engines, block=False)
 
     def collect_errors(self) -> None:
         self.check_alive()  # a survivor's gloo error usually lands before we read its peer's marker
+        outcomes = self.outcomes()
+        if outcomes and all(getattr(v, "ename", None) == "MembershipChanged" for v in outcomes.values()):
+            if len(outcomes) == len(self.targets):
+                raise JoinRequested()
+            return  # the others stop at the same commit
         super().collect_errors()
 
     def engine_died(self) -> None:
@@ -195,8 +210,71 @@ class _ElasticCellRun(_CellRun):
         super().engine_died()
 
     def finish_monitors(self, error: BaseException | None) -> None:
-        if not isinstance(error, MembershipLost):  # the cell runs again: not its end
+        if not isinstance(error, MembershipLost | JoinRequested):  # the cell runs again: not its end
             super().finish_monitors(error)
+
+
+def _room(cluster: TacoCluster) -> int:
+    membership = cluster.elastic
+    return max(0, membership.spec.max - len(cluster.ranks)) if membership is not None else 0
+
+
+def collect_joiners(cluster: TacoCluster) -> list[RankInfo]:
+    """Engines of :meth:`TacoCluster.launch_engines` that registered: set up (no group yet), added to
+    ``membership.pending``, which is returned. Kernel thread only (it drives the ipyparallel client)."""
+    membership = cluster.elastic
+    if membership is None:
+        return []
+    for entry in list(membership.launching):
+        count, known = entry
+        new = sorted(set(cluster.client.ids) - known)
+        if len(new) < count:
+            continue
+        membership.launching.remove(entry)
+        cluster.client[new].apply_sync(engine.setup_joiner)
+        infos = cluster.client[new].apply_sync(engine.rank_info)
+        membership.pending += [RankInfo(**info, engine_id=eid) for eid, info in zip(new, infos, strict=True)]
+    return membership.pending
+
+
+def wait_for_joiners(cluster: TacoCluster, timeout: float = 120.0) -> list[RankInfo]:
+    """Wait until every engine launched so far registered (``%taco_cluster scale``); the pending joiners."""
+    deadline = time.monotonic() + timeout
+    while cluster.elastic is not None and cluster.elastic.launching and time.monotonic() < deadline:
+        collect_joiners(cluster)
+        time.sleep(0.1)
+    if cluster.elastic is not None and cluster.elastic.launching:
+        raise ElasticError(f"engines added to cluster {cluster.name!r} did not register within {timeout:g} s; "
+                           "see %taco_cluster status, or stop and restart the cluster")
+    return cluster.elastic.pending if cluster.elastic is not None else []
+
+
+def admit(cluster: TacoCluster, sink: OutputSink, monitors: Any = ()) -> bool:
+    """Give pending joiners (up to MAX) rank 0's variables, rebuild the group with them, restore every State to
+    its last commit from rank 0. False when nobody waits or there is no room."""
+    membership = cluster.elastic
+    if membership is None or not membership.pending or not _room(cluster):
+        return False
+    joining = membership.pending[: _room(cluster)]
+    started = time.monotonic()
+    payload, left = cluster.client[cluster.engine_ids([0])[0]].apply_sync(engine.export_namespace)
+    cluster.client[[j.engine_id for j in joining]].apply_sync(engine.import_namespace, payload)
+    rebuild(cluster, [*cluster.ranks, *joining])
+    membership.pending = membership.pending[len(joining):]
+    membership.joined += len(joining)
+    counters = cluster.view.apply_sync(engine.elastic_restore)[0]
+    cluster.view.apply_sync(engine.elastic_mode, True)
+    hosts = ", ".join(sorted({j.host for j in joining}))
+    stayed = f"; not copied to them (cannot be pickled): {', '.join(left)}" if left else ""
+    sink.notice(f"{len(joining)} rank{'s' if len(joining) != 1 else ''} joined (host {hosts}); continuing on "
+                f"{len(cluster.ranks)} ranks {_committed(counters)} (group rebuilt in "
+                f"{time.monotonic() - started:.1f} s){stayed}")
+    for monitor in monitors:
+        if hasattr(monitor, "membership_changed"):
+            monitor.membership_changed(f"{len(joining)} joined: {len(cluster.ranks)} ranks {_committed(counters)}",
+                                       {r.rank: r.node for r in cluster.ranks})
+    cluster.set_run(cluster.run)
+    return True
 
 
 def _survivors(cluster: TacoCluster, deaths: list[Death]) -> list[RankInfo]:
@@ -310,6 +388,8 @@ def run_elastic(cluster: TacoCluster, code: str, options: CellOptions, sink: Out
     if cluster.needs_reinit:
         cluster.reinit()
     cluster.view.apply_sync(engine.elastic_mode, True)
+    collect_joiners(cluster)
+    admit(cluster, sink, options.monitors)  # engines added between cells join at the cell's start
     watch = DeathWatch(cluster)
     try:
         while True:
@@ -319,6 +399,9 @@ def run_elastic(cluster: TacoCluster, code: str, options: CellOptions, sink: Out
             except MembershipLost as lost:
                 sink.flush()
                 _recover(run, lost, membership, sink)
+            except JoinRequested:
+                sink.flush()
+                admit(cluster, sink, options.monitors)
     finally:
         if cluster.running and cluster.ranks:
             cluster.view.apply_sync(engine.elastic_mode, False)

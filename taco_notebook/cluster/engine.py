@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
            "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "elastic_mode", "placement",
-           "open_group", "join_group", "elastic_restore"]
+           "open_group", "join_group", "elastic_restore", "setup_joiner", "export_namespace", "import_namespace"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
@@ -73,6 +73,73 @@ class _Sender:
 
 
 _sender = _Sender()
+
+
+def _skip(name: str, value: Any) -> bool:
+    import builtins
+
+    return (name.startswith("_") or name in _SHELL_NAMES or value is getattr(builtins, name, None)
+            or callable(value) and str(getattr(value, "__module__", "")).startswith("IPython"))
+
+
+_SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "taco", "torch", RESULT_NAME}
+
+
+def export_namespace() -> tuple[bytes, list[str]]:
+    """This rank's variables that can travel, pickled together (so a State keeps its model and optimizer), for
+    engines joining an elastic cluster; and the names left out because they cannot travel. Modules travel as
+    their names (the joiner imports them).
+
+    With cloudpickle installed, instances of classes defined in a cell travel too; without it they need their
+    class importable on the joining engine."""
+    import types
+
+    try:
+        from cloudpickle import dumps
+    except ImportError:
+        dumps = pickle.dumps
+
+    chosen: dict[str, Any] = {}
+    modules: dict[str, str] = {}
+    left: list[str] = []
+    for name, value in list(_shell().user_ns.items()):
+        if _skip(name, value):
+            continue
+        if isinstance(value, types.ModuleType):
+            modules[name] = value.__name__
+            continue
+        try:
+            dumps(value)
+        except Exception:  # noqa: BLE001 - any pickling failure: that name stays behind
+            left.append(name)
+            continue
+        chosen[name] = value
+    return dumps({"modules": modules, "values": chosen}), left
+
+
+def import_namespace(payload: bytes) -> list[str]:
+    """A joining engine takes rank 0's variables (:func:`export_namespace`); the names it got."""
+    import importlib
+
+    loaded = pickle.loads(payload)
+    names = {name: importlib.import_module(module) for name, module in loaded["modules"].items()}
+    names.update(loaded["values"])
+    _shell().user_ns.update(names)
+    return sorted(names)
+
+
+def setup_joiner() -> None:
+    """An engine of a later engine set (``%taco_cluster scale`` on an elastic cluster): the namespace and the
+    metrics flush of :func:`setup_namespace`, but no process group (it joins one at the next commit)."""
+    import torch
+
+    import taco_notebook.comm as taco
+
+    shell = _shell()
+    shell.run_line_magic("xmode", "Plain")
+    shell.user_ns.update(taco=taco, torch=torch)
+    if _sender.flush not in shell.events.callbacks["post_execute"]:
+        shell.events.register("post_execute", _sender.flush)
 
 
 def setup_namespace() -> None:
@@ -156,8 +223,15 @@ def fetch_result() -> Any:
 def elastic_mode(on: bool) -> bool:
     """Tell this rank's wrapper (cluster/rankwrap.py) whether its death should keep the MPI job alive
     (``%%taco_run --elastic``); False when the engine was not started by the wrapper."""
+    import signal
+
+    from ..comm.elastic import forget_update, request_update
     from .rankwrap import MODE_FD_ENV
 
+    # SIGUSR1 from the notebook: engines wait to join, stop at the next commit (comm/elastic.py); one that
+    # arrives after the cell is ignored, not fatal
+    forget_update()
+    signal.signal(signal.SIGUSR1, request_update if on else signal.SIG_IGN)
     fd = os.environ.get(MODE_FD_ENV)
     if fd is None:
         return False

@@ -290,13 +290,19 @@ class TacoCluster:
                 self._emit("stopped")
 
     def scale(self, size: int) -> TacoCluster:
-        """Restart with ``size`` ranks under the same name and registry id.
+        """Restart with ``size`` ranks under the same name and registry id; on a cluster that ran an elastic
+        cell, growing adds engines instead (:meth:`launch_engines`), which join at the next commit.
 
         An MPI job's world size is fixed at launch, so scaling is a stop and a start of a new ``size``-rank MPI
         job: what the engines held (variables, the process group) is lost. Holds :attr:`busy` meanwhile.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive integer, got {size!r}")
+        if self.elastic is not None and self.running and size > len(self.ranks):
+            waiting = len(self.elastic.pending) + sum(count for count, _ in self.elastic.launching)
+            if size - len(self.ranks) - waiting > 0:
+                self.launch_engines(size - len(self.ranks) - waiting)
+            return self  # they join at the next commit of an elastic cell, the survivors untouched
         with self.busy:
             self._stop(final=False)
             self.size = size
@@ -325,6 +331,19 @@ class TacoCluster:
         """The ipyparallel engine ids of ``ranks`` (default: every rank), in that order."""
         by_rank = {r.rank: (r.engine_id if r.engine_id >= 0 else r.rank) for r in self.ranks}
         return [by_rank[r] for r in (sorted(by_rank) if ranks is None else ranks)]
+
+    def launch_engines(self, count: int) -> None:
+        """Start ``count`` more engines (a second ``mpiexec`` connecting to the same controller) without touching
+        the running ones; an elastic cell admits them at its next commit (cluster/elastic.py). Any thread."""
+        if self.ipp_cluster is None or self.elastic is None:
+            raise RuntimeError(f"cluster {self.name!r} runs no elastic cell: engines can only be added to an "
+                               "elastic cluster (run a %%taco_run --elastic cell first)")
+        known = set(self.client.ids) if self.client is not None else set()
+        self.elastic.launching.append((count, known))
+        self.ipp_cluster.start_engines_sync(n=count)
+        self._engine_launchers = self._engine_sets()
+        self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
+        self.processes = list({p.pid: p for p in self.processes + process_tree(self.ipp_cluster)}.values())
 
     def reinit(self) -> None:
         """Rebuild the process group on every rank (after a failed or interrupted cell): over MPI's world, or

@@ -28,12 +28,43 @@ from typing import Any, TypeVar
 from . import bootstrap
 from .state import state as process
 
-__all__ = ["State", "run", "live_states", "restore_all", "sync_all"]
+__all__ = ["State", "MembershipChanged", "run", "live_states", "restore_all", "sync_all", "request_update",
+           "forget_update"]
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 _states: weakref.WeakSet[State] = weakref.WeakSet()  # every State of this process, for restore_all/sync_all
 _made = itertools.count()  # creation order: the same on every rank, so sync_all's collectives line up
+_update = {"requested": False}  # set by request_update (a signal handler): ranks are waiting to join
+
+
+class MembershipChanged(Exception):  # noqa: N818 - what happened, as Horovod's HostsUpdatedInterrupt
+    """Raised by :meth:`State.commit` on every rank at once when ranks wait to join: the notebook rebuilds the
+    group with them and runs the cell again from this commit."""
+
+
+def request_update(*_: Any) -> None:
+    """Ask every rank to stop at its next commit (the notebook sends SIGUSR1 when engines wait to join)."""
+    _update["requested"] = True
+
+
+def forget_update() -> None:
+    """Drop a request that came too late for the cell it was meant for."""
+    _update["requested"] = False
+
+
+def _agreed_update() -> bool:
+    """Whether any rank was asked to stop (collective: every rank commits at the same step)."""
+    import torch
+
+    from .collectives import allreduce
+
+    if not bootstrap.is_initialized():
+        return False
+    flag = torch.tensor([1.0 if _update["requested"] else 0.0])
+    allreduce(flag, op="max")
+    _update["requested"] = False
+    return bool(flag.item())
 
 
 def _clone(value: Any) -> Any:
@@ -99,8 +130,22 @@ class State:
         self.commits += 1
 
     def commit(self) -> None:
-        """Save the state: after a failure the ranks roll back to here (every rank calls it at the same step)."""
+        """Save the state: after a failure the ranks roll back to here (every rank calls it at the same step).
+
+        Then, with the others, checks whether ranks wait to join: if so raises :class:`MembershipChanged` on
+        every rank (one tiny allreduce per commit)."""
         self.save()
+        if _agreed_update():
+            raise MembershipChanged(f"ranks are joining at {self._describe()}: the notebook rebuilds the group "
+                                    "and runs the cell again from this commit")
+
+    def _describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self._counters.items()) or "this commit"
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        """Unpickled (a joining engine receives rank 0's variables): a live State like the others."""
+        object.__setattr__(self, "__dict__", saved)
+        _states.add(self)
 
     def restore(self) -> None:
         """Go back to the last commit (this rank only)."""
