@@ -1,12 +1,15 @@
-"""``%%taco_run --elastic``: ranks killed with SIGKILL mid-training, the survivors go on from the last commit.
+"""``%%taco_run --elastic``: ranks killed with SIGKILL mid-training, the survivors go on from the last commit;
+engines added during a run join at the next commit.
 
 One 4-rank cluster serves every check of the cluster test (conftest stops any cluster but 'default' after each
-test): a kill under ``--elastic 2:4``, the survivors' variables in the next cell, then a kill below MIN.
+test): a kill under ``--elastic 2:4``, the survivors' variables in the next cell, a kill below MIN, then two
+engines added while the last two train, which join from the committed state.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -133,3 +136,46 @@ def test_killed_rank_under_elastic_the_survivors_go_on_from_the_commit(ip, capsy
     assert time.monotonic() - began < 20
     assert ip.run_cell_magic("taco_run", "--cluster elastic --no-dashboard --gather", "kept") == \
         [f"engine {pid}" for pid in (pids[1], pids[3])]
+
+    grow_during_a_run(ip, capsys)
+
+
+GROW = """\
+state = taco.elastic.State(model=model, optimizer=opt, step=0, on_four=0)
+"""
+
+TRAIN_UNTIL_FOUR = """\
+print(f"start {state.step} {time.time():.3f}", flush=True)
+while state.on_four < 20:
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward()
+    for p in model.parameters():
+        taco.allreduce(p.grad, op="avg")
+    opt.step(); state.step += 1
+    state.on_four += taco.size() == 4
+    if state.step % 10 == 0:
+        state.commit()
+    time.sleep(0.05)
+[taco.rank(), taco.size(), [p.detach().tolist() for p in model.parameters()]]
+"""
+
+
+def grow_during_a_run(ip, capsys) -> None:
+    """Two engines launched (a second mpiexec) while two ranks train: they join at the next commit."""
+    cluster = clusters["elastic"]
+    ip.run_cell_magic("taco_run", "--cluster elastic --no-dashboard", GROW)
+    capsys.readouterr()
+    launcher = threading.Timer(0.5, cluster.launch_engines, (2,))
+    launcher.start()
+    try:
+        values = ip.run_cell_magic("taco_run", "--elastic 2:4 --cluster elastic --no-dashboard --gather "
+                                   "--timeout 240", TRAIN_UNTIL_FOUR)
+    finally:
+        launcher.join()
+    out = capsys.readouterr().out
+    assert re.search(r"2 ranks joined \(host [^)]+\); continuing on 4 ranks from commit at step \d+0 ", out), out
+    assert [v[:2] for v in values] == [[0, 4], [1, 4], [2, 4], [3, 4]]
+    assert all(v[2] == values[0][2] for v in values)  # the joiners hold the same parameters
+    starts = sorted(step for step, _ in _stamps(out, "start"))
+    assert starts[:2] == [0, 0] and len(set(starts[2:])) == 1 and starts[2] % 10 == 0  # all from the commit
+    assert cluster.model()["membership"]["joined"] == 2
