@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..model import HugePagesModel, NodeModel, Owner, OwnerKind
 
@@ -38,6 +39,11 @@ class RankInfo:
     hugepages: dict[str, int] | None = field(default=None, compare=False)
     gpu_names: list[str] = field(default_factory=list, compare=False)  # models of those GPUs, from /proc
     engine_id: int = field(default=-1, compare=False)  # -1: not known (taken to equal the rank)
+
+    @classmethod
+    def of_engine(cls, engine_id: int, info: dict[str, Any]) -> RankInfo:
+        """From :func:`~taco_notebook.cluster.engine.rank_info`'s dict, as engine ``engine_id`` answered it."""
+        return cls(**info, engine_id=engine_id)
 
 
 def new_cluster_id(name: str) -> str:

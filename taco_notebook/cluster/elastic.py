@@ -19,148 +19,37 @@ The survivors' other variables stay: their processes never restarted.
 
 from __future__ import annotations
 
-import re
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import TacoError
-from ..model import MembershipModel
 from . import engine
-from .deaths import signal_name
 from .describe import RankInfo
-from .rankwrap import MARKER
+from .membership import (
+    BLACKLIST_AFTER,
+    COOLDOWN_S,
+    Death,
+    DeathWatch,
+    ElasticSpec,
+    Membership,
+    membership_text,
+    parse_elastic,
+    rebuild,
+)
 from .reporting import ranks_phrase
 from .run import CellOptions, OutputSink, _CellRun
 from .session import TacoCluster
 
 __all__ = ["ElasticSpec", "ElasticError", "Membership", "Death", "DeathWatch", "parse_elastic", "run_elastic",
-           "rebuild", "membership_text", "collect_joiners", "wait_for_joiners", "admit"]
+           "rebuild", "membership_text", "collect_joiners", "wait_for_joiners", "admit", "elastic_runner", "SETTLE_S",
+           "INTERRUPT_S"]
 
 SETTLE_S = 0.3  # how long survivors get to fail on their own (a reset peer's neighbours do at once) before SIGINT
 INTERRUPT_S = 3.0  # ...and to honour SIGINT, before the cluster is given up on
-BLACKLIST_AFTER = 2  # failures of one host ...
-BLACKLIST_WINDOW_S = 600.0  # ... within this window blacklist it ...
-COOLDOWN_S = 300.0  # ... for this long
-
-_MARK = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)")
-
-
 class ElasticError(TacoError):
     """An elastic cell cannot go on: fewer than MIN ranks are left, or survivors could not be stopped."""
-
-
-@dataclass(frozen=True)
-class ElasticSpec:
-    """``--elastic MIN:MAX``: go on while at least ``min`` ranks live; at most ``max`` ranks take part."""
-
-    min: int
-    max: int
-
-
-def parse_elastic(text: str) -> ElasticSpec:
-    """``"2:4"`` -> ``ElasticSpec(2, 4)``; a ValueError naming the mistake otherwise."""
-    parts = text.split(":")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        numbers = []
-    if len(numbers) != 2 or numbers[0] <= 0 or numbers[0] > numbers[1]:
-        raise ValueError(f"--elastic must be MIN:MAX with 1 <= MIN <= MAX (say 2:4), got {text!r}")
-    return ElasticSpec(numbers[0], numbers[1])
-
-
-@dataclass(frozen=True)
-class Death:
-    """One engine's death as its wrapper told it."""
-
-    rank: int  # its rank in the membership it died in
-    host: str
-    pid: int
-    how: str  # "SIGKILL", "exit code 3"
-    at: float = field(default_factory=time.time, compare=False)
-
-
-@dataclass
-class Membership:
-    """What the client knows of an elastic cluster's membership: changes so far and the blacklist."""
-
-    spec: ElasticSpec
-    owns_membership: bool = False  # True once ranks were renumbered: the group is no longer MPI's world
-    lost: list[Death] = field(default_factory=list)
-    joined: int = 0
-    failures: dict[str, list[float]] = field(default_factory=dict)  # host -> when its ranks died
-    blacklist: dict[str, float] = field(default_factory=dict)  # host -> until when (time.time())
-    launching: list[tuple[int, set[int]]] = field(default_factory=list)  # (engines started, engine ids before)
-    pending: list[RankInfo] = field(default_factory=list)  # registered joiners, admitted at the next commit
-
-    def record(self, death: Death, now: float | None = None) -> bool:
-        """Count ``death`` against its host; True when that blacklists the host."""
-        now = time.time() if now is None else now
-        self.lost.append(death)
-        recent = [t for t in self.failures.get(death.host, []) if now - t < BLACKLIST_WINDOW_S] + [now]
-        self.failures[death.host] = recent
-        if len(recent) >= BLACKLIST_AFTER and death.host not in self.blacklisted(now):
-            self.blacklist[death.host] = now + COOLDOWN_S
-            return True
-        return False
-
-    def model(self) -> MembershipModel:
-        """As the registry, the REST API and the sidebar show it."""
-        return {"min": self.spec.min, "max": self.spec.max, "joined": self.joined,
-                "lost": [{"rank": d.rank, "host": d.host, "how": d.how, "at": d.at} for d in self.lost],
-                "blacklisted": self.blacklisted()}
-
-    def blacklisted(self, now: float | None = None) -> list[str]:
-        """Hosts in their cooldown now."""
-        now = time.time() if now is None else now
-        return sorted(host for host, until in self.blacklist.items() if until > now)
-
-
-def membership_text(model: MembershipModel) -> str:
-    """``elastic 2:4 · lost rank 2 (n1, SIGKILL) · 1 joined · blacklisted n1`` (as the sidebar's format.ts)."""
-    parts = [f"elastic {model['min']}:{model['max']}"]
-    if model["lost"]:
-        lost = ", ".join(f"{x['rank']} ({x['host']}, {x['how']})" for x in model["lost"])
-        parts.append(f"lost rank{'s' if len(model['lost']) > 1 else ''} {lost}")
-    if model["joined"]:
-        parts.append(f"{model['joined']} joined")
-    if model["blacklisted"]:
-        parts.append(f"blacklisted {', '.join(model['blacklisted'])}")
-    return " · ".join(parts)
-
-
-class DeathWatch:
-    """Reads the marker lines the wrappers print into the engine sets' logs, from where it last stopped."""
-
-    def __init__(self, cluster: TacoCluster) -> None:
-        self.cluster = cluster
-        self.offsets: dict[str, int] = {}
-        self.seen: set[tuple[str, int]] = set()  # a member who died between cells is found at the cell's start
-
-    def read(self) -> list[Death]:
-        """Deaths of current members not reported yet."""
-        members = {(r.host, r.pid): r for r in self.cluster.ranks}
-        found = []
-        for path in self.cluster.engine_log_paths():
-            try:
-                with open(path, "rb") as log:
-                    log.seek(self.offsets.get(path, 0))
-                    text = log.read()
-            except OSError:
-                continue
-            end = text.rfind(b"\n") + 1  # a line still being written is read next time
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            for match in _MARK.finditer(text[:end].decode(errors="replace")):
-                _, host, pid, kind, value = match.groups()
-                key = (host, int(pid))
-                if key in self.seen or key not in members:
-                    continue
-                self.seen.add(key)
-                how = signal_name(int(value)) if kind == "signal" else f"exit code {value}"
-                found.append(Death(members[key].rank, host, int(pid), how))
-        return found
 
 
 class JoinRequested(Exception):  # noqa: N818 - an event, like MembershipLost
@@ -225,6 +114,11 @@ def collect_joiners(cluster: TacoCluster) -> list[RankInfo]:
     membership = cluster.elastic
     if membership is None:
         return []
+    banned = set(membership.blacklisted())
+    back = [r for r in membership.parked if r.host not in banned]
+    if back:  # their host's cooldown is over: they join again like new engines
+        membership.parked = [r for r in membership.parked if r.host in banned]
+        membership.pending += back
     for entry in list(membership.launching):
         count, known = entry
         new = sorted(set(cluster.client.ids) - known)
@@ -318,24 +212,6 @@ def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
         time.sleep(0.02)
 
 
-def rebuild(cluster: TacoCluster, members: list[RankInfo]) -> None:
-    """Give ``members`` (in this order) ranks 0..n-1 and a new process group, all through engine calls."""
-    ids = [m.engine_id if m.engine_id >= 0 else m.rank for m in members]
-    view = cluster.client[ids]
-    facts = view.apply_sync(engine.placement)
-    one_host = len({tuple(f["where"]) for f in facts}) == 1 and not any(f["tcp"] for f in facts)
-    kind = "file" if one_host else "tcp"
-    address = cluster.client[ids[0]].apply_sync(engine.open_group, kind, len(ids))
-    ranks_by_key = {f["key"]: rank for rank, f in enumerate(facts)}
-    view.apply_sync(engine.join_group, ranks_by_key, [f["node"] for f in facts], kind, address)
-    infos = view.apply_sync(engine.rank_info)
-    cluster.ranks = [RankInfo(**info, engine_id=eid) for eid, info in zip(ids, infos, strict=True)]
-    cluster.size = len(members)
-    cluster.needs_reinit = False
-    if cluster.elastic is not None:
-        cluster.elastic.owns_membership = True
-
-
 def _committed(counters: dict[str, Any]) -> str:
     if "step" in counters:
         return f"from commit at step {counters['step']}"
@@ -359,6 +235,7 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
     if len(members) < min(membership.spec.min, len(survivors)):  # sitting hosts out would end the run: keep them
         members = survivors[: membership.spec.max]
         what += " (its ranks stay: without them fewer than MIN would be left)" if blacklisted else ""
+    membership.parked += [r for r in survivors if r not in members and r.host in blacklisted]
     cluster.needs_reinit = membership.owns_membership = True  # MPI's world has a dead rank from now on
     if len(members) < membership.spec.min:
         cluster.ranks = survivors
@@ -405,3 +282,8 @@ def run_elastic(cluster: TacoCluster, code: str, options: CellOptions, sink: Out
     finally:
         if cluster.running and cluster.ranks:
             cluster.view.apply_sync(engine.elastic_mode, False)
+
+
+def elastic_runner(spec: ElasticSpec) -> Callable[[TacoCluster, str, CellOptions, OutputSink], Any]:
+    """The ``runner`` of :func:`~.run.run_cell` for ``--elastic MIN:MAX``."""
+    return lambda cluster, code, options, sink: run_elastic(cluster, code, options, sink, spec)

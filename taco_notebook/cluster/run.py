@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -347,10 +347,11 @@ def _render(error: Any) -> str:
         return f"{type(error).__name__}: {error}"
 
 
-def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink, elastic: Any = None) -> Any:
+def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink,
+             runner: Callable[[TacoCluster, str, CellOptions, OutputSink], Any] | None = None) -> Any:
     """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
-    ``gather``) value of the last expression, or None. ``elastic``: an :class:`~.elastic.ElasticSpec`
-    (``--elastic MIN:MAX``): a rank's death then shrinks the group and runs the cell again (cluster/elastic.py).
+    ``gather``) value of the last expression, or None. ``runner``: what runs it instead of the plain wait loop
+    (``%%taco_run --elastic``: cluster/elastic.py's, which survives a rank's death and admits joiners).
 
     Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end.
     """
@@ -362,8 +363,6 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, code)])
-        if elastic is not None:
-            from .elastic import run_elastic
-
-            return run_elastic(cluster, code, options, sink, elastic)
+        if runner is not None:
+            return runner(cluster, code, options, sink)
         return _CellRun(cluster, options, sink).run(code)

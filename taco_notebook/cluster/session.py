@@ -26,6 +26,7 @@ from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
 from . import engine
 from .deaths import death_report, engine_output, ranks_text
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
+from .members import ElasticMembers
 from .mpi import MPIInfo
 from .private import private_ipython_profile
 from .processes import CLUSTER_ID_ENV, alive, descendants, kill, marked_processes, process_tree, shared_memory_files
@@ -46,7 +47,7 @@ EXIT_WAIT_S = 30.0  # at exit, how long a stop/scale that the registry's watcher
 NO_ENGINES = "the engines' mpiexec exited; scale or delete the cluster"
 
 
-class TacoCluster:
+class TacoCluster(ElasticMembers):
     """One named cluster of ``size`` MPI ranks.
 
     >>> c = TacoCluster("default", 4).start()
@@ -95,7 +96,7 @@ class TacoCluster:
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
         self.progress: Callable[[str], None] | None = None  # the slurm profile's queue-state lines go here
-        self.elastic: Any = None  # cluster/elastic.py's Membership once an --elastic cell ran here
+        self.elastic: Any = None  # cluster/membership.py's Membership once an --elastic cell ran here
 
     # ---------------------------------------------------------------- state
     @property
@@ -213,8 +214,7 @@ class TacoCluster:
                                            controller_ip=self.profile.controller_ip, log_level=logging.ERROR,
                                            shutdown_atexit=False, cluster_id=cluster_id)
             self.ipp_cluster.start_cluster_sync()
-            self._engine_launchers = self._engine_sets()
-            self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
+            self.refresh_engine_sets()
             self.client = self.ipp_cluster.connect_client_sync()
             self._wait_for_engines()
             self.check_ranks()
@@ -261,8 +261,7 @@ class TacoCluster:
             if (mismatch := mismatch_in(exc)) is not None:
                 raise ClusterStartError(f"cluster {self.name!r} failed to start: {mismatch}") from None
             raise
-        self.ranks = sorted((RankInfo(**info, engine_id=eid) for eid, info in zip(self.client.ids, infos, strict=True)),
-                            key=lambda r: r.rank)
+        self.ranks = sorted(map(RankInfo.of_engine, self.client.ids, infos), key=lambda r: r.rank)
         mismatched = [(eid, info["rank"]) for eid, info in zip(self.client.ids, infos, strict=True)
                       if eid != info["rank"]]
         if mismatched:
@@ -290,19 +289,15 @@ class TacoCluster:
                 self._emit("stopped")
 
     def scale(self, size: int) -> TacoCluster:
-        """Restart with ``size`` ranks under the same name and registry id; on a cluster that ran an elastic
-        cell, growing adds engines instead (:meth:`launch_engines`), which join at the next commit.
+        """Restart with ``size`` ranks under the same name and registry id (an elastic cluster grows instead).
 
         An MPI job's world size is fixed at launch, so scaling is a stop and a start of a new ``size``-rank MPI
         job: what the engines held (variables, the process group) is lost. Holds :attr:`busy` meanwhile.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive integer, got {size!r}")
-        if self.elastic is not None and self.running and size > len(self.ranks):
-            waiting = len(self.elastic.pending) + sum(count for count, _ in self.elastic.launching)
-            if size - len(self.ranks) - waiting > 0:
-                self.launch_engines(size - len(self.ranks) - waiting)
-            return self  # they join at the next commit of an elastic cell, the survivors untouched
+        if self.grows_elastically(size):  # the new engines join at the next commit, the survivors untouched
+            return self
         with self.busy:
             self._stop(final=False)
             self.size = size
@@ -322,39 +317,9 @@ class TacoCluster:
     # ---------------------------------------------------------------- engines
     @property
     def view(self) -> Any:
-        """A view on the cluster's engines: all of them, or after an elastic change the members only."""
         if self.client is None:
             raise RuntimeError(f"cluster {self.name!r} is not running")
         return self.client[self.engine_ids()] if self.elastic is not None else self.client[:]
-
-    def engine_ids(self, ranks: list[int] | None = None) -> list[int]:
-        """The ipyparallel engine ids of ``ranks`` (default: every rank), in that order."""
-        by_rank = {r.rank: (r.engine_id if r.engine_id >= 0 else r.rank) for r in self.ranks}
-        return [by_rank[r] for r in (sorted(by_rank) if ranks is None else ranks)]
-
-    def launch_engines(self, count: int) -> None:
-        """Start ``count`` more engines (a second ``mpiexec`` connecting to the same controller) without touching
-        the running ones; an elastic cell admits them at its next commit (cluster/elastic.py). Any thread."""
-        if self.ipp_cluster is None or self.elastic is None:
-            raise RuntimeError(f"cluster {self.name!r} runs no elastic cell: engines can only be added to an "
-                               "elastic cluster (run a %%taco_run --elastic cell first)")
-        known = set(self.client.ids) if self.client is not None else set()
-        self.elastic.launching.append((count, known))
-        self.ipp_cluster.start_engines_sync(n=count)
-        self._engine_launchers = self._engine_sets()
-        self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
-        self.processes = list({p.pid: p for p in self.processes + process_tree(self.ipp_cluster)}.values())
-
-    def reinit(self) -> None:
-        """Rebuild the process group on every rank (after a failed or interrupted cell): over MPI's world, or
-        over the members the client chose once an elastic change happened (cluster/elastic.py)."""
-        if self.elastic is not None and self.elastic.owns_membership:
-            from .elastic import rebuild
-
-            rebuild(self, list(self.ranks))
-        else:
-            self.view.apply_sync(engine.reinit)
-        self.needs_reinit = False
 
     def _engine_sets(self, cluster: Any = None) -> list[Any]:
         cluster = cluster or self.ipp_cluster
@@ -378,14 +343,9 @@ class TacoCluster:
             return bool(engine_sets) and all(job_alive(es) for es in engine_sets)
         return bool(engine_sets) and all(alive(getattr(es, "process", None)) for es in engine_sets)
 
-    def engine_log_paths(self) -> list[str]:
-        """The engine sets' logs, where mpiexec gathers what the ranks and their wrappers print."""
-        return self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
-
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
-        paths = self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
-        return engine_output(paths, self._engine_launchers)
+        return engine_output(self.engine_log_paths(), self._engine_launchers)
 
     def death(self) -> str | None:
         """None while the engines run; otherwise a sentence saying which rank died, where and how."""

@@ -108,7 +108,12 @@ class TacoMagics(Magics, TacoSettings):
         monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
         options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
                               monitors=monitors)  # fmt: skip
-        return run_cell(cluster, cell, options, say, elastic)
+        runner = None
+        if elastic is not None:
+            from ..cluster.elastic import elastic_runner
+
+            runner = elastic_runner(elastic)
+        return run_cell(cluster, cell, options, say, runner)
 
     def _new_size(self) -> int:
         """Ranks of a cluster started without ``-np``: ``TacoMagics.np`` when set, else 4."""
