@@ -55,6 +55,13 @@ class ElasticMembers:
         """The engine sets' logs, where mpiexec gathers what the ranks and their wrappers print."""
         return self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
 
+    def launch_engines(self, count: int) -> None:
+        """Start ``count`` more engines for an elastic cluster (:func:`.membership.launch_engines`; any thread):
+        they join at the next commit of a running ``--elastic`` cell, or at the next such cell."""
+        from .membership import launch_engines
+
+        launch_engines(self, count)  # type: ignore[arg-type]
+
     def grows_elastically(self, size: int) -> bool:
         """On a cluster that ran an elastic cell, launch the engines ``size`` needs (:func:`.membership.grow`)
         instead of a restart; False elsewhere (or when shrinking)."""
