@@ -164,6 +164,8 @@ class State:
 
         from .collectives import broadcast_parameters
 
+        if not bootstrap.is_initialized():  # under plain mpiexec the group comes up on first use
+            bootstrap.init()
         if self.model is not None:
             broadcast_parameters(self.model, root)
         rest = [{"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
