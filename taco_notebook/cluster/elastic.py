@@ -226,7 +226,7 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
     deaths = list(lost.deaths)
     deaths += _settle(run, _survivors(cluster, deaths))
     survivors = _survivors(cluster, deaths)
-    banned = [host for d in deaths if membership.record(d) for host in [d.host]]
+    banned = membership.record(deaths)
     blacklisted = set(membership.blacklisted())
     members = [r for r in survivors if r.host not in blacklisted][: membership.spec.max]
     what = "; ".join(f"rank {d.rank} (host {d.host}) died: {d.how}" for d in deaths)

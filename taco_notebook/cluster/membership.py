@@ -75,16 +75,19 @@ class Membership:
     pending: list[RankInfo] = field(default_factory=list)  # registered joiners, admitted at the next commit
     parked: list[RankInfo] = field(default_factory=list)  # live ranks of blacklisted hosts: pending after cooldown
 
-    def record(self, death: Death, now: float | None = None) -> bool:
-        """Count ``death`` against its host; True when that blacklists the host."""
+    def record(self, deaths: list[Death], now: float | None = None) -> list[str]:
+        """Count one failure against each host of ``deaths`` (a node's ranks dying together fail it once); the
+        hosts that this blacklists."""
         now = time.time() if now is None else now
-        self.lost.append(death)
-        recent = [t for t in self.failures.get(death.host, []) if now - t < BLACKLIST_WINDOW_S] + [now]
-        self.failures[death.host] = recent
-        if len(recent) >= BLACKLIST_AFTER and death.host not in self.blacklisted(now):
-            self.blacklist[death.host] = now + COOLDOWN_S
-            return True
-        return False
+        self.lost += deaths
+        banned = []
+        for host in dict.fromkeys(d.host for d in deaths):
+            recent = [t for t in self.failures.get(host, []) if now - t < BLACKLIST_WINDOW_S] + [now]
+            self.failures[host] = recent
+            if len(recent) >= BLACKLIST_AFTER and host not in self.blacklisted(now):
+                self.blacklist[host] = now + COOLDOWN_S
+                banned.append(host)
+        return banned
 
     def model(self) -> MembershipModel:
         """As the registry, the REST API and the sidebar show it."""

@@ -94,8 +94,9 @@ def test_elastic_option_is_checked_and_hosts_that_fail_twice_are_blacklisted(ip)
     with pytest.raises(UsageError, match="leave out --targets"):
         ip.run_cell_magic("taco_run", "--elastic 2:4 --targets 0 --cluster none", "pass")
     membership = Membership(ElasticSpec(1, 4))
-    assert not membership.record(Death(1, "n1", 11, "SIGKILL"), now=100.0)
-    assert membership.record(Death(0, "n1", 12, "SIGKILL"), now=200.0)
+    both = [Death(1, "n1", 11, "SIGKILL"), Death(2, "n1", 13, "SIGKILL")]
+    assert membership.record(both, now=100.0) == []  # a node's ranks dying together: one failure of n1
+    assert membership.record([Death(0, "n1", 12, "SIGKILL")], now=200.0) == ["n1"]
     assert membership.blacklisted(now=201.0) == ["n1"]
     assert membership.blacklisted(now=200.0 + 301) == []
 
