@@ -8,9 +8,15 @@ engines added while the last two train, which join from the committed state.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +186,53 @@ def grow_during_a_run(ip, capsys) -> None:
     starts = sorted(step for step, _ in _stamps(out, "start"))
     assert starts[:2] == [0, 0] and len(set(starts[2:])) == 1 and starts[2] % 10 == 0  # all from the commit
     assert cluster.model()["membership"]["joined"] == 2
+
+
+def _emulation_skip() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    from taco_notebook.cluster.emulated_hosts import EmulateError, check_prerequisites
+
+    try:
+        check_prerequisites()
+    except EmulateError as missing:
+        return str(missing)
+    return None
+
+
+EMULATION_SKIP = _emulation_skip()
+NODE_CELL = TRAIN.replace("victim and state.step == kill_at", "taco.node() == 1 and state.step == 25").replace(
+    "print(f\"kill", "print(f\"kill node 1 at")
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(EMULATION_SKIP is not None, reason=EMULATION_SKIP or "")
+def test_losing_a_whole_emulated_node_under_elastic(ip, capsys, monkeypatch) -> None:
+    """Two emulated nodes of two ranks (hydra over real ssh, a TCPStore across namespaces): node n1's ranks
+    are killed together; the two on n0 go on from the commit, on one node, and n1 counts one failure."""
+    home = Path(tempfile.mkdtemp(prefix="taco-elastic-", dir=Path.home()))  # sshd refuses keys under /tmp
+    monkeypatch.setenv("TACO_EMULATE_DIR", str(home / "state"))
+
+    def emulate(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "taco_notebook.emulate", *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    where = "--profile hosts --hosts n0:2,n1:2 --cluster elastic-nodes --no-dashboard"
+    emulate("up", "2x2", "--link", "1gbit", "--down-with", str(os.getpid()))
+    try:
+        ip.run_cell_magic("taco_run", f"-np 4 {where}", SETUP)
+        capsys.readouterr()
+        values = ip.run_cell_magic("taco_run", f"--elastic 2:4 {where} --gather", NODE_CELL)
+        out = capsys.readouterr().out
+        membership = clusters["elastic-nodes"].model()["membership"]
+    finally:
+        cluster = clusters.pop("elastic-nodes", None)
+        if cluster is not None:
+            cluster.stop()
+        emulate("down")
+        shutil.rmtree(home, ignore_errors=True)
+    assert re.search(r"rank \d \(host n1\) died: SIGKILL; rank \d \(host n1\) died: SIGKILL; continuing on 2 "
+                     r"ranks from commit at step 20", out), out
+    assert [v[:3] for v in values] == [[0, 2, 60], [1, 2, 60]] and values[0][3] == values[1][3]
+    assert sorted(h["host"] for h in membership["lost"]) == ["n1", "n1"] and membership["blacklisted"] == []
