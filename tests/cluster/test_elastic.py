@@ -99,6 +99,8 @@ def test_elastic_option_is_checked_and_hosts_that_fail_twice_are_blacklisted(ip)
             parse_elastic(bad)
     with pytest.raises(UsageError, match="leave out --targets"):
         ip.run_cell_magic("taco_run", "--elastic 2:4 --targets 0 --cluster none", "pass")
+    with pytest.raises(UsageError, match="scale N needs a running cluster"):
+        ip.run_line_magic("taco_cluster", "scale 3 --cluster none")
     membership = Membership(ElasticSpec(1, 4))
     both = [Death(1, "n1", 11, "SIGKILL"), Death(2, "n1", 13, "SIGKILL")]
     assert membership.record(both, now=100.0) == []  # a node's ranks dying together: one failure of n1
