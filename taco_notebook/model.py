@@ -15,6 +15,7 @@ from typing import Any, Literal, TypedDict
 
 __all__ = [
     "State", "OwnerKind", "Action", "Owner", "NodeModel", "HugePagesModel", "RunModel", "PendingModel",
+    "LostRankModel", "MembershipModel",
     "ClusterModel", "ClusterList", "ErrorModel", "StartRequest", "ScaleRequest",
     "CellProgress", "cell_progress", "slowest_rank",
 ]
@@ -73,6 +74,26 @@ class PendingModel(TypedDict):
     requested_at: float
 
 
+class LostRankModel(TypedDict):
+    """A rank an elastic cluster lost: its rank then, its host, how it ended (``SIGKILL``) and when."""
+
+    rank: int
+    host: str
+    how: str
+    at: float
+
+
+class MembershipModel(TypedDict):
+    """An elastic cluster's membership (``%%taco_run --elastic MIN:MAX``): its bounds, the ranks it lost, how
+    many joined, and the hosts sitting out a cooldown after failing repeatedly."""
+
+    min: int
+    max: int
+    lost: list[LostRankModel]
+    joined: int
+    blacklisted: list[str]
+
+
 class ClusterModel(TypedDict):
     """One cluster as the sidebar shows it. ``id`` is the ipyparallel cluster_id; ``stale``: its owner is dead.
 
@@ -96,6 +117,7 @@ class ClusterModel(TypedDict):
     run: RunModel | None
     pending: PendingModel | None
     error: str | None
+    membership: MembershipModel | None  # None until an elastic cell ran on it
 
 
 class ClusterList(TypedDict):

@@ -4,7 +4,7 @@
  * Pure: no JupyterLab import, so the unit tests run in plain Node.
  */
 
-import type { IClusterModel, IClusterNode, IClusterRun, IHugepages } from './models';
+import type { IClusterModel, IClusterNode, IClusterRun, IHugepages, IMembership } from './models';
 
 /** Shown where a value is unknown. */
 export const NONE = '—';
@@ -256,4 +256,26 @@ export function scaleDownConfirmation(cluster: Pick<IClusterModel, 'name' | 'siz
     `Cluster ${cluster.name} restarts with ${size} engine${size === 1 ? '' : 's'} instead of ${cluster.size}: ` +
     "an MPI job's size is fixed at launch, so every engine's variables are lost."
   );
+}
+
+/**
+ * An elastic cluster's membership in one line: `"elastic 2:4 · lost rank 2 (n1, SIGKILL) · 1 joined ·
+ * blacklisted n1"`; `null` for a cluster that never ran an elastic cell.
+ */
+export function formatMembership(membership: IMembership | null): string | null {
+  if (!membership) {
+    return null;
+  }
+  const parts = [`elastic ${membership.min}:${membership.max}`];
+  if (membership.lost.length) {
+    const lost = membership.lost.map(l => `${l.rank} (${l.host}, ${l.how})`).join(', ');
+    parts.push(`lost rank${membership.lost.length > 1 ? 's' : ''} ${lost}`);
+  }
+  if (membership.joined) {
+    parts.push(`${membership.joined} joined`);
+  }
+  if (membership.blacklisted.length) {
+    parts.push(`blacklisted ${membership.blacklisted.join(', ')}`);
+  }
+  return parts.join(' · ');
 }

@@ -36,6 +36,23 @@ export interface IPendingAction {
   requested_at: number;
 }
 
+/** A rank an elastic cluster lost: its rank then, its host, how it ended (`"SIGKILL"`) and when. */
+export interface ILostRank {
+  rank: number;
+  host: string;
+  how: string;
+  at: number;
+}
+
+/** An elastic cluster's membership (`%%taco_run --elastic MIN:MAX`); null until an elastic cell ran. */
+export interface IMembership {
+  min: number;
+  max: number;
+  lost: ILostRank[];
+  joined: number;
+  blacklisted: string[];
+}
+
 /**
  * Who owns a cluster: `notebook` is the owning kernel's session path (null when unknown or server-owned),
  * `server_pid` the Jupyter server of that kernel (or the owning server itself).
@@ -64,6 +81,7 @@ export interface IClusterModel {
   run: IClusterRun | null;
   pending: IPendingAction | null;
   error: string | null;
+  membership: IMembership | null;
   /** Whether the cluster belongs to the Jupyter server answering (absent: treat as this server's). */
   this_server: boolean;
 }
@@ -211,6 +229,22 @@ function parsePending(value: unknown, path: string): IPendingAction {
   };
 }
 
+function parseLost(value: unknown, path: string): ILostRank {
+  const obj = object(value, path);
+  return { rank: num(obj, 'rank', path), host: str(obj, 'host', path), how: str(obj, 'how', path), at: num(obj, 'at', path) };
+}
+
+function parseMembership(value: unknown, path: string): IMembership {
+  const obj = object(value, path);
+  return {
+    min: num(obj, 'min', path),
+    max: num(obj, 'max', path),
+    lost: arrayOf(obj, 'lost', path, parseLost),
+    joined: num(obj, 'joined', path),
+    blacklisted: strings(obj.blacklisted, `${path}.blacklisted`)
+  };
+}
+
 function parseOwner(value: unknown, path: string): IClusterOwner {
   const obj = object(value, path);
   const owner: IClusterOwner = {
@@ -250,7 +284,9 @@ export function parseCluster(value: unknown, path = 'cluster'): IClusterModel {
     updated_at: num(obj, 'updated_at', path),
     run: optional(obj, 'run', path, parseRun),
     pending: optional(obj, 'pending', path, parsePending),
-    error: optional(obj, 'error', path, strValue)
+    error: optional(obj, 'error', path, strValue),
+    // absent in entries written before elastic clusters existed
+    membership: optional(obj, 'membership', path, parseMembership)
   };
   return cluster;
 }

@@ -35,6 +35,7 @@ import {
   formatEngines,
   formatHosts,
   formatHugepages,
+  formatMembership,
   formatNodeCount,
   formatStep,
   formatThroughput,
@@ -157,6 +158,7 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
   const settled = cluster.state === 'stopped' || cluster.state === 'stopping' || cluster.pending?.action === 'stop';
   const stale = cluster.state === 'stale';
   const gpuNames = gpuNameLines(cluster.nodes);
+  const membership = formatMembership(cluster.membership);
   const canScale = cluster.state === 'running' && !cluster.pending;
 
   const act = (title: string, action: () => Promise<unknown>) => {
@@ -231,6 +233,8 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
         <dd className="taco-cluster-mpi" title={cluster.mpi || undefined}>
           {cluster.mpi || NONE}
         </dd>
+        {membership ? <dt>Membership</dt> : null}
+        {membership ? <dd className="taco-cluster-membership">{membership}</dd> : null}
       </dl>
       {cluster.run ? <ClusterRun run={cluster.run} /> : null}
       {cluster.error ? <div className="taco-cluster-error">{cluster.error}</div> : null}

@@ -16,7 +16,8 @@ from .rankwrap import MARKER
 
 __all__ = ["engine_output", "death_report", "signal_name", "ranks_text"]
 
-_PATTERN = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)")
+# a death an elastic cell survived (the marker ends in " elastic") is not what ended the job
+_PATTERN = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)\b(?! elastic)")
 
 
 def signal_name(number: int) -> str:

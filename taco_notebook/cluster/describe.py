@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..model import HugePagesModel, NodeModel, Owner, OwnerKind
 
@@ -20,7 +21,10 @@ __all__ = ["RankInfo", "new_cluster_id", "owner_of", "nodes_of", "hugepages_of"]
 
 @dataclass(frozen=True)
 class RankInfo:
-    """One engine: its MPI rank (= engine id), where it runs, its placement, and what its host offers.
+    """One engine: its rank, where it runs, its placement, and what its host offers.
+
+    ``engine_id``: its ipyparallel engine id. It equals the MPI rank at start; after an elastic membership change
+    (cluster/elastic.py) ranks are renumbered 0..n-1 over the live engines and the two differ.
 
     ``gpus``: NVIDIA GPUs the rank can see (``CUDA_VISIBLE_DEVICES`` applied); ``hugepages``: its host's
     ``/proc/meminfo`` huge pages as ``{"total", "free", "page_kb"}``, or None where the kernel has none.
@@ -34,6 +38,12 @@ class RankInfo:
     gpus: int = 0
     hugepages: dict[str, int] | None = field(default=None, compare=False)
     gpu_names: list[str] = field(default_factory=list, compare=False)  # models of those GPUs, from /proc
+    engine_id: int = field(default=-1, compare=False)  # -1: not known (taken to equal the rank)
+
+    @classmethod
+    def of_engine(cls, engine_id: int, info: dict[str, Any]) -> RankInfo:
+        """From :func:`~taco_notebook.cluster.engine.rank_info`'s dict, as engine ``engine_id`` answered it."""
+        return cls(**info, engine_id=engine_id)
 
 
 def new_cluster_id(name: str) -> str:

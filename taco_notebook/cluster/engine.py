@@ -35,7 +35,9 @@ from typing import Any
 from .script import Script
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "run_script", "ScriptExit"]
+           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "run_script", "ScriptExit",
+           "elastic_mode", "placement", "open_group", "join_group", "elastic_restore", "setup_joiner",
+           "export_namespace", "import_namespace"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
@@ -78,6 +80,73 @@ class _Sender:
 
 
 _sender = _Sender()
+
+
+def _skip(name: str, value: Any) -> bool:
+    import builtins
+
+    return (name.startswith("_") or name in _SHELL_NAMES or value is getattr(builtins, name, None)
+            or callable(value) and str(getattr(value, "__module__", "")).startswith("IPython"))
+
+
+_SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "taco", "torch", RESULT_NAME}
+
+
+def export_namespace() -> tuple[bytes, list[str]]:
+    """This rank's variables that can travel, pickled together (so a State keeps its model and optimizer), for
+    engines joining an elastic cluster; and the names left out because they cannot travel. Modules travel as
+    their names (the joiner imports them).
+
+    With cloudpickle installed, instances of classes defined in a cell travel too; without it they need their
+    class importable on the joining engine."""
+    import types
+
+    try:
+        from cloudpickle import dumps
+    except ImportError:
+        dumps = pickle.dumps
+
+    chosen: dict[str, Any] = {}
+    modules: dict[str, str] = {}
+    left: list[str] = []
+    for name, value in list(_shell().user_ns.items()):
+        if _skip(name, value):
+            continue
+        if isinstance(value, types.ModuleType):
+            modules[name] = value.__name__
+            continue
+        try:
+            dumps(value)
+        except Exception:  # noqa: BLE001 - any pickling failure: that name stays behind
+            left.append(name)
+            continue
+        chosen[name] = value
+    return dumps({"modules": modules, "values": chosen}), left
+
+
+def import_namespace(payload: bytes) -> list[str]:
+    """A joining engine takes rank 0's variables (:func:`export_namespace`); the names it got."""
+    import importlib
+
+    loaded = pickle.loads(payload)
+    names = {name: importlib.import_module(module) for name, module in loaded["modules"].items()}
+    names.update(loaded["values"])
+    _shell().user_ns.update(names)
+    return sorted(names)
+
+
+def setup_joiner() -> None:
+    """An engine of a later engine set (``%taco_cluster scale`` on an elastic cluster): the namespace and the
+    metrics flush of :func:`setup_namespace`, but no process group (it joins one at the next commit)."""
+    import torch
+
+    import taco_notebook.comm as taco
+
+    shell = _shell()
+    shell.run_line_magic("xmode", "Plain")
+    shell.user_ns.update(taco=taco, torch=torch)
+    if _sender.flush not in shell.events.callbacks["post_execute"]:
+        shell.events.register("post_execute", _sender.flush)
 
 
 def setup_namespace() -> None:
@@ -183,3 +252,64 @@ def run_script(script: Script) -> None:
             sys.modules["__main__"] = saved[0]
         sys.argv, sys.path[:] = saved[1], saved[2]
         _sender.flush()
+
+
+# ---------------------------------------------------------------- elastic (cluster/elastic.py drives these)
+
+def elastic_mode(on: bool) -> bool:
+    """Tell this rank's wrapper (cluster/rankwrap.py) whether its death should keep the MPI job alive
+    (``%%taco_run --elastic``); False when the engine was not started by the wrapper."""
+    import signal
+
+    from ..comm.elastic import forget_update, request_update
+    from .rankwrap import MODE_FD_ENV
+
+    # SIGUSR1 from the notebook: engines wait to join, stop at the next commit (comm/elastic.py); one that
+    # arrives after the cell is ignored, not fatal
+    forget_update()
+    signal.signal(signal.SIGUSR1, request_update if on else signal.SIG_IGN)
+    fd = os.environ.get(MODE_FD_ENV)
+    if fd is None:
+        return False
+    try:
+        os.write(int(fd), b"elastic\n" if on else b"strict\n")
+    except OSError:
+        return False
+    return True
+
+
+def placement() -> dict[str, Any]:
+    """Where this engine runs, for the client that numbers the members and picks the store's kind: ``key``
+    (boot id and pid: unique across hosts), ``where`` (what tells hosts apart), ``node`` (its node name) and
+    ``tcp`` (``TACO_MASTER_ADDR`` set: a TCPStore even on one host)."""
+    from ..comm.membership import placement as where
+    from ..comm.topology import node_name
+
+    here = where()
+    return {"key": f"{here[0]}:{os.getpid()}", "where": here, "node": node_name(),
+            "tcp": bool(os.environ.get("TACO_MASTER_ADDR"))}
+
+
+def open_group(kind: str, size: int) -> str:
+    """On the new rank 0: the address of a fresh store for a ``size``-member group (comm/membership.py)."""
+    from ..comm.membership import open_group as _open
+
+    return _open(kind, size)
+
+
+def join_group(ranks_by_key: dict[str, int], hostnames: list[str], kind: str, address: str) -> int:
+    """Join the group the client chose: this engine's new rank is ``ranks_by_key[placement()["key"]]``."""
+    from ..comm.membership import join_group as _join
+
+    return _join(ranks_by_key[placement()["key"]], hostnames, kind, address)
+
+
+def elastic_restore() -> dict[str, Any]:
+    """Roll every ``taco.elastic.State`` back to its last commit and take rank 0's (collective); the first
+    state's counters afterwards, for the cell's message ({} without a State)."""
+    from ..comm.elastic import live_states, restore_all, sync_all
+
+    restore_all()
+    sync_all(0)
+    states = sorted(live_states(), key=lambda s: s.order)
+    return states[0].counters if states else {}

@@ -14,6 +14,13 @@ every rank is local), and when its engine dies abnormally it kills the job's oth
 does on a rank's death; gforker alone would leave them running, and a SIGTERM would let their cells end "on
 their own" instead of as dead engines).
 
+Elastic mode (``%%taco_run --elastic``): the engine tells its wrapper through a pipe (``TACO_RANKWRAP_MODE_FD``,
+one line per change: ``elastic`` or ``strict``, written by :func:`taco_notebook.cluster.engine.elastic_mode`).
+When an engine dies while its last word was ``elastic``, the wrapper prints the marker line as usual but does
+not end the MPI job: it stops no other rank and stays alive (holding the rank's PMI connection, so neither
+hydra nor gforker sees a rank go) until the job is stopped or its parent goes. The client then rebuilds the
+process group over the survivors (cluster/elastic.py).
+
 Stdlib only: it starts on every rank before anything else.
 """
 
@@ -26,8 +33,10 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 
 MARKER = "TACO-RANK-EXIT"
+MODE_FD_ENV = "TACO_RANKWRAP_MODE_FD"  # the write end of the pipe the engine names its mode on
 LAUNCHED_BY_ENV = "TACO_LAUNCHED_BY"  # "gforker" when the cluster's engines run under mpiexec.gforker
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
@@ -114,6 +123,41 @@ def _children_of(parent: int) -> list[int]:
     return found
 
 
+class _Mode:
+    """The engine's last word on the pipe: ``elastic`` keeps the job alive when it dies."""
+
+    def __init__(self) -> None:
+        self.elastic = False
+        read, self.write_fd = os.pipe()
+        os.set_inheritable(self.write_fd, True)
+        self._reader = threading.Thread(target=self._read, args=(read,), daemon=True)
+
+    def start(self) -> None:
+        os.close(self.write_fd)  # the engine holds the only write end now: its death is EOF here
+        self._reader.start()
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "r", errors="replace") as pipe:
+            for line in pipe:
+                self.elastic = line.strip() == "elastic"
+
+    def settled(self) -> bool:
+        """Whether the engine was elastic when it ended (read what it wrote up to its death first)."""
+        self._reader.join(timeout=1.0)
+        return self.elastic
+
+
+def _stay_for_the_job() -> int:
+    """An elastic rank's engine died: stay until the job is stopped (a forwarded signal) or mpiexec goes."""
+    parent = os.getppid()
+    stop = threading.Event()
+    for signum in FORWARDED:
+        signal.signal(signum, lambda _s, _f: stop.set())
+    while not stop.wait(0.5) and os.getppid() == parent:
+        pass
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m taco_notebook.cluster.rankwrap COMMAND [ARGS…]", file=sys.stderr)
@@ -122,7 +166,10 @@ def main(argv: list[str]) -> int:
     if gforker:
         _gforker_locals()
         _write_where_gforker_writes()
-    child = subprocess.Popen(argv, close_fds=False, preexec_fn=_die_with_parent)
+    mode = _Mode()
+    env = {**os.environ, MODE_FD_ENV: str(mode.write_fd)}
+    child = subprocess.Popen(argv, close_fds=False, preexec_fn=_die_with_parent, env=env)
+    mode.start()
     for signum in FORWARDED:
         signal.signal(signum, lambda s, _frame: child.send_signal(s))
     code = child.wait()
@@ -130,7 +177,11 @@ def main(argv: list[str]) -> int:
         return 0
     host = os.environ.get("TACO_NODE_NAME") or socket.gethostname()
     how = f"signal={-code}" if code < 0 else f"exitcode={code}"
-    print(f"{MARKER} rank={mpi_rank_from_env()} host={host} pid={child.pid} {how}", file=sys.stderr, flush=True)
+    elastic = mode.settled()
+    print(f"{MARKER} rank={mpi_rank_from_env()} host={host} pid={child.pid} {how}"
+          + (" elastic" if elastic else ""), file=sys.stderr, flush=True)
+    if elastic:
+        return _stay_for_the_job()
     if gforker:  # after the marker, so the dead rank's line is the first in the log
         _stop_gforker_job()
     if code < 0:

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ipyparallel.error import RemoteError
 
@@ -38,6 +38,9 @@ from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, wer
 from .result import capture_last_expression, unwrap_result
 from .script import Script
 from .session import TacoCluster
+
+if TYPE_CHECKING:
+    from .membership import ElasticSpec
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
 
@@ -68,6 +71,7 @@ class CellOptions:
     failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
+    elastic: ElasticSpec | None = None  # --elastic MIN:MAX: survive a rank's death (cluster/elastic.py)
 
 
 class OutputSink(Protocol):
@@ -84,6 +88,7 @@ class _CellRun:
         self.options = options
         self.sink = sink
         self.targets = options.targets if options.targets is not None else [r.rank for r in cluster.ranks]
+        self.engines = cluster.engine_ids(self.targets)  # the targets' engine ids (differ after an elastic change)
         self.shown: dict[tuple[int, str], int] = {}  # (rank, stdout/stderr/outputs) -> how much was shown
         self.errors: dict[int, Any] = {}
         self.shut_down_pg: set[int] = set()
@@ -180,7 +185,7 @@ class _CellRun:
             return
         self.shut_down_pg.update(finished)
         self.cluster.needs_reinit = True
-        self.cluster.client[finished].apply_async(engine.abort)
+        self.cluster.client[self.cluster.engine_ids(finished)].apply_async(engine.abort)
 
     def check_alive(self) -> None:
         if not self.cluster.engines_alive():
@@ -241,12 +246,11 @@ class _CellRun:
         """Prepare the ranks, ``submit(view)`` the work (a cell's ``execute`` or a script's ``apply``), and
         wait for it through the ladder; ``captured``: the cell's last expression is to be fetched."""
         if self.cluster.needs_reinit:
-            self.cluster.view.apply_sync(engine.reinit)
-            self.cluster.needs_reinit = False
+            self.cluster.reinit()
         if self.options.settings:
-            self.cluster.client[self.targets].apply_sync(engine.configure_cell, self.options.settings)
+            self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
         # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
-        self.cluster.client[self.targets].apply_async(engine.begin_cell, self.sending)
+        self.cluster.client[self.engines].apply_async(engine.begin_cell, self.sending)
         try:
             value = self._execute(submit, captured)
         except BaseException as exc:
@@ -260,10 +264,10 @@ class _CellRun:
             return value
         finally:
             if self.options.settings and self.cluster.running:
-                self.cluster.client[self.targets].apply_async(engine.reset_settings)
+                self.cluster.client[self.engines].apply_async(engine.reset_settings)
 
     def _execute(self, submit: Callable[[Any], Any], captured: bool) -> Any:
-        self.ar = submit(self.cluster.client[self.targets])
+        self.ar = submit(self.cluster.client[self.engines])
         self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
         self.started = time.monotonic()
         try:
@@ -283,7 +287,7 @@ class _CellRun:
             raise self.failure()
         if not captured:
             return None
-        values = [unwrap_result(v) for v in self.cluster.client[self.targets].apply_sync(engine.fetch_result)]
+        values = [unwrap_result(v) for v in self.cluster.client[self.engines].apply_sync(engine.fetch_result)]
         return values if self.options.gather else values[0]
 
     def _wait_with_ladder(self) -> None:
@@ -361,7 +365,8 @@ def _render(error: Any, origin: str | None = None) -> str:
 
 def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
     """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
-    ``gather``) value of the last expression, or None.
+    ``gather``) value of the last expression, or None. With ``options.elastic`` the run survives a rank's death
+    and admits joiners (cluster/elastic.py).
 
     Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end.
     """
@@ -390,6 +395,10 @@ def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSin
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, shown)])
+        if options.elastic is not None:  # %%taco_run --elastic: survives a rank's death, admits joiners
+            from .elastic import run_elastic
+
+            return run_elastic(cluster, submit, captured, options, sink, origin)
         run = _CellRun(cluster, options, sink)
         run.origin = origin
         return run.run(submit, captured)

@@ -26,6 +26,7 @@ from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
 from . import engine
 from .deaths import death_report, engine_output, ranks_text
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
+from .members import ElasticMembers
 from .mpi import MPIInfo
 from .private import private_ipython_profile
 from .processes import CLUSTER_ID_ENV, alive, descendants, kill, marked_processes, process_tree, shared_memory_files
@@ -46,7 +47,7 @@ EXIT_WAIT_S = 30.0  # at exit, how long a stop/scale that the registry's watcher
 NO_ENGINES = "the engines' mpiexec exited; scale or delete the cluster"
 
 
-class TacoCluster:
+class TacoCluster(ElasticMembers):
     """One named cluster of ``size`` MPI ranks.
 
     >>> c = TacoCluster("default", 4).start()
@@ -95,6 +96,7 @@ class TacoCluster:
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
         self.progress: Callable[[str], None] | None = None  # the slurm profile's queue-state lines go here
+        self.elastic: Any = None  # cluster/membership.py's Membership once an --elastic cell ran here
 
     # ---------------------------------------------------------------- state
     @property
@@ -127,6 +129,7 @@ class TacoCluster:
             "started_at": self.started_at if state != "starting" else None, "updated_at": time.time(),
             "run": self.run, "pending": self.pending,
             "error": self.error or (NO_ENGINES if state == "broken" else None),
+            "membership": self.elastic.model() if self.elastic is not None else None,
         }
 
     def subscribe(self, subscriber: Subscriber) -> None:
@@ -211,8 +214,7 @@ class TacoCluster:
                                            controller_ip=self.profile.controller_ip, log_level=logging.ERROR,
                                            shutdown_atexit=False, cluster_id=cluster_id)
             self.ipp_cluster.start_cluster_sync()
-            self._engine_launchers = self._engine_sets()
-            self._engine_logs = [es.output_file for es in self._engine_launchers if getattr(es, "output_file", None)]
+            self.refresh_engine_sets()
             self.client = self.ipp_cluster.connect_client_sync()
             self._wait_for_engines()
             self.check_ranks()
@@ -259,7 +261,7 @@ class TacoCluster:
             if (mismatch := mismatch_in(exc)) is not None:
                 raise ClusterStartError(f"cluster {self.name!r} failed to start: {mismatch}") from None
             raise
-        self.ranks = sorted((RankInfo(**info) for info in infos), key=lambda r: r.rank)
+        self.ranks = sorted(map(RankInfo.of_engine, self.client.ids, infos), key=lambda r: r.rank)
         mismatched = [(eid, info["rank"]) for eid, info in zip(self.client.ids, infos, strict=True)
                       if eid != info["rank"]]
         if mismatched:
@@ -287,13 +289,15 @@ class TacoCluster:
                 self._emit("stopped")
 
     def scale(self, size: int) -> TacoCluster:
-        """Restart with ``size`` ranks under the same name and registry id.
+        """Restart with ``size`` ranks under the same name and registry id (an elastic cluster grows instead).
 
         An MPI job's world size is fixed at launch, so scaling is a stop and a start of a new ``size``-rank MPI
         job: what the engines held (variables, the process group) is lost. Holds :attr:`busy` meanwhile.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive integer, got {size!r}")
+        if self.grows_elastically(size):  # the new engines join at the next commit, the survivors untouched
+            return self
         with self.busy:
             self._stop(final=False)
             self.size = size
@@ -302,7 +306,7 @@ class TacoCluster:
     def _stop_processes(self, fast: bool = False) -> None:
         cluster, client = self.ipp_cluster, self.client
         self.ipp_cluster = self.client = None
-        self.ranks = []
+        self.ranks, self.elastic = [], None
         if cluster is None:
             return
         tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory  # teardown adds the mapped
@@ -315,7 +319,7 @@ class TacoCluster:
     def view(self) -> Any:
         if self.client is None:
             raise RuntimeError(f"cluster {self.name!r} is not running")
-        return self.client[:]
+        return self.client[self.engine_ids()] if self.elastic is not None else self.client[:]
 
     def _engine_sets(self, cluster: Any = None) -> list[Any]:
         cluster = cluster or self.ipp_cluster
@@ -341,8 +345,7 @@ class TacoCluster:
 
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
-        paths = self._engine_logs or [es.output_file for es in self._engine_sets() if getattr(es, "output_file", None)]
-        return engine_output(paths, self._engine_launchers)
+        return engine_output(self.engine_log_paths(), self._engine_launchers)
 
     def death(self) -> str | None:
         """None while the engines run; otherwise a sentence saying which rank died, where and how."""

@@ -54,6 +54,7 @@ __all__ = [
     "broadcast_parameters",
     "StallError",
     "stall",
+    "elastic",
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
@@ -103,8 +104,8 @@ def __getattr__(name: str) -> object:
         from .optimizer import DistributedOptimizer
 
         return DistributedOptimizer
-    if name == "hooks":
+    if name in ("hooks", "elastic"):
         import importlib
 
-        return importlib.import_module(".hooks", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'taco_notebook.comm' has no attribute {name!r}")

@@ -22,8 +22,8 @@ from . import board, excepthook, rendezvous
 from .state import ProcessState, state
 from .topology import Topology
 
-__all__ = ["CommState", "state", "init", "shutdown", "abort", "reinit", "is_initialized", "default_backend",
-           "device"]
+__all__ = ["CommState", "state", "init", "start_group", "shutdown", "abort", "reinit", "is_initialized",
+           "default_backend", "device"]
 
 
 # How long shutdown()'s rendezvous creator waits for its peers to let go of the FileStore before removing its
@@ -91,10 +91,12 @@ def init(
 
     Calling it again while the group is up returns the current topology and does nothing else.
     """
-    import torch.distributed as dist
-
     from .config import settings
 
+    if state.membership is not None and not is_initialized():
+        raise RuntimeError(f"rank {state.topology.rank if state.topology else '?'}'s process group is down and "
+                           "its members were chosen by the notebook (elastic: ranks left or joined), not by "
+                           "MPI: run the cell with %%taco_run --elastic, which rebuilds it over the live ranks")
     topology = state.ensure_topology(intra_size)
     if is_initialized():
         return topology
@@ -102,6 +104,19 @@ def init(
     backend = backend or os.environ.get("TACO_BACKEND") or placed
     seconds = settings().collective_timeout if timeout is None else timeout  # TACO_COLLECTIVE_TIMEOUT
     meeting = rendezvous.create(state.mpi, seconds)
+    start_group(meeting, topology, backend, seconds)
+    return topology
+
+
+def start_group(meeting: rendezvous.Rendezvous, topology: Topology, backend: str, seconds: float,
+                device: Any = None) -> None:
+    """The process group of ``topology``'s ranks through ``meeting``'s store (collective over those ranks).
+
+    :func:`init` calls it with MPI's ranks; :mod:`.membership` with ranks the notebook chose. ``device``: keep
+    this one (a rebuilt group keeps the rank's GPU) instead of picking it from the placement.
+    """
+    import torch.distributed as dist
+
     try:
         dist.init_process_group(backend, store=meeting.store, rank=topology.rank, world_size=topology.size,
                                 timeout=timedelta(seconds=seconds))
@@ -117,9 +132,8 @@ def init(
         # Destroy the group before the interpreter tears torch down: a group left to C++ destructors at exit
         # can abort the process ("terminate called without an active exception") after a clean run.
         atexit.register(shutdown)
-    state.device = _pick_device(backend, topology)
+    state.device = device if device is not None else _pick_device(backend, topology)
     state.generation += 1
-    return topology
 
 
 def shutdown() -> None:

@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["Rendezvous", "create", "placement", "single_host", "private_base_dir", "job_address", "keep_mpi_local",
-           "sweep_stale"]
+           "sweep_stale", "open_meeting", "join_meeting"]
 
 _IFNAME = "GLOO_SOCKET_IFNAME"
 
@@ -174,34 +174,47 @@ def sweep_stale(base: str) -> list[str]:
     return removed
 
 
-def _file_store(mpi: Any, timeout: timedelta) -> Rendezvous:
+def _new_store_file() -> tuple[str, str]:
+    """(private directory, store file path) made by the group's rank 0; the error says where and what to do."""
+    try:
+        base = private_base_dir()
+        sweep_stale(base)
+        prefix = f"{_PREFIX}{_pid_namespace()}-{os.getpid()}-"
+        directory = tempfile.mkdtemp(prefix=prefix, dir=base)  # 0700, O_EXCL, random suffix
+        path = os.path.join(directory, "store")
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as exc:
+        raise RuntimeError(f"rank 0 could not create the rendezvous directory under {private_base_dir()!r}: "
+                           f"{exc}; set TMPDIR to a writable private directory") from None
+    return directory, path
+
+
+def _open_file_store(path: str, size: int, timeout: timedelta, directory: str | None) -> Rendezvous:
     import torch.distributed as dist
 
+    pinned = False
+    if _IFNAME not in os.environ:
+        os.environ[_IFNAME] = _loopback_interface()
+        pinned = True
+    store = dist.FileStore(path, size)
+    store.set_timeout(timeout)
+    return Rendezvous(store, "file", path, directory, pinned)
+
+
+def _file_store(mpi: Any, timeout: timedelta) -> Rendezvous:
     directory = None
     if mpi.Get_rank() == 0:
         try:
-            base = private_base_dir()
-            sweep_stale(base)
-            prefix = f"{_PREFIX}{_pid_namespace()}-{os.getpid()}-"
-            directory = tempfile.mkdtemp(prefix=prefix, dir=base)  # 0700, O_EXCL, random suffix
-            path = os.path.join(directory, "store")
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            directory, path = _new_store_file()
             message: tuple[str, str] = ("ok", path)
-        except OSError as exc:
-            message = ("error", f"rank 0 could not create the rendezvous directory under "
-                                f"{private_base_dir()!r}: {exc}; set TMPDIR to a writable private directory")
+        except RuntimeError as exc:
+            message = ("error", str(exc))
     else:
         message = ("", "")
     status, text = mpi.bcast(message, root=0)
     if status != "ok":
         raise RuntimeError(text)
-    pinned = False
-    if _IFNAME not in os.environ:
-        os.environ[_IFNAME] = _loopback_interface()
-        pinned = True
-    store = dist.FileStore(text, mpi.Get_size())
-    store.set_timeout(timeout)
-    return Rendezvous(store, "file", text, directory, pinned)
+    return _open_file_store(text, mpi.Get_size(), timeout, directory)
 
 
 def _interface_address(ifname: str) -> str:
@@ -235,6 +248,17 @@ def _bound_listener(address: str) -> socket.socket:
     return listener
 
 
+def _tcp_master(size: int, timeout: timedelta) -> Any:
+    """Rank 0's TCPStore on the job's interface (raises RuntimeError or OSError naming the address)."""
+    import torch.distributed as dist
+
+    listener = _bound_listener(job_address())
+    host, port = listener.getsockname()[:2]
+    # torch takes the descriptor over (and closes it): detach so Python does not close it twice
+    return dist.TCPStore(host, port, size, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=listener.detach())
+
+
 def _tcp_store(mpi: Any, timeout: timedelta) -> Rendezvous:
     import torch.distributed as dist
 
@@ -242,12 +266,8 @@ def _tcp_store(mpi: Any, timeout: timedelta) -> Rendezvous:
     message: tuple[str, str, int] | None = None
     if mpi.Get_rank() == 0:
         try:
-            listener = _bound_listener(job_address())
-            host, port = listener.getsockname()[:2]
-            # torch takes the descriptor over (and closes it): detach so Python does not close it twice
-            store = dist.TCPStore(host, port, mpi.Get_size(), is_master=True, wait_for_workers=False,
-                                  timeout=timeout, master_listen_fd=listener.detach())
-            message = ("ok", host, port)
+            store = _tcp_master(mpi.Get_size(), timeout)
+            message = ("ok", store.host, store.port)
         except (OSError, RuntimeError) as exc:
             message = ("error", str(exc), 0)
     status, host, port = mpi.bcast(message, root=0)
@@ -256,6 +276,32 @@ def _tcp_store(mpi: Any, timeout: timedelta) -> Rendezvous:
     if store is None:
         store = dist.TCPStore(host, port, mpi.Get_size(), is_master=False, timeout=timeout)
     return Rendezvous(store, "tcp", f"{host}:{port}")
+
+
+def open_meeting(kind: str, size: int, timeout_s: float) -> Rendezvous:
+    """The store of a ``size``-rank group whose members were chosen without MPI (elastic), made by its rank 0.
+
+    ``kind`` "file" (every member on this host and namespace) or "tcp"; the others join with
+    :func:`join_meeting` and the returned :attr:`Rendezvous.address`.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if kind == "file":
+        directory, path = _new_store_file()
+        return _open_file_store(path, size, timeout, directory)
+    store = _tcp_master(size, timeout)
+    return Rendezvous(store, "tcp", f"{store.host}:{store.port}")
+
+
+def join_meeting(kind: str, address: str, size: int, timeout_s: float) -> Rendezvous:
+    """The store :func:`open_meeting` made on the group's rank 0, seen from another member."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if kind == "file":
+        return _open_file_store(address, size, timeout, None)
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
+    return Rendezvous(store, "tcp", address)
 
 
 def create(mpi: Any, timeout_s: float) -> Rendezvous:

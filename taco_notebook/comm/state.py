@@ -143,6 +143,9 @@ class ProcessState:
     hierarchy: dict[int, Any] = field(default_factory=dict, repr=False)  # generation -> 2D groups (or None)
     board: Any = field(default=None, repr=False)  # progress.Board of the group: who entered which collective
     stalled: Any = field(default=None, repr=False)  # the StallError that broke the group; init() clears it
+    # Every member's node name once the notebook chose the group's members (elastic, :mod:`.membership`):
+    # MPI's world then no longer describes the group, and init() must not build one over it.
+    membership: tuple[str, ...] | None = None
     _teardown: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def ensure_topology(self, intra_size: int | None = None) -> Topology:

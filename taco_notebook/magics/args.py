@@ -20,8 +20,8 @@ from ..comm.specs import check_positive
 from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings, setting_from_env
 
 __all__ = ["cluster_args", "run_args", "comm_settings", "cluster_settings", "usage_errors", "positive_int",
-           "cluster_size", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP", "gpu_option",
-           "required_hugepages", "add_arguments", "run_wants_help"]
+           "cluster_size", "elastic_spec", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP",
+           "gpu_option", "required_hugepages", "add_arguments", "run_wants_help"]
 
 DEFAULT_NP = 4
 
@@ -117,6 +117,9 @@ run_args = _stack(
     argument("--intra-size", dest="intra_size", default=None, metavar="N",
              help="ranks per node, to emulate several nodes on one machine (TacoMagics.intra_size, "
                   "LIGHT_INTRA_SIZE); a change restarts the cluster"),
+    argument("--elastic", default=None, metavar="MIN:MAX",
+             help="when a rank dies, the survivors roll back to the last taco.elastic.State commit and the cell "
+                  "runs again on them, while at least MIN remain (a new cluster starts MAX ranks)"),
     # the line form's script: the first word that is no option nor an option's value; every word after it is
     # the script's own, options of this magic included (`train.py --lr 0.1 -np 3` gives the script `-np 3`)
     argument("script", nargs="?", default=None, metavar="SCRIPT",
@@ -158,6 +161,18 @@ def usage_errors() -> Iterator[None]:
         yield
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def elastic_spec(text: str | None, targets: str | None) -> Any:
+    """``--elastic MIN:MAX`` checked (None when not given); refused with ``--targets``, which runs on a subset."""
+    if text is None:
+        return None
+    if targets is not None:
+        raise UsageError("--elastic runs on every live rank: leave out --targets")
+    from ..cluster.elastic import parse_elastic
+
+    with usage_errors():
+        return parse_elastic(text)
 
 
 def _flag_of(name: str) -> str:

@@ -224,6 +224,10 @@ def format_status(cluster: TacoCluster) -> str:
     if status["started_at"]:
         hosts = ", ".join(sorted({n["host"] for n in status["nodes"]}))
         lines.append(f"  up for {time.time() - status['started_at']:.0f} s; hosts: {hosts}")
+    if status["membership"] is not None:
+        from ..cluster.elastic import membership_text
+
+        lines.append(f"  membership: {membership_text(status['membership'])}")
     if cluster.ranks:
         lines.append("  rank  node  local  host                 pid")
         lines += [f"  {r.rank:>4}  {r.node:>4}  {r.local_rank:>5}  {r.host:<20} {r.pid:>6}" for r in cluster.ranks]

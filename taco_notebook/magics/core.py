@@ -100,14 +100,16 @@ class TacoMagics(Magics, TacoSettings):
         return link_capacity(self, option)
 
     @magic_arguments()
-    @argument("action", choices=["start", "stop", "restart", "status", "list", "manifest"],
-              help="what to do (manifest: a Kubernetes MPIJob; %%taco_cluster manifest --help)")
+    @argument("action", choices=["start", "stop", "restart", "scale", "status", "list", "manifest"],
+              help="what to do (manifest: a Kubernetes MPIJob; %%taco_cluster manifest --help; scale N: on a "
+                   "cluster that ran an --elastic cell, add engines that join at the next commit)")
+    @argument("count", nargs="?", default=None, metavar="N", help="scale: the new number of ranks")
     @argument("-n", "-np", dest="np", default=None, metavar="N", help="ranks for start/restart")
     @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
     @cluster_args
     @line_magic
     def taco_cluster(self, line: str) -> None:
-        """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | status | list [--cluster NAME]``;
+        """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | scale N | status | list [--cluster NAME]``;
         ``%taco_cluster manifest --k8s -np 16 --gpus-per-node 8 …`` prints a Kubernetes MPIJob."""
         words = line.split(None, 1)
         if words and words[0] == "manifest":  # its own options: see magics/manifest.py
@@ -160,6 +162,24 @@ class TacoMagics(Magics, TacoSettings):
             cluster = ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks,
                                      self._new_size(), profile)
         check_hugepages(cluster, need, started=cluster is not running)
+
+    def _cluster_scale(self, name: str, size: int | None, args: Any) -> None:
+        size = size or cluster_size(args.count, "scale N", self.max_ranks)
+        cluster = clusters.get(name)
+        if cluster is None or size is None:
+            raise UsageError(f"%taco_cluster scale N needs a running cluster and N; running: "
+                             f"{sorted(clusters) or 'none'}")
+        if cluster.elastic is None or size <= len(cluster.ranks):
+            RankOutput().warn(f"restarting cluster {name!r} with {size} ranks: {LOST} (only a cluster that ran an "
+                              "--elastic cell grows without a restart)")
+            cluster.scale(size)
+            return
+        from ..cluster.elastic import wait_for_joiners
+
+        cluster.scale(size)
+        pending = wait_for_joiners(cluster)
+        RankOutput().notice(f"{len(pending)} engine{'s' if len(pending) != 1 else ''} ready on cluster {name!r}: "
+                            f"they join at the next commit of an --elastic cell (up to its MAX)")
 
     def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
         previous = clusters.get(name)

@@ -20,6 +20,7 @@ from .args import (
     cluster_settings,
     cluster_size,
     comm_settings,
+    elastic_spec,
     parse_targets,
     required_hugepages,
     usage_errors,
@@ -88,13 +89,15 @@ def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str, 
 def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
     """Check every option of ``args`` (``run_args``), then find or start the cluster; the run's options."""
     size = cluster_size(args.np, "-np", config.max_ranks)
+    elastic = elastic_spec(args.elastic, args.targets)
     with usage_errors():
         timeout = config.chosen("timeout", args.timeout, "--timeout")
         launcher = config.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")
         intra_size = config.chosen("intra_size", args.intra_size, "--intra-size")
     settings = comm_settings(config, args)
     running = clusters.get(args.cluster)
-    planned = size or (running.size if running is not None else shared_size(args.cluster, say) or new_size(config))
+    planned = size or (running.size if running is not None else shared_size(args.cluster, say)
+                       or (elastic.max if elastic else new_size(config)))
     targets = parse_targets(args.targets, planned)
     if intra_size is not None and planned % intra_size:
         raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
@@ -111,5 +114,5 @@ def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
     check_hugepages(cluster, need, started=started)
     monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
     options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
-                          monitors=monitors)  # fmt: skip
+                          monitors=monitors, elastic=elastic)  # fmt: skip
     return RunPlan(cluster, options, started)

@@ -124,6 +124,7 @@ class Dashboard:
         self.stream = MetricsStream(node_of_rank, capacity_bps=capacity_bps)
         self.progress: ProgressView | None = None
         self.outcome: str | None = None
+        self.membership: str | None = None  # the last elastic change ("rank 2 lost: 3 ranks from step 20")
         self.running = len(self.ranks)
         self.elapsed = 0.0
         self.status = w.HTML(_dom_classes=("taco-status",))
@@ -186,8 +187,16 @@ class Dashboard:
         state = self.outcome or "running"
         ranks = len(self.ranks)
         alive = f"{self.running}/{ranks} ranks running" if self.outcome is None else plural(ranks, "rank")
-        return (f"{self.title + ' · ' if self.title else ''}{state} · {alive} on {plural(self.nodes, 'node')} · "
-                f"step {step} · {self.elapsed:.1f} s since the cell started")
+        change = f" · {self.membership}" if self.membership else ""
+        return (f"{self.title + ' · ' if self.title else ''}{state} · {alive} on {plural(self.nodes, 'node')}"
+                f"{change} · step {step} · {self.elapsed:.1f} s since the cell started")
+
+    def membership_changed(self, text: str, node_of_rank: Mapping[int, int]) -> None:
+        """An elastic cell lost or gained ranks (``text`` says which): count the new ones from here."""
+        self.membership = text
+        self.ranks = sorted(node_of_rank)
+        self.nodes = len(set(node_of_rank.values()))
+        self._render_status()
 
     def _render_status(self) -> None:
         self.status.value = f"<b>taco</b> {_escape(self._status_text())}"
@@ -300,6 +309,12 @@ class CellDashboard:
 
                 self.handles = [display_bokehjs(), display(self.dashboard.widget(), display_id=True)]
         self.dashboard.update(payloads, running=len(running), elapsed=time.monotonic() - self.started)
+
+    def membership_changed(self, text: str, node_of_rank: Mapping[int, int]) -> None:
+        """Shown on the status line: the ranks an elastic cell lost or gained (cluster/elastic.py)."""
+        self.node_of_rank = dict(node_of_rank)
+        if self.dashboard is not None:
+            self.dashboard.membership_changed(text, node_of_rank)
 
     def finish(self, outcome: str) -> None:
         if self.dashboard is None:

@@ -157,10 +157,11 @@ def test_openapi_spec_matches_the_models() -> None:
     assert cluster["required"] == list(models.ClusterModel.__annotations__)
     props = cluster["properties"]
     nested = {"owner": models.Owner, "hugepages": models.HugePagesModel, "run": models.RunModel,
-              "pending": models.PendingModel}
+              "pending": models.PendingModel, "membership": models.MembershipModel}
     for field, typed in nested.items():
         assert props[field]["required"] == list(typed.__annotations__), field
     assert props["nodes"]["items"]["required"] == list(models.NodeModel.__annotations__)
+    assert props["membership"]["properties"]["lost"]["items"]["required"] == list(models.LostRankModel.__annotations__)
     assert props["state"]["enum"] == list(typing.get_args(models.State))
     assert schemas["Error"]["required"] == list(models.ErrorModel.__annotations__)
     assert set(schemas["StartRequest"]["properties"]) == set(models.StartRequest.__annotations__)

@@ -21,6 +21,7 @@ export function clusterJson(overrides: Record<string, unknown> = {}): Record<str
     run: { cell: '%%taco_run -np 4\nmodel.train()\n', started_at: 1700000010, step: 41, total: 100, samples_per_s: 74.2 },
     pending: null,
     error: null,
+    membership: null,
     ...overrides
   };
 }

@@ -7,6 +7,7 @@ import {
   formatEngines,
   formatHosts,
   formatHugepages,
+  formatMembership,
   formatNodeCount,
   formatPageSize,
   formatStep,
@@ -133,5 +134,26 @@ describe('parseSize', () => {
     assert.ok('error' in parseSize('2.5'));
     assert.ok('error' in parseSize(''));
     assert.match((parseSize('100000') as { error: string }).error, /at most 4096/);
+  });
+});
+
+describe('an elastic cluster\'s membership', () => {
+  it('is absent until an elastic cell ran, then lists lost ranks, joins and blacklisted hosts', () => {
+    assert.equal(formatMembership(parseCluster(clusterJson()).membership), null);
+    const membership = {
+      min: 2,
+      max: 4,
+      lost: [{ rank: 2, host: 'n1', how: 'SIGKILL', at: 1700000020 }],
+      joined: 1,
+      blacklisted: ['n1']
+    };
+    assert.equal(
+      formatMembership(parseCluster(clusterJson({ membership })).membership),
+      'elastic 2:4 · lost rank 2 (n1, SIGKILL) · 1 joined · blacklisted n1'
+    );
+    assert.throws(
+      () => parseCluster(clusterJson({ membership: { ...membership, lost: [{ rank: 'x' }] } })),
+      /cluster\.membership\.lost\[0\]\.rank: expected a number/
+    );
   });
 });
