@@ -19,6 +19,7 @@ where each rank trains alone on its own data).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -180,7 +181,10 @@ def worker(args: argparse.Namespace) -> None:
             row.update(seconds=seconds, samples_per_s=n * args.batch * args.steps / seconds,
                        final_loss=mean_loss, last_train_loss=mean_train, first_train_loss=losses[0],
                        replicas_equal=max(sums) == min(sums))
+            if hasattr(opt, "remove_hooks"):  # DistributedOptimizer: its gradient hooks hold it (and the model)
+                opt.remove_hooks()
             del model, net, opt
+            gc.collect()  # each variant's model, gradients and optimizer state (~450 MB a rank) must not pile up
         except Exception as exc:  # noqa: BLE001 (a variant that raises on every rank is reported, not fatal)
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"[rank {rank}] {variant} failed: {row['error']}", file=sys.stderr, flush=True)
