@@ -53,6 +53,7 @@ def reset_phases() -> None:
 def _add(phase: str, began: float) -> None:
     phase_seconds[phase] = phase_seconds.get(phase, 0.0) + time.perf_counter() - began
 
+
 _passes = CommThread()  # the shared-memory passes of the pipeline; left behind with the group on teardown
 state.on_teardown(_passes.abandon)
 
