@@ -19,6 +19,8 @@ where each rank trains alone on its own data).
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import time
 from typing import Any
@@ -179,7 +181,10 @@ def worker(args: argparse.Namespace) -> None:
             row.update(seconds=seconds, samples_per_s=n * args.batch * args.steps / seconds,
                        final_loss=mean_loss, last_train_loss=mean_train, first_train_loss=losses[0],
                        replicas_equal=max(sums) == min(sums))
+            if hasattr(opt, "remove_hooks"):  # DistributedOptimizer: its gradient hooks hold it (and the model)
+                opt.remove_hooks()
             del model, net, opt
+            gc.collect()  # each variant's model, gradients and optimizer state (~450 MB a rank) must not pile up
         except Exception as exc:  # noqa: BLE001 (a variant that raises on every rank is reported, not fatal)
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"[rank {rank}] {variant} failed: {row['error']}", file=sys.stderr, flush=True)
@@ -198,12 +203,15 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---- driver ------------------------------------------------------------------------------------------------
 def median_rows(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per variant: the round with the median samples/s (all rounds' figures kept alongside)."""
+    """One row per variant: the median samples/s over rounds (the mean of the middle two for an even count),
+    the other columns from its first round (the loss is the same in every round), all rounds' figures kept."""
     rows = []
     for name in dict.fromkeys(r["variant"] for r in raw):
         runs = [r for r in raw if r["variant"] == name]
-        timed = sorted((r for r in runs if "samples_per_s" in r), key=lambda r: r["samples_per_s"])
-        row = dict(timed[(len(timed) - 1) // 2] if timed else runs[0])
+        timed = [r for r in runs if "samples_per_s" in r]
+        row = dict(timed[0] if timed else runs[0])
+        if timed:
+            row["samples_per_s"] = statistics.median(r["samples_per_s"] for r in timed)
         row["samples_per_s_all"] = [round(r.get("samples_per_s", 0.0), 1) for r in runs]
         rows.append(row)
     return rows

@@ -14,6 +14,7 @@ the averaged gradients back.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -45,6 +46,18 @@ def _named(optimizer: torch.optim.Optimizer,
         return named
     return [(f"param.{i}", p) for i, p in
             enumerate(p for group in optimizer.param_groups for p in group["params"] if p.requires_grad)]
+
+
+def _weakly(method: Callable[[torch.nn.Parameter], None]) -> Callable[[torch.nn.Parameter], None]:
+    """``method`` called through a weak reference to its object (nothing once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: torch.nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -90,7 +103,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._launched: dict[int, Future[torch.Tensor]] = {}
         self._synchronized = False
         self._skip = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
+        # Through a weak reference: a parameter's hooks live where gc cannot see them, so a bound method there
+        # (optimizer -> wrapped optimizer -> parameters -> hook -> optimizer) kept every dropped optimizer, its
+        # fusion buffers and momentum alive, e.g. each time a notebook cell built a new one.
+        hook = _weakly(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._bucket_of]
 
     # ------------------------------------------------------------ delegation to the wrapped optimizer
     @property

@@ -53,13 +53,16 @@ def reset_phases() -> None:
 def _add(phase: str, began: float) -> None:
     phase_seconds[phase] = phase_seconds.get(phase, 0.0) + time.perf_counter() - began
 
+
 _passes = CommThread()  # the shared-memory passes of the pipeline; left behind with the group on teardown
 state.on_teardown(_passes.abandon)
 
-# Bounds of the automatic chunk size. Below 256 KiB a chunk's fixed cost (a collective's latency, two thread
-# hand-offs) outweighs what it overlaps; above 64 MiB the first and last passes, which nothing overlaps,
-# cost more than the per-chunk latency saved.
-_MIN_CHUNK = 256 * 1024
+# Bounds of the automatic chunk size. Below 2 MiB a chunk's fixed cost (a collective's latency, two thread
+# hand-offs, waking on a loaded machine) outweighs what it overlaps: 1 MiB chunks were the slowest choice at
+# 16 and 100 MiB in the sweep of benchmarks/README.md, and the measured overhead alone would have picked
+# ~0.4 MB chunks for 1 MiB buffers. Above 64 MiB the first and last passes, which nothing overlaps, cost
+# more than the per-chunk latency saved.
+_MIN_CHUNK = 2 * 1024 * 1024
 _MAX_CHUNK = 64 * 1024 * 1024
 
 
@@ -209,6 +212,11 @@ def reduce_2d_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segm
     run = _Run(buf, compressor, key, segment, local_peers, me, calibration)
     chunks = len(run.bounds)
     segment.prepare(buf.numel() * buf.element_size(), chunks)  # may grow: a node collective, on this thread
+    if chunks == 1:  # nothing to overlap: the passes on this thread, without two hand-offs to the other
+        run.scatter(0)
+        done = run.cross(0, cross, cross_peers, me)
+        run.gather(0)
+        return _accounted(buf, run.local_size, local_peers, me, done)
     scattered: list[Future[None]] = [_passes.submit(partial(run.scatter, 0))]
     gathered: list[Future[None]] = []
     total = Reduced(0, 0, {})
@@ -225,6 +233,12 @@ def reduce_2d_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segm
     except BaseException:
         _passes.abandon()  # passes still queued wait on peers that may never come: leave them to time out
         raise
-    shard_bytes = -(-buf.numel() // run.local_size) * buf.element_size()
+    return _accounted(buf, run.local_size, local_peers, me, total)
+
+
+def _accounted(buf: torch.Tensor, local_size: int, local_peers: tuple[int, ...], me: int,
+               cross: Reduced) -> tuple[int, int, dict[int, int]]:
+    """Raw and wire bytes of what crossed nodes, and the bytes sent to each peer (node and cross-node)."""
+    shard_bytes = -(-buf.numel() // local_size) * buf.element_size()
     local = spread(local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
-    return total.raw, total.wire, merge_sends(local, total.sends)
+    return cross.raw, cross.wire, merge_sends(local, cross.sends)
