@@ -14,7 +14,7 @@ from . import metrics, placement
 from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
 from .bootstrap import device, init, is_initialized, reinit, shutdown
-from .collectives import REDUCE_OPS, allreduce, barrier, broadcast, broadcast_parameters
+from .collectives import REDUCE_OPS, allgather, allreduce, alltoall, barrier, broadcast, broadcast_parameters
 from .compression import parse_compression
 from .config import configure, settings
 from .progress import progress
@@ -47,6 +47,8 @@ __all__ = [
     "DistributedOptimizer",
     "hooks",
     "broadcast",
+    "allgather",
+    "alltoall",
     "barrier",
     "broadcast_parameters",
 ]

@@ -36,7 +36,7 @@ from .reduction import all_gather, merge_sends, reduce_scatter, spread
 from .shm import NodeSegment, new_tag
 from .state import state
 
-__all__ = ["allreduce", "allreduce_async", "reduce_flat", "resolve_algorithm", "forget_groups", "comm_thread"]
+__all__ = ["allreduce", "allreduce_async", "reduce_flat", "scale_", "resolve_algorithm", "forget_groups", "comm_thread"]
 
 comm_thread = state.comm_thread  # the name cluster/, collectives and tests use
 
@@ -174,7 +174,8 @@ def _check(tensor: Any, op: str) -> None:
 
 
 def _job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str | None,
-         name: Hashable | None) -> tuple[Callable[[], torch.Tensor], streams.StreamFuture]:
+         name: Hashable | None, prescale: float = 1.0,
+         postscale: float = 1.0) -> tuple[Callable[[], torch.Tensor], streams.StreamFuture]:
     """Validate now (errors surface in the caller), reduce later on the communication thread.
 
     A CUDA tensor is reduced on the comm stream once the caller's stream reached this point; the future's
@@ -190,39 +191,56 @@ def _job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str 
         if not bootstrap.is_initialized():
             bootstrap.init()
         resolved = resolve_algorithm(algorithm)  # may build groups: collective, so on this thread
-        return _reduce_in_place(tensor, op, compressor, resolved, key)
+        return _reduce_in_place(tensor, op, compressor, resolved, key, prescale, postscale)
 
     return streams.on_comm_stream(tensor, work)
 
 
+def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``tensor`` by ``factor`` in place; integer tensors keep their dtype (truncated toward zero,
+    as Horovod scales integer buffers). Used for Horovod's pre- and postscale factors."""
+    if factor != 1.0:
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.mul_(factor)
+        else:
+            tensor.copy_(tensor.double().mul_(factor).trunc_())
+    return tensor
+
+
 def _reduce_in_place(tensor: torch.Tensor, op: str, compressor: Compressor, resolved: str,
-                     key: Hashable) -> torch.Tensor:
-    """Sum (or average) ``tensor`` over every rank in place, on the current (comm) stream."""
+                     key: Hashable, prescale: float = 1.0, postscale: float = 1.0) -> torch.Tensor:
+    """Sum (or average) ``tensor`` over every rank in place, on the current (comm) stream; ``prescale``
+    multiplies each rank's input before the sum, ``postscale`` the result after (and after averaging)."""
     if tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    scale_(flat, prescale)
     reduce_flat(flat, compressor, resolved, key)
     if op == "avg":
         flat.div_(dist.get_world_size())
+    scale_(flat, postscale)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
 
 
 def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
-                    algorithm: str | None = None, name: Hashable | None = None) -> Future[torch.Tensor]:
+                    algorithm: str | None = None, name: Hashable | None = None, *, prescale: float = 1.0,
+                    postscale: float = 1.0) -> Future[torch.Tensor]:
     """Start an in-place allreduce on the communication thread; the future yields ``tensor`` when done.
 
     ``name`` keys TopK's residual (error feedback) across steps; by default the tensor's storage address,
-    which is stable for gradients and fusion buffers that are reused every step.
+    which is stable for gradients and fusion buffers that are reused every step. ``prescale``/``postscale``
+    multiply the input before and the result after the reduction (Horovod's factors; 1.0 changes nothing).
     """
-    return comm_thread.submit(*_job(tensor, op, compression, algorithm, name))
+    return comm_thread.submit(*_job(tensor, op, compression, algorithm, name, prescale, postscale))
 
 
 def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
-              algorithm: str | None = None, name: Hashable | None = None) -> torch.Tensor:
+              algorithm: str | None = None, name: Hashable | None = None, *, prescale: float = 1.0,
+              postscale: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over every rank in place with the accelerated allreduce; returns it.
 
     >>> taco.allreduce(grad, op="avg", compression="topk:0.01", algorithm="2d", name="fc.weight")
     """
-    return comm_thread.run(*_job(tensor, op, compression, algorithm, name))
+    return comm_thread.run(*_job(tensor, op, compression, algorithm, name, prescale, postscale))

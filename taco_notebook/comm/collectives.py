@@ -1,11 +1,15 @@
-"""Collectives on tensors over every rank: allreduce, broadcast, barrier, parameter broadcast.
+"""Collectives on tensors over every rank: allreduce, broadcast, allgather, alltoall, barrier, parameter broadcast.
 
 Each call brings the process group up on first use, so a plain ``mpiexec -n 4 python train.py`` needs no
-set-up call. Tensors are changed in place (and returned, for chaining), as in Horovod's ``allreduce_``.
+set-up call. allreduce and broadcast change tensors in place (and return them, for chaining), as in Horovod's
+``allreduce_``; allgather and alltoall make new tensors. Every collective runs on the communication thread
+(:mod:`.state`), so ``*_async`` calls and gradient buckets keep one order on every rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from . import bootstrap, streams
@@ -14,7 +18,8 @@ from .state import state
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["allreduce", "broadcast", "barrier", "broadcast_parameters", "REDUCE_OPS"]
+__all__ = ["allreduce", "allreduce_async", "broadcast", "broadcast_async", "allgather", "allgather_async",
+           "alltoall", "alltoall_async", "barrier", "broadcast_parameters", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
 
@@ -44,49 +49,204 @@ def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
     return tensor
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
-              algorithm: str | None = None, name: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
-
-    ``sum`` and ``avg`` take the accelerated path (:mod:`.algorithms`: flat or 2D hierarchical, optionally
-    compressed, ``name`` keying TopK's error feedback); ``min``, ``max`` and ``product`` use the backend's.
-
-    >>> t = torch.ones(3); taco.allreduce(t, op="avg")   # every rank now holds the mean
-    """
+def _allreduce_job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str | None,
+                   name: Any, prescale: float, postscale: float) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+    """Validate now (errors surface in the caller); the returned work runs on the communication thread."""
     import torch.distributed as dist
 
-    from .algorithms import allreduce as accelerated
+    from .algorithms import _job, scale_
 
     _check_tensor(tensor, "allreduce")
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
     if op in ("sum", "avg"):
-        return accelerated(tensor, op, compression, algorithm, name)
+        return _job(tensor, op, compression, algorithm, name, prescale, postscale)
     if compression not in (None, "none"):
         raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
     reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
 
+    def reduce(buf: torch.Tensor) -> None:
+        scale_(buf, prescale)
+        dist.all_reduce(buf, op=reduce_op)
+        scale_(buf, postscale)
+
     def work() -> torch.Tensor:
         _ready()
-        return _in_place(tensor, lambda buf: dist.all_reduce(buf, op=reduce_op))
+        return _in_place(tensor, reduce)
 
-    return state.comm_thread.run(*streams.on_comm_stream(tensor, work))
+    return streams.on_comm_stream(tensor, work)
 
 
-def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Copy ``root``'s ``tensor`` into every rank's ``tensor`` in place."""
+def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+              algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
+              postscale: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
+
+    ``sum`` and ``avg`` take the accelerated path (:mod:`.algorithms`: flat or 2D hierarchical, optionally
+    compressed, ``name`` keying TopK's error feedback); ``min``, ``max`` and ``product`` use the backend's.
+    ``prescale``/``postscale`` multiply the input before and the result after (Horovod's factors).
+
+    >>> t = torch.ones(3); taco.allreduce(t, op="avg")   # every rank now holds the mean
+    """
+    return state.comm_thread.run(*_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale))
+
+
+def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+                    algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
+                    postscale: float = 1.0) -> Future[torch.Tensor]:
+    """:func:`allreduce` started on the communication thread; the future yields ``tensor`` when done."""
+    return state.comm_thread.submit(*_allreduce_job(tensor, op, compression, algorithm, name, prescale,
+                                                    postscale))
+
+
+def _check_root(root: int) -> None:
+    size = state.ensure_topology().size
+    if not isinstance(root, int) or not 0 <= root < size:
+        raise ValueError(f"root must be a rank in 0..{size - 1}, got {root!r}")
+
+
+def _broadcast_job(tensor: torch.Tensor, root: int) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     import torch.distributed as dist
 
     _check_tensor(tensor, "broadcast")
-    size = state.ensure_topology().size
-    if not 0 <= root < size:
-        raise ValueError(f"root must be a rank in 0..{size - 1}, got {root}")
+    _check_root(root)
 
     def work() -> torch.Tensor:
         _ready()
         return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
 
-    return state.comm_thread.run(*streams.on_comm_stream(tensor, work))
+    return streams.on_comm_stream(tensor, work)
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    """Copy ``root``'s ``tensor`` into every rank's ``tensor`` in place."""
+    return state.comm_thread.run(*_broadcast_job(tensor, root))
+
+
+def broadcast_async(tensor: torch.Tensor, root: int = 0) -> Future[torch.Tensor]:
+    """:func:`broadcast` started on the communication thread; the future yields ``tensor`` when done."""
+    return state.comm_thread.submit(*_broadcast_job(tensor, root))
+
+
+def _caller_stream(tensor: torch.Tensor) -> Any:
+    """The submitting thread's current CUDA stream for ``tensor``'s device (None on CPU)."""
+    import torch
+
+    return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+
+
+def _output(tensor: torch.Tensor, caller: Any) -> torch.Tensor:
+    """A new tensor made on the comm stream and handed to the caller: tell the caching allocator the caller's
+    stream uses it too, so its memory is not reused on the comm stream while the caller still reads it."""
+    if caller is not None:
+        tensor.record_stream(caller)
+    return tensor
+
+
+def _gathered_counts(count: int, device: Any) -> list[int]:
+    """Every rank's ``count``, in rank order (a collective: call on the communication thread)."""
+    import torch
+    import torch.distributed as dist
+
+    from .reduction import all_gather
+
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    every = mine.new_empty(dist.get_world_size())
+    all_gather(every, mine)
+    return [int(c) for c in every.tolist()]
+
+
+def _allgather_job(tensor: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+    """Concatenate every rank's ``tensor`` along the first dimension into a new tensor (same on every rank).
+
+    First dimensions may differ between ranks (the rest must match); a 0-d tensor counts as one row, so
+    the result has one entry per rank. Rows are padded to the longest rank's for the backend's allgather.
+    """
+    import torch
+
+    from .reduction import all_gather
+
+    _check_tensor(tensor, "allgather")
+    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+    caller = _caller_stream(rows)
+
+    def work() -> torch.Tensor:
+        _ready()
+        counts = _gathered_counts(rows.shape[0], rows.device)
+        longest = max(counts)
+        padded = rows if rows.shape[0] == longest else torch.cat(
+            [rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
+        out = _output(rows.new_empty((longest * len(counts), *rows.shape[1:])), caller)
+        all_gather(out, padded)
+        if all(c == longest for c in counts):
+            return out
+        return _output(torch.cat([out[i * longest: i * longest + c] for i, c in enumerate(counts)]), caller)
+
+    return streams.on_comm_stream(rows, work)
+
+
+def allgather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dimension 0, first dimensions may differ (see
+    :func:`_allgather_job`); a new tensor, the same on every rank."""
+    return state.comm_thread.run(*_allgather_job(tensor))
+
+
+def allgather_async(tensor: torch.Tensor) -> Future[torch.Tensor]:
+    """:func:`allgather` started on the communication thread."""
+    return state.comm_thread.submit(*_allgather_job(tensor))
+
+
+def _alltoall_job(tensor: torch.Tensor, splits: Sequence[int] | None
+                  ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Future[Any]]:
+    """Send ``splits[i]`` rows of ``tensor`` (in order along dimension 0) to rank ``i``; receive from each.
+
+    ``splits`` defaults to equal parts (the first dimension must then divide by the rank count). The future
+    yields ``(received, received_splits)``: the rows from every rank in rank order, and how many came from each.
+    """
+    import torch
+    import torch.distributed as dist
+
+    _check_tensor(tensor, "alltoall")
+    size = state.ensure_topology().size
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor of at least one dimension, got a 0-d tensor")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"alltoall without splits needs the first dimension ({rows}) to divide by the "
+                             f"number of ranks ({size}); pass splits=[rows for each rank]")
+        sends = [rows // size] * size
+    else:
+        sends = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(sends) != size or min(sends) < 0 or sum(sends) != rows:
+            raise ValueError(f"alltoall splits must be {size} non-negative counts summing to the first dimension "
+                             f"({rows}), got {sends}")
+    source = tensor.contiguous()
+    caller = _caller_stream(source)
+
+    def work() -> tuple[torch.Tensor, torch.Tensor]:
+        _ready()
+        sent = torch.tensor(sends, dtype=torch.int64, device=source.device)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent)
+        counts = [int(c) for c in received.tolist()]
+        out = _output(source.new_empty((sum(counts), *source.shape[1:])), caller)
+        dist.all_to_all_single(out, source, output_split_sizes=counts, input_split_sizes=sends)
+        return out, received.cpu()
+
+    return streams.on_comm_stream(source, work)
+
+
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` (equal parts by default); returns
+    ``(received, received_splits)``: the rows from every rank in rank order, and how many came from each."""
+    return state.comm_thread.run(*_alltoall_job(tensor, splits))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | None = None
+                   ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`alltoall` started on the communication thread."""
+    return state.comm_thread.submit(*_alltoall_job(tensor, splits))
 
 
 def barrier() -> None:

@@ -58,7 +58,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  compression: str | None = None, algorithm: str | None = None,
                  backward_passes_per_step: int = 1, fusion_mb: float | None = None, op: str = "avg",
-                 samples_per_step: int = 0) -> None:
+                 samples_per_step: int = 0, *, prescale_factor: float = 1.0,
+                 postscale_factor: float = 1.0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if backward_passes_per_step < 1:
@@ -71,6 +72,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.samples_per_step = samples_per_step  # this rank's batch size, for taco.metrics' samples/s
+        # Each bucket is multiplied by prescale_factor before the sum and by postscale_factor after it (after
+        # averaging for op="avg"): Horovod's gradient_predivide_factor splits the average this way so that
+        # fp16 sums do not overflow.
+        self.prescale_factor, self.postscale_factor = float(prescale_factor), float(postscale_factor)
         mb = settings().fusion_mb if fusion_mb is None else fusion_mb
         self.buckets: list[Bucket] = build_buckets(reversed(_named(optimizer, named_parameters)),
                                                    int(mb * 1024 * 1024))
@@ -136,7 +141,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.index] = allreduce_async(bucket.pack(), op=self.op, compression=self.compression,
-                                                       algorithm=self.algorithm, name=("bucket", bucket.index))
+                                                       algorithm=self.algorithm, name=("bucket", bucket.index),
+                                                       prescale=self.prescale_factor,
+                                                       postscale=self.postscale_factor)
 
     def synchronize(self) -> None:
         """Wait for every bucket's allreduce and write the reduced gradients back (buckets that got no

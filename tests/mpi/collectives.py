@@ -8,6 +8,7 @@ import torch
 
 import taco_notebook.comm as taco
 from taco_notebook.comm import algorithms
+from taco_notebook.comm import collectives as comm_collectives
 from taco_notebook.comm.state import state as comm_state
 
 r, n = taco.rank(), taco.size()
@@ -69,6 +70,16 @@ flat = torch.cat([v.detach().flatten().float() for v in model.state_dict().value
 gathered = flat.clone()
 taco.allreduce(gathered, op="avg")
 assert torch.allclose(flat, gathered), "parameters differ after broadcast_parameters"
+
+# allgather (uneven first dimensions), alltoall with splits, async min/max, pre/postscale
+gathered_rows = taco.allgather(torch.full((r + 1,), float(r)))
+assert gathered_rows.tolist() == [float(k) for k in range(n) for _ in range(k + 1)], gathered_rows
+swapped, received = taco.alltoall(torch.arange(float(n)) + 10 * r, [1] * n)
+assert swapped.tolist() == [10.0 * k + r for k in range(n)] and received.tolist() == [1] * n, swapped
+assert comm_collectives.allreduce_async(torch.tensor([float(r)]), op="max").result().item() == n - 1
+scaled = torch.ones(2)
+taco.allreduce(scaled, prescale=2.0, postscale=0.25)
+assert scaled.tolist() == [n / 2] * 2, scaled
 
 # the process group can be rebuilt without restarting the processes
 generation = taco.bootstrap.state.generation

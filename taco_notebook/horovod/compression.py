@@ -1,0 +1,103 @@
+"""``hvd.Compression``: Horovod's compression objects, each standing for one of comm/'s compressors.
+
+Horovod's ``Compression.none`` and ``Compression.fp16`` are objects with ``compress(tensor) -> (tensor, ctx)``
+and ``decompress(tensor, ctx)``. Here each is a :class:`SpecCompression` holding a comm/ compression spec
+(``"fp16"``, ``"topk:0.01"``, …): the allreduce and ``DistributedOptimizer`` hand the spec to taco's engine,
+which runs the compressor inside the accelerated allreduce (fused buckets, 2D, TopK's sparse allgather and
+error feedback), not around it. ``compress``/``decompress`` still work, through the same comm/ compressor, for
+code that calls them directly. This project's own compressors are the same kind of object::
+
+    hvd.Compression.bf16
+    hvd.Compression.topk               # topk:0.01, small tensors dense (LightCC's threshold)
+    hvd.Compression.topk(0.05, threshold=0)
+    hvd.Compression.powersgd(4, warmup=10)
+
+A user's own Horovod ``Compressor`` subclass (static ``compress``/``decompress``) also works with
+``hvd.allreduce``: it is applied around an uncompressed allreduce, as Horovod does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm.compression import parse_compression
+
+__all__ = ["Compressor", "SpecCompression", "Compression", "spec_of"]
+
+
+class Compressor:
+    """Horovod's interface: static ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)``."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SpecCompression(Compressor):
+    """A compression that taco's engine runs itself, named by a comm/ spec (see the module's doc).
+
+    Calling it with arguments gives a variant: ``Compression.topk(0.05, threshold=0)`` is ``topk:0.05:threshold=0``.
+    """
+
+    def __init__(self, spec: str) -> None:
+        self._compressor = parse_compression(spec)  # validates the spec now
+        self.spec = self._compressor.name
+
+    def __call__(self, *args: Any, **options: Any) -> SpecCompression:
+        kind = self.spec.split(":", 1)[0]
+        if kind not in ("topk", "powersgd"):
+            raise TypeError(f"Compression.{kind} takes no arguments")
+        parts = [kind, *(str(a) for a in args), *(f"{k}={v}" for k, v in options.items())]
+        return SpecCompression(":".join(parts))
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Any, Any]:  # type: ignore[override]
+        """comm/'s compressor on one tensor (stateful compressors need ``hvd.allreduce`` to keep residuals)."""
+        return self._compressor.compress(tensor, key=("hvd-compress", tensor.data_ptr(), tensor.numel()))
+
+    def decompress(self, tensor: Any, ctx: Any) -> torch.Tensor:  # type: ignore[override]
+        return self._compressor.decompress(tensor, ctx)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SpecCompression) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return f"<hvd.Compression {self.spec!r}>"
+
+
+class Compression:
+    """Horovod's namespace of compressions, plus this project's (bf16, TopK, PowerSGD)."""
+
+    none = SpecCompression("none")
+    fp16 = SpecCompression("fp16")
+    bf16 = SpecCompression("bf16")
+    topk = SpecCompression("topk:0.01")
+    powersgd = SpecCompression("powersgd:4")
+
+    @staticmethod
+    def from_spec(spec: str) -> SpecCompression:
+        """The compression a ``%%taco_run --compression`` spec names, e.g. ``"topk:0.01:threshold=0"``."""
+        return SpecCompression(spec)
+
+
+def spec_of(compression: Any) -> str | None:
+    """The comm/ spec of a compression (an ``hvd.Compression`` member, a spec string or ``None``), or ``None``
+    for a user's own Horovod ``Compressor`` (which is applied around the allreduce instead)."""
+    if compression is None:
+        return "none"
+    if isinstance(compression, SpecCompression):
+        return compression.spec
+    if isinstance(compression, str):
+        return str(parse_compression(compression).name)
+    if callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None)):
+        return None
+    raise TypeError(f"compression must be an hvd.Compression member (none, fp16, bf16, topk, powersgd), a spec "
+                    f"such as 'topk:0.01', or a Compressor with compress/decompress; got {compression!r}")

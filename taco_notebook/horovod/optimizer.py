@@ -1,0 +1,108 @@
+"""``hvd.DistributedOptimizer``: Horovod's arguments over comm/'s ``DistributedOptimizer``.
+
+The machinery (a hook per parameter, fusion buckets reduced while backward runs, ``synchronize()`` before
+``step()``) is comm/'s; this class maps Horovod's arguments onto it: ``compression=hvd.Compression.*`` to a
+compression spec, ``op=hvd.Average/Sum`` to ``avg``/``sum``, ``gradient_predivide_factor`` to the bucket's
+pre- and postscale factors (``1/f`` before the sum, ``f`` after the average, as Horovod splits it), and
+Horovod's environment knobs ``HOROVOD_FUSION_THRESHOLD`` (bytes) and ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` to the
+fusion size and the 2D algorithm. ``skip_synchronize()`` behaves as Horovod's: ``step()`` inside it uses the
+gradients as they are (after a manual ``synchronize()``, or local ones), and ``step()`` after a manual
+``synchronize()`` outside it warns once and reduces again. Arguments with no equivalent here are accepted and
+warned about once: ``sparse_as_dense``, ``num_groups``, ``groups``, a ``process_set`` of every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..comm import metrics
+from ..comm.optimizer import DistributedOptimizer as _CommOptimizer
+from .basics import Average, ReduceOp, check_initialized, global_process_set, reduce_op, size, warn_once
+from .compression import Compression, spec_of
+
+__all__ = ["DistributedOptimizer"]
+
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+def _warn_unmatched(sparse_as_dense: bool, num_groups: int, groups: Any, process_set: Any) -> None:
+    if sparse_as_dense:
+        warn_once("sparse_as_dense", "DistributedOptimizer(sparse_as_dense=True) has no effect here: gradients "
+                                     "are always reduced dense, in fused buckets")
+    if num_groups or groups is not None:
+        warn_once("groups", "DistributedOptimizer(num_groups=/groups=) has no effect here: gradients are fused "
+                            "into buckets of up to TACO_FUSION_MB (or HOROVOD_FUSION_THRESHOLD) instead; "
+                            "set that, or taco.configure(fusion_mb=...)")
+    if process_set is not None and process_set is not global_process_set:
+        ranks = getattr(process_set, "ranks", None)
+        if ranks is not None and sorted(ranks) != list(range(size())):
+            raise NotImplementedError("DistributedOptimizer(process_set=...) over some ranks is not supported: "
+                                      "taco_notebook.horovod reduces over every rank")
+        warn_once("process_set", "DistributedOptimizer(process_set=...) is ignored: every rank takes part")
+
+
+def _horovod_env() -> tuple[float | None, str | None]:
+    """Fusion size (MB) and algorithm from Horovod's environment variables, when set."""
+    threshold = os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip()
+    fusion_mb = int(threshold) / (1024 * 1024) if threshold else None
+    hierarchical = os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip()
+    return fusion_mb, ("2d" if hierarchical == "1" else None)
+
+
+class DistributedOptimizer(_CommOptimizer):
+    """Wraps ``optimizer`` so that ``step()`` uses gradients reduced over every rank, with Horovod's arguments.
+
+    >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()),
+    ...                                named_parameters=model.named_parameters(),
+    ...                                compression=hvd.Compression.fp16, backward_passes_per_step=2)
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1, op: Any = Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                 sparse_as_dense: bool = False, process_set: Any = global_process_set) -> None:
+        check_initialized()
+        found = reduce_op(op)  # Adasum raises, naming it
+        if found not in (Average, ReduceOp.SUM):
+            raise ValueError(f"DistributedOptimizer's op must be hvd.Average or hvd.Sum, got {found.name.title()}")
+        if gradient_predivide_factor != 1.0 and found is not Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if gradient_predivide_factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+        spec = spec_of(compression)
+        if spec is None:
+            raise TypeError(f"DistributedOptimizer(compression={compression!r}): only hvd.Compression members "
+                            "(none, fp16, bf16, topk, powersgd) run inside taco's fused allreduce; a custom "
+                            "Compressor works with hvd.allreduce only")
+        _warn_unmatched(sparse_as_dense, num_groups, groups, process_set)
+        fusion_mb, algorithm = _horovod_env()
+        average = found is Average
+        super().__init__(optimizer, named_parameters, compression=spec, algorithm=algorithm,
+                         backward_passes_per_step=backward_passes_per_step, fusion_mb=fusion_mb,
+                         op="avg" if average else "sum",
+                         prescale_factor=1.0 / gradient_predivide_factor if average else 1.0,
+                         postscale_factor=gradient_predivide_factor if average else 1.0)
+        self.gradient_predivide_factor = gradient_predivide_factor
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate before the gradients are reduced (Horovod's setter)."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if self._skip:  # Horovod: step on the gradients as they are
+            self._synchronized = False
+            result = self.optimizer.step(closure)
+            metrics.step(samples=self.samples_per_step)
+            return result
+        if self._synchronized:
+            warn_once("step-after-synchronize", _STEP_AFTER_SYNC)
+        return super().step(closure)
