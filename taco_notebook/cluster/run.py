@@ -263,8 +263,10 @@ class _CellRun:
             self.finish_monitors(None)
             return value
         finally:
-            if self.options.settings and self.cluster.running:
-                self.cluster.client[self.engines].apply_async(engine.reset_settings)
+            # engines still registered only: under --elastic a member may have died during the cell
+            live = [e for e in self.engines if e in self.cluster.client.ids] if self.cluster.running else []
+            if self.options.settings and live:
+                self.cluster.client[live].apply_async(engine.reset_settings)
 
     def _execute(self, submit: Callable[[Any], Any], captured: bool) -> Any:
         self.ar = submit(self.cluster.client[self.engines])
