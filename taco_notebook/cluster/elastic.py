@@ -38,7 +38,7 @@ from .membership import (
     parse_elastic,
     rebuild,
 )
-from .reporting import ranks_phrase
+from .reporting import ranks_phrase, stalled_ranks
 from .run import CellOptions, OutputSink, _CellRun
 from .session import TacoCluster
 
@@ -71,6 +71,7 @@ class _ElasticCellRun(_CellRun):
         super().__init__(cluster, options, sink)
         self.watch = watch
         self.asked_to_stop = False
+        self.stall_killed: set[int] = set()
 
     def check_alive(self) -> None:
         deaths = self.watch.read()
@@ -88,7 +89,20 @@ class _ElasticCellRun(_CellRun):
             if len(outcomes) == len(self.targets):
                 raise JoinRequested()
             return  # the others stop at the same commit
+        self.end_stalled(outcomes)
         super().collect_errors()
+
+    def end_stalled(self, outcomes: dict[int, Any]) -> None:
+        """Ranks that the others' StallErrors name as never having arrived (``--stall-timeout``) are hung members:
+        SIGKILL their engines (:meth:`~.members.ElasticMembers.kill_ranks`), so their wrappers' marker lines start
+        the same recovery as any death. Without --elastic a stall fails the cell instead (cluster/run.py)."""
+        stalled = [r for r in stalled_ranks(outcomes) if r not in outcomes and r not in self.stall_killed]
+        if not stalled:
+            return
+        self.stall_killed.update(stalled)
+        self.sink.warn(f"{ranks_phrase(stalled)} never reached the collective the others waited in for "
+                       f"--stall-timeout: ending {'it' if len(stalled) == 1 else 'them'} as lost members")
+        self.cluster.kill_ranks(stalled)
 
     def engine_died(self) -> None:
         deadline = time.monotonic() + 3.0  # the hub can see an engine go before its wrapper's line is in the log
@@ -285,6 +299,7 @@ def run_elastic(cluster: TacoCluster, submit: Callable[[Any], Any], captured: bo
                 sink.flush()
                 admit(cluster, sink, options.monitors)
     finally:
-        if cluster.running and cluster.ranks:
-            cluster.view.apply_sync(engine.elastic_mode, False)
+        live = [e for e in cluster.engine_ids() if e in cluster.client.ids] if cluster.running else []
+        if live:  # a member that died and was not yet recovered from is no longer registered
+            cluster.client[live].apply_sync(engine.elastic_mode, False)
 

@@ -30,6 +30,21 @@ class ElasticMembers:
 
         def _engine_sets(self, cluster: Any = None) -> list[Any]: ...
 
+    def kill_ranks(self, ranks: list[int]) -> None:
+        """SIGKILL the engines of ``ranks`` (hung members, cluster/elastic.py): a local engine only when it is in
+        the process tree of one of this cluster's engine sets (proven ours), any other through ipyparallel's
+        signal request to that engine. Their wrappers' marker lines then report the deaths."""
+        import signal
+
+        from .processes import descendants, kill
+
+        ours = {p.pid: p for es in self._engine_sets() for p in descendants(getattr(es, "process", None))}
+        local = [ours[r.pid] for r in self.ranks if r.rank in ranks and r.pid in ours]
+        kill(local, wait=False)
+        remote = [r.rank for r in self.ranks if r.rank in ranks and r.pid not in ours]
+        if remote:
+            self.client.send_signal(signal.SIGKILL, targets=self.engine_ids(remote), block=False)
+
     def engine_ids(self, ranks: list[int] | None = None) -> list[int]:
         """The ipyparallel engine ids of ``ranks`` (default: every rank), in that order."""
         by_rank = {r.rank: (r.engine_id if r.engine_id >= 0 else r.rank) for r in self.ranks}

@@ -148,6 +148,7 @@ def test_killed_rank_under_elastic_the_survivors_go_on_from_the_commit(ip, capsy
         [f"engine {pid}" for pid in (pids[1], pids[3])]
 
     grow_during_a_run(ip, capsys)
+    stalled_rank_is_lost(ip, capsys)
 
 
 GROW = """\
@@ -189,6 +190,42 @@ def grow_during_a_run(ip, capsys) -> None:
     starts = sorted(step for step, _ in _stamps(out, "start"))
     assert starts[:2] == [0, 0] and len(set(starts[2:])) == 1 and starts[2] % 10 == 0  # all from the commit
     assert cluster.model()["membership"]["joined"] == 2
+
+
+STALL = """\
+state = taco.elastic.State(model=model, optimizer=opt, step=0)
+"""
+
+TRAIN_ONE_HANGS = """\
+print(f"start {state.step} {time.time():.3f}", flush=True)
+while state.step < 40:
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward()
+    for p in model.parameters():
+        taco.allreduce(p.grad, op="avg")
+    opt.step(); state.step += 1
+    if state.step % 10 == 0:
+        state.commit()
+    if taco.rank() == 3 and taco.size() == 4 and state.step == 15:
+        time.sleep(600)  # hung outside any collective: the others stall in the next allreduce
+[taco.rank(), taco.size(), state.step, [p.detach().tolist() for p in model.parameters()]]
+"""
+
+
+def stalled_rank_is_lost(ip, capsys) -> None:
+    """Under --elastic, a rank that the others' stall watchdog names is ended as a lost member, and the cell goes
+    on without it from the commit (without --elastic the stall fails the cell: tests/magics/test_magics_stall.py)."""
+    ip.run_cell_magic("taco_run", "--cluster elastic --no-dashboard", STALL)
+    capsys.readouterr()
+    began = time.monotonic()
+    values = ip.run_cell_magic("taco_run", "--elastic 2:4 --stall-timeout 3 --cluster elastic --no-dashboard "
+                               "--gather --timeout 120", TRAIN_ONE_HANGS)
+    out, err = capsys.readouterr()
+    assert "rank 3 never reached the collective the others waited in" in out + err, out + err
+    assert re.search(r"rank 3 \(host [^)]+\) died: SIGKILL[^;]*; continuing on 3 ranks from commit at step 10", out), out
+    assert [v[:3] for v in values] == [[0, 3, 40], [1, 3, 40], [2, 3, 40]]
+    assert values[0][3] == values[1][3] == values[2][3]
+    assert time.monotonic() - began < 90
 
 
 def _emulation_skip() -> str | None:
