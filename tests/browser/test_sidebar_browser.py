@@ -16,6 +16,7 @@ session sets it), so both resolve the same ``<runtime dir>/taco-notebook/cluster
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.error
 import uuid
@@ -311,3 +312,48 @@ def test_sidebar_starts_a_cluster_from_the_panel(lab, page):
     finally:
         _stop_every_cluster(lab, before)
         print(f"sidebar (server-owned): {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}")
+
+
+ELASTIC_CELLS = [
+    "%load_ext taco_notebook",
+    "%%taco_run -np 3 --cluster elastic-panel --no-dashboard\nimport os, signal, time\n"
+    "state = taco.elastic.State(step=0)",
+    "%%taco_run --elastic 2:3 --cluster elastic-panel --no-dashboard\n"
+    "while state.step < 20:\n"
+    "    taco.allreduce(torch.ones(1))\n"
+    "    state.step += 1\n"
+    "    if state.step % 5 == 0:\n"
+    "        state.commit()\n"
+    "    if taco.rank() == 2 and taco.size() == 3 and state.step == 8:\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    time.sleep(0.05)\n"
+    "print('done at', state.step, 'on', taco.size(), 'ranks')",
+]
+
+
+def test_sidebar_shows_an_elastic_clusters_membership(lab, page):
+    """A rank killed under ``--elastic 2:3``: the row shows two engines up, running, and its Membership line names
+    the lost rank with how it died (``ClusterModel.membership``, formatMembership in format.ts)."""
+    from playwright.sync_api import expect
+
+    lab.write_notebook("elastic.ipynb", ELASTIC_CELLS)
+    before = _ids(lab)
+    try:
+        open_notebook(page, lab, "elastic.ipynb")
+        run_all_cells(page)
+        wait_for_cells_executed(page, timeout=150)
+        wait_for_kernel_idle(page, timeout=30)
+        output = cell_output(page, 2).inner_text(timeout=5_000)
+        assert "done at 20 on 2 ranks" in output and "died: SIGKILL" in output, output[-4000:]
+
+        _open_sidebar(page)
+        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="elastic-panel"]')
+        expect(row.locator(".taco-cluster-membership")).to_contain_text("elastic 2:3 · lost rank 2 (", timeout=30_000)
+        expect(row.locator(".taco-cluster-engines")).to_have_text(re.compile(r"^2/"))  # two engines up
+        assert row.get_attribute("data-state") == "running", _describe(lab)
+        expect(row.locator(".taco-cluster-membership")).to_contain_text("SIGKILL)")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "sidebar-elastic.png"), full_page=True)
+        _stop_from_panel(page, lab, row, "elastic cluster")
+    finally:
+        _stop_every_cluster(lab, before)
