@@ -151,6 +151,10 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
         try:
             return work()
         except Exception as exc:
+            if state.stalled is not None and not isinstance(exc, StallError):
+                # this rank's own watchdog fired and its teardown failed the collective under us (a group of
+                # taco's own, like the flat algorithm's, is released by the abort): the stall is the cause
+                raise _again(state.stalled) from exc
             if state.stalled is None and not isinstance(exc, StallError) and _peers_gave_up(board):
                 # a peer gave up and left, so the backend failed ("connection closed"): say why instead
                 error = state.stalled = _after_failure(board, job)
