@@ -270,11 +270,9 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
 
 
 def run_elastic(cluster: TacoCluster, submit: Callable[[Any], Any], captured: bool, options: CellOptions,
-                sink: OutputSink, origin: str | None = None) -> Any:
-    """Run a cell (or a script) as an elastic one, ``options.elastic`` its MIN:MAX: on a rank's death recover
-    (module docstring) and ``submit`` it again (see :meth:`.run._CellRun.run`)."""
-    spec = options.elastic
-    assert spec is not None
+                sink: OutputSink, origin: str | None = None, *, spec: ElasticSpec) -> Any:
+    """Run a cell (or a script) as an elastic one (``CellOptions.runner``, with ``spec`` bound): on a rank's
+    death recover (module docstring) and ``submit`` it again (see :meth:`.run._CellRun.run`)."""
     membership = cluster.elastic = cluster.elastic or Membership(spec)
     membership.spec = spec
     if len(cluster.ranks) < spec.min:

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ipyparallel.error import RemoteError
 
@@ -38,9 +38,6 @@ from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, wer
 from .result import capture_last_expression, unwrap_result
 from .script import Script
 from .session import TacoCluster
-
-if TYPE_CHECKING:
-    from .membership import ElasticSpec
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
 
@@ -71,7 +68,7 @@ class CellOptions:
     failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
-    elastic: ElasticSpec | None = None  # --elastic MIN:MAX: survive a rank's death (cluster/elastic.py)
+    runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
 
 
 class OutputSink(Protocol):
@@ -367,11 +364,8 @@ def _render(error: Any, origin: str | None = None) -> str:
 
 def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
     """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
-    ``gather``) value of the last expression, or None. With ``options.elastic`` the run survives a rank's death
-    and admits joiners (cluster/elastic.py).
-
-    Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end.
-    """
+    ``gather``) value of the last expression, or None. With ``options.runner`` (``--elastic``) the run survives
+    a rank's death and admits joiners (cluster/elastic.py)."""
     source, captured = capture_last_expression(code)
     return _run(cluster, code, options, sink,
                 lambda view: view.execute(source, silent=False, block=False), captured)
@@ -397,10 +391,8 @@ def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSin
             raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
                                     "again to use it or start a fresh one")
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, shown)])
-        if options.elastic is not None:  # %%taco_run --elastic: survives a rank's death, admits joiners
-            from .elastic import run_elastic
-
-            return run_elastic(cluster, submit, captured, options, sink, origin)
+        if options.runner is not None:  # --elastic: cluster/elastic.py's, which survives a rank's death
+            return options.runner(cluster, submit, captured, options, sink, origin)
         run = _CellRun(cluster, options, sink)
         run.origin = origin
         return run.run(submit, captured)

@@ -8,6 +8,7 @@ repaired, resized or started (:func:`~.clusters.ensure_cluster`) and its huge pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -113,6 +114,11 @@ def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
     started = cluster is not running
     check_hugepages(cluster, need, started=started)
     monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
+    runner = None
+    if elastic is not None:  # the elastic wait loop, which survives a rank's death (cluster/elastic.py)
+        from ..cluster.elastic import run_elastic
+
+        runner = partial(run_elastic, spec=elastic)
     options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
-                          monitors=monitors, elastic=elastic)  # fmt: skip
+                          monitors=monitors, runner=runner)  # fmt: skip
     return RunPlan(cluster, options, started)
