@@ -155,14 +155,18 @@ GROW = """\
 state = taco.elastic.State(model=model, optimizer=opt, step=0, on_four=0)
 """
 
-TRAIN_UNTIL_FOUR = """\
-print(f"start {state.step} {time.time():.3f}", flush=True)
-while state.on_four < 20:
+STEP = """\
     loss = model(torch.randn(16, 8)).pow(2).mean()
     opt.zero_grad(); loss.backward()
     for p in model.parameters():
         taco.allreduce(p.grad, op="avg")
     opt.step(); state.step += 1
+"""  # one training step of the loops below (indented for their body)
+
+TRAIN_UNTIL_FOUR = """\
+print(f"start {state.step} {time.time():.3f}", flush=True)
+while state.on_four < 20:
+""" + STEP + """\
     state.on_four += taco.size() == 4
     if state.step % 10 == 0:
         state.commit()
@@ -199,11 +203,7 @@ state = taco.elastic.State(model=model, optimizer=opt, step=0)
 TRAIN_ONE_HANGS = """\
 print(f"start {state.step} {time.time():.3f}", flush=True)
 while state.step < 40:
-    loss = model(torch.randn(16, 8)).pow(2).mean()
-    opt.zero_grad(); loss.backward()
-    for p in model.parameters():
-        taco.allreduce(p.grad, op="avg")
-    opt.step(); state.step += 1
+""" + STEP + """\
     if state.step % 10 == 0:
         state.commit()
     if taco.rank() == 3 and taco.size() == 4 and state.step == 15:
