@@ -126,7 +126,10 @@ def calibrate(cross: Any) -> Calibration:
 
 def chunk_bounds(numel: int, chunk_numel: int, local_size: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` of each chunk: ``chunk_numel`` rounded down to a multiple of ``local_size`` (so that every
-    chunk but the last splits into equal shards), at least ``local_size``."""
+    chunk but the last splits into equal shards), at least ``local_size``; one chunk when ``chunk_numel`` covers
+    the buffer (not a rounded-down chunk and a tail of fewer than ``local_size`` elements)."""
+    if chunk_numel >= numel:
+        return [(0, numel)]
     step = max(local_size, chunk_numel - chunk_numel % local_size)
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)] or [(0, 0)]
 

@@ -18,6 +18,10 @@ def test_chunks_cover_the_buffer_in_multiples_of_the_local_size() -> None:
     assert chunk_bounds(10, 5, 2) == [(0, 4), (4, 8), (8, 10)]  # rounded down to a multiple of 2
     assert chunk_bounds(3, 1, 4) == [(0, 3)]  # at least one element per local rank
     assert chunk_bounds(0, 8, 2) == [(0, 0)]
+    # a buffer its chunk covers goes whole, not as 2176 elements and a tail of 1 (an odd-sized bucket went
+    # in two chunks: two cross-node rounds, and PowerSGD/TopK state keyed per chunk)
+    assert chunk_bounds(2177, 2177, 2) == [(0, 2177)]
+    assert chunk_bounds(7, 100, 4) == [(0, 7)]
     bounds = chunk_bounds(1_000_003, 65_536, 3)
     assert bounds[0] == (0, 65_535) and bounds[-1][1] == 1_000_003
     assert all(a[1] == b[0] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
