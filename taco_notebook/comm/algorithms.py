@@ -136,15 +136,30 @@ def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: 
         return reduce_2d_shm(buf, compressor, key, tiers.segment, tiers.cross, tiers.local_peers,
                              tiers.cross_peers, me, tiers.calibration)
     # CUDA tensors (and shm=False): the node's process group (NCCL on GPUs), on the comm stream
-    local_size = len(tiers.local_peers)
-    chunk = -(-buf.numel() // local_size)
+    local_size, local_rank = len(tiers.local_peers), tiers.local_peers.index(me)
+    cuts = compressor.shard_cuts(key, buf.numel(), local_size)
+    if cuts is None:  # equal shards, the last one padded
+        chunk = -(-buf.numel() // local_size)
+        padded = buf if buf.numel() == chunk * local_size else torch.cat(
+            [buf, buf.new_zeros(chunk * local_size - buf.numel())])
+    else:  # the compressor's cuts (PowerSGD: on rows), each part padded to the widest for the collectives
+        chunk = max(b - a for a, b in zip(cuts, cuts[1:], strict=False))
+        padded = buf.new_zeros(chunk * local_size)
+        for part, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            padded[part * chunk: part * chunk + b - a].copy_(buf[a:b])
     shard = buf.new_empty(chunk)
-    padded = buf if buf.numel() == chunk * local_size else torch.cat(
-        [buf, buf.new_zeros(chunk * local_size - buf.numel())])
     reduce_scatter(shard, padded, group=tiers.local)
-    raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
+    if cuts is None:
+        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
+    else:
+        lo, hi = cuts[local_rank], cuts[local_rank + 1]
+        raw, wire, cross_sends = compressor.reduce(shard[: hi - lo], (key, "2d", lo, hi), tiers.cross,
+                                                   tiers.cross_peers, me)
     all_gather(padded, shard, group=tiers.local)
-    if padded is not buf:
+    if cuts is not None:
+        for part, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            buf[a:b].copy_(padded[part * chunk: part * chunk + b - a])
+    elif padded is not buf:
         buf.copy_(padded[: buf.numel()])
     shard_bytes = chunk * buf.element_size()
     local = spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed

@@ -144,6 +144,15 @@ class Compressor(ABC):
         tensor as its own matrix."""
         return None
 
+    def shard_cuts(self, name: Hashable, numel: int, parts: int) -> list[int] | None:
+        """Where the 2D algorithm should cut the buffer allreduced under ``name`` into ``parts`` node shards
+        (``parts + 1`` element offsets from 0 to ``numel``), or None for equal shards.
+
+        PowerSGD asks for cuts on row boundaries of the tensors the buffer packs, so that each shard is made
+        of whole rows and each piece still compresses as a matrix of its own weight (see
+        :func:`.powersgd.row_cuts`). Only consulted for a shard that goes in one chunk."""
+        return None
+
     def forget(self, name: Hashable) -> None:
         """Drop what was kept for the allreduce named ``name`` (residuals, warm starts), so that a new model
         reusing the name does not inherit an old one's. The algorithms key their shards ``(name, where)``."""

@@ -162,10 +162,16 @@ class _Run:
         self.wire_dtype = compressor.fused_wire_dtype(buf.dtype)
         self.area = self.wire_dtype or buf.dtype  # what the output area holds: the wire dtype when fused
         self.bounds = chunk_bounds(buf.numel(), _chunk_numel(buf, compressor, calibration), self.local_size)
-        widest = -(-(self.bounds[0][1] - self.bounds[0][0]) // self.local_size)
+        # A buffer in one chunk may be cut where its compressor asks (PowerSGD: on the rows of its weights)
+        self.cuts = compressor.shard_cuts(key, buf.numel(), self.local_size) if len(self.bounds) == 1 else None
+        widest = (max(b - a for a, b in zip(self.cuts, self.cuts[1:], strict=False)) if self.cuts is not None
+                  else -(-(self.bounds[0][1] - self.bounds[0][0]) // self.local_size))
         self.scratch = (buf.new_empty(widest) if self.local_size > 2 and self.area != buf.dtype else None)
 
     def shard(self, k: int) -> tuple[int, int, int]:
+        if self.cuts is not None:
+            start, end = self.cuts[self.local_rank], self.cuts[self.local_rank + 1]
+            return start, end, end - start
         return _shard(*self.bounds[k], self.local_size, self.local_rank)
 
     def scatter(self, k: int) -> None:
@@ -179,10 +185,12 @@ class _Run:
     def cross(self, k: int, group: Any, peers: tuple[int, ...], me: int) -> Reduced:
         """Comm thread: reduce this rank's shard of chunk ``k`` across nodes, in place in the output area."""
         began, (lo, hi) = time.perf_counter(), self.bounds[k]
-        start, _, width = self.shard(k)
+        start, end, width = self.shard(k)
         shard = self.segment.output(self.area, start, width)
         if self.wire_dtype is not None:
             done = self.compressor.reduce_wire(shard, width * self.buf.element_size(), group, peers, me)
+        elif self.cuts is not None:  # the compressor's own cut, named by its bounds
+            done = self.compressor.reduce(shard, (self.key, "2d", start, end), group, peers, me)
         elif len(self.bounds) == 1:
             done = self.compressor.reduce(shard, (self.key, "2d"), group, peers, me)
         else:  # state per chunk, keyed by its bounds: a new chunk size starts fresh instead of mismatching

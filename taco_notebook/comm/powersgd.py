@@ -17,9 +17,10 @@ Shapes: taco's allreduce hands a compressor flat 1-D buffers (a fusion bucket, o
 that crosses nodes), so a 1-D tensor is viewed as a near-square matrix (PyTorch's ``batched_powerSGD_hook``
 does the same with a DDP bucket); a tensor of 2 or more dimensions given to :meth:`compress` is viewed as
 ``(shape[0], rest)``, as PyTorch's per-parameter hook does, and so is each tensor of a flat buffer whose
-layout is described (:meth:`PowerSGDCompressor.describe_buffer`, which DistributedOptimizer calls for each
-bucket; flat algorithm): much better with heavy momentum, where the square view of a fused bucket loses too
-much. Half precision is computed in float32 (QR, residual) on the gradient's device, with no host sync.
+layout is described (:meth:`PowerSGDCompressor.describe_buffer`, which DistributedOptimizer and the DDP hook
+call for each bucket; on ``2d`` the node's shards are then cut on row boundaries, :mod:`.layout`): much better
+with heavy momentum, where the square view of a fused bucket loses too much. Half precision is computed in
+float32 (QR, residual) on the gradient's device, with no host sync.
 
 Orthogonalisation is ``torch.linalg.qr``: on one CPU core it was 5-10x cheaper than Gram-Schmidt for
 2048 x 4 (24 us vs 233 us) up to 8192 x 16 (0.7 ms vs 2.9 ms), and a zero column (a gradient of lower rank
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .compressor import Compressor, Payload
+from .layout import pieces, row_cuts
 from .reduction import Reduced, ring_sends
 from .specs import DEFAULT_POWERSGD_MIN_SIZE, DEFAULT_POWERSGD_WARMUP, POWERSGD
 
@@ -131,7 +133,8 @@ class PowerSGDCompressor(Compressor):
     would send); :meth:`reduce` interleaves the two sums over the group between the steps.
     """
 
-    # A 2D shard stays one matrix: chunks would each cost a rank-r factorisation and lose the warm start.
+    # A 2D shard goes whole (cut on rows when described): chunks would each cost a rank-r factorisation of a
+    # slice and would lose the warm start when the chunk size changes.
     pipelines = False
 
     def __init__(self, rank: int, warmup: int = DEFAULT_POWERSGD_WARMUP,
@@ -256,9 +259,10 @@ class PowerSGDCompressor(Compressor):
     def describe_buffer(self, name: Hashable, shapes: Sequence[Sequence[int]]) -> None:
         """Say that the flat buffer allreduced under ``name`` packs tensors of ``shapes``, in order.
 
-        On the flat algorithm each tensor of 2 or more dimensions is then compressed as its own
-        ``(shape[0], rest)`` matrix and 1-D ones travel dense, in 3 collectives for the whole buffer (dense
-        part, every P, every Q). On ``2d`` a shard cuts tensors at arbitrary points: it stays one matrix.
+        Each tensor of 2 or more dimensions is then compressed as its own ``(shape[0], rest)`` matrix and 1-D
+        ones travel dense, in 3 collectives for the whole buffer (dense part, every P, every Q). On ``2d`` the
+        node's shards are cut on row boundaries (:meth:`shard_cuts`), and each piece of a weight in a shard is
+        its own matrix: a weight split between two local ranks is factorised as two blocks of rows.
 
         >>> compressor.describe_buffer(("bucket", 0), [p.shape for p in bucket.params])
         """
@@ -273,17 +277,32 @@ class PowerSGDCompressor(Compressor):
                 self.state.reset(key)
         self.state.layouts.pop(name, None)
 
-    def _layout(self, shard: torch.Tensor, key: Hashable) -> tuple[torch.Size, ...] | None:
-        """The registered shapes of ``shard`` when the flat algorithm reduces it whole (key ``(name, "flat")``)."""
-        if not (isinstance(key, tuple) and len(key) == 2 and key[1] == "flat"):
-            return None
+    def _described(self, name: Hashable, numel: int | None = None) -> tuple[torch.Size, ...] | None:
+        """The shapes described for ``name`` (if they pack exactly ``numel`` elements, when given)."""
         try:
-            shapes = self.state.layouts.get(key[0])
+            shapes = self.state.layouts.get(name)
         except TypeError:  # an unhashable name
             return None
-        if shapes is None or sum(math.prod(shape) for shape in shapes) != shard.numel():
+        if shapes is None or (numel is not None and sum(math.prod(shape) for shape in shapes) != numel):
             return None
         return shapes
+
+    def shard_cuts(self, name: Hashable, numel: int, parts: int) -> list[int] | None:
+        """Row-aligned cuts of a described buffer (:func:`.layout.row_cuts`), else None (equal shards)."""
+        shapes = self._described(name, numel)
+        return row_cuts(shapes, parts) if shapes is not None and parts > 1 else None
+
+    def _layout(self, shard: torch.Tensor, key: Hashable) -> tuple[torch.Size, ...] | None:
+        """The shapes ``shard`` packs: a described buffer reduced whole by the flat algorithm (key
+        ``(name, "flat")``), or a row-aligned 2D shard ``[lo, hi)`` of one (key ``(name, "2d", lo, hi)``)."""
+        if isinstance(key, tuple) and len(key) == 2 and key[1] == "flat":
+            return self._described(key[0], shard.numel())
+        if isinstance(key, tuple) and len(key) == 4 and key[1] == "2d":
+            name, _, lo, hi = key
+            shapes = self._described(name)
+            found = pieces(shapes, lo, hi) if shapes is not None and hi - lo == shard.numel() else None
+            return found or None
+        return None
 
     def reduce(self, shard: torch.Tensor, key: Hashable, group: Any, peers: tuple[int, ...],
                me: int) -> Reduced:

@@ -227,7 +227,8 @@ def test_powersgd_on_four_ranks_flat_and_2d(mpiexec):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # mpiexec may run two ranks' lines together ("OK 0OK 1"): find each mark, not each line
     assert sorted(re.findall(r"OK (\d+)", result.stdout)) == [str(r) for r in range(4)]
-    for line in ("flat: loss after 300 steps", "2d: loss after 300 steps", "momentum 0.9, per-tensor layout"):
+    for line in ("flat: loss after 300 steps", "2d: loss after 300 steps", "momentum 0.9, per-tensor layout",
+                 "2d shm=True, per-row layout", "2d shm=False, per-row layout"):
         assert line in result.stdout, result.stdout
 
 
@@ -244,3 +245,39 @@ def test_taco_run_compression_powersgd(ip):
     assert value[0] == "powersgd:4:warmup=0"
     assert value[1] == 256 * 256 // ((256 + 256) * 4)  # 32x fewer bytes crossed
     assert value[2] < 1e-4
+
+
+# --- 2D shards cut on rows (taco_notebook/comm/layout.py) ---------------------------------------------------
+
+
+def test_row_cuts_round_equal_shares_to_row_boundaries() -> None:
+    from taco_notebook.comm.layout import pieces, row_cuts
+
+    # a bucket as DistributedOptimizer packs an MLP (reversed): fc2.bias, fc2.weight, fc1.bias, fc1.weight
+    shapes = [(1,), (1, 64), (64,), (64, 32)]
+    assert row_cuts(shapes, 2) == [0, 1089, 2177]  # the share 1088 is 30.0 rows into fc1.weight
+    assert pieces(shapes, 0, 1089) == (torch.Size([1]), torch.Size([1, 64]), torch.Size([64]), torch.Size([30, 32]))
+    assert pieces(shapes, 1089, 2177) == (torch.Size([34, 32]),)
+    assert pieces(shapes, 0, 1090) is None  # splits a row: not a cut of these shapes
+    assert pieces(shapes, 0, 9999) is None
+    # 4 parts, conv weights (rows of 3*3*16), a cut inside a 1-D tensor stays where the share is
+    conv = [(32, 16, 3, 3), (32,), (5000,)]
+    cuts = row_cuts(conv, 4)
+    assert cuts == [0, 2448, 4820, 7230, 9640]  # 2410 is 16.7 rows of 144: 17; 4820 and 7230 fall in the 1-D
+    parts = [pieces(conv, a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert parts[0] == (torch.Size([17, 16, 3, 3]),) and parts[1][0] == torch.Size([15, 16, 3, 3])
+    assert sum(torch.Size(s).numel() for part in parts for s in part) == 9640
+    # one row larger than a share: parts may be empty, never out of order
+    assert row_cuts([(2, 100)], 4) == [0, 0, 100, 200, 200]
+    assert row_cuts([(3, 4)], 1) == [0, 12]
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        row_cuts([(3, 4)], 0)
+
+
+def test_powersgd_asks_for_row_cuts_only_for_a_described_buffer() -> None:
+    c = _psgd(2)
+    assert c.shard_cuts("bucket", 2177, 2) is None
+    c.describe_buffer("bucket", [(1,), (1, 64), (64,), (64, 32)])
+    assert c.shard_cuts("bucket", 2177, 2) == [0, 1089, 2177]
+    assert c.shard_cuts("bucket", 2000, 2) is None  # not the described size
+    assert parse_compression("topk:0.01").shard_cuts("bucket", 2177, 2) is None

@@ -144,6 +144,25 @@ assert replicas and abs(low - dense) <= 0.10 * dense, f"momentum 0.9: powersgd:4
 if r == 0:
     print(f"momentum 0.9, per-tensor layout: uncompressed {dense:.5f}, powersgd:4 {low:.5f}", flush=True)
 
+# The same on 2d: the node's shards are cut on rows of the bucket's weights (fc1.weight 64 x 32 is split at row
+# 30 between the two local ranks) and each piece is its own matrix; through the shared-memory pipeline, then
+# through the node's process group (shm=False, the path CUDA tensors take).
+for shm in (True, False):
+    if not shm:
+        taco.configure(shm=False)
+        taco.reinit()
+    dense, _ = train("none", "2d", STEPS, momentum=0.9)
+    low, replicas = train("powersgd:4:warmup=10:min_size=0", "2d", STEPS, momentum=0.9, layout=True)
+    cut = {key[0][2:] for key in compressor_for("powersgd:4:warmup=10:min_size=0").state.residuals
+           if isinstance(key[0], tuple) and key[0][:2] == (("bucket", 0), "2d")}
+    assert cut == {(0, 1089) if topo.local_rank == 0 else (1089, 2177)}, cut
+    assert replicas and abs(low - dense) <= 0.10 * dense, f"2d shm={shm}: powersgd:4 {low:.5f} vs dense {dense:.5f}"
+    if r == 0:
+        print(f"2d shm={shm}, per-row layout, momentum 0.9: uncompressed {dense:.5f}, powersgd:4 {low:.5f}",
+              flush=True)
+taco.configure(shm=True)
+taco.reinit()
+
 # --- DDP with taco's hook and PowerSGD: unchanged DDP code, the same parameters everywhere, each weight its own
 # matrix on flat (the hook describes every bucket, again after DDP rebuilds them): momentum 0.9 trains like dense
 def train_ddp(spec: str, steps: int) -> tuple[float, taco.hooks.TacoHookState, DistributedDataParallel]:
@@ -153,7 +172,7 @@ def train_ddp(spec: str, steps: int) -> tuple[float, taco.hooks.TacoHookState, D
     torch.manual_seed(3)
     ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                                       torch.nn.Linear(64, 1)), bucket_cap_mb=0.004)
-    state = taco.hooks.TacoHookState(compression=spec, algorithm="flat")  # 2d shards cut tensors: one matrix
+    state = taco.hooks.TacoHookState(compression=spec, algorithm="flat")  # 2d's row cuts: checked above
     ddp.register_comm_hook(state, taco.hooks.allreduce_hook)
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
