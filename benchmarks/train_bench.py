@@ -49,6 +49,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every variant this many times, interleaved (round 1: all, round 2: all, ...); "
                         "the table shows the median samples/s")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="also evaluate the loss every N steps (untimed; 0: only at the end), for the table "
+                        "of when each variant reaches DDP's loss")
     parser.add_argument("--fusion-mb", nargs="+", type=float, default=None,
                         help="fusion thresholds to measure, each a variant of every taco DistributedOptimizer row")
     er.add_launch_args(parser, timeout_s=1200)
@@ -127,6 +130,13 @@ def worker(args: argparse.Namespace) -> None:
                               "taco_available": taco_ok, "taco_note": None if taco_ok else TACO_MISSING,
                               "rows": []}
 
+    def evaluate(model: Any) -> float:
+        """Cross-entropy on the evaluation batch, each rank a quarter of it (the replicas are the same), between
+        barriers: the caller keeps this time out of the timed steps."""
+        with torch.no_grad():
+            part = F.cross_entropy(model(eval_x[rank::n]), eval_y[rank::n]).item()
+        return comm.allreduce(part) / n
+
     def make(variant: str) -> tuple[Any, Any, Any]:
         model = build_model(args.hidden_layers)
         sgd = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)  # noqa: E731
@@ -160,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
         row: dict[str, Any] = {"variant": variant, "round": round_}
         try:
             model, net, opt = make(variant)
-            losses = []
+            losses, curve, paused = [], [], 0.0
             for i, (x, y) in enumerate(batches):
                 if i == args.warmup:
                     comm.Barrier()
@@ -170,8 +180,14 @@ def worker(args: argparse.Namespace) -> None:
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
+                if args.eval_every and (i + 1) % args.eval_every == 0:
+                    comm.Barrier()
+                    stopped = time.perf_counter()
+                    curve.append((i + 1, evaluate(model)))
+                    comm.Barrier()
+                    paused += time.perf_counter() - stopped if i >= args.warmup else 0.0
             comm.Barrier()
-            seconds = time.perf_counter() - began
+            seconds = time.perf_counter() - began - paused
             with torch.no_grad():
                 eval_loss = F.cross_entropy(model(eval_x), eval_y).item()
                 checksum = float(sum(p.double().sum().item() for p in model.parameters()))
@@ -180,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
             sums = comm.allgather(checksum)
             row.update(seconds=seconds, samples_per_s=n * args.batch * args.steps / seconds,
                        final_loss=mean_loss, last_train_loss=mean_train, first_train_loss=losses[0],
-                       replicas_equal=max(sums) == min(sums))
+                       replicas_equal=max(sums) == min(sums), curve=curve)
             if hasattr(opt, "remove_hooks"):  # DistributedOptimizer: its gradient hooks hold it (and the model)
                 opt.remove_hooks()
             del model, net, opt
@@ -236,6 +252,42 @@ def build_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def catch_up(rows: list[dict[str, Any]], world: int, batch: int) -> list[dict[str, Any]]:
+    """When each variant's evaluated loss reaches DDP's: the first step at (or below) DDP's last evaluated loss and
+    the training time that takes at the variant's samples/s, and the step from which it stays within 5% of DDP's
+    loss at the same step (None: not within the run)."""
+    by_name = {r["variant"]: r for r in rows}
+    ddp = dict(by_name.get("ddp", {}).get("curve") or [])
+    if not ddp:
+        return []
+    target = ddp[max(ddp)]
+    out = []
+    for r in rows:
+        curve = r.get("curve") or []
+        if not curve or "samples_per_s" not in r or r["variant"] == "compute-only":
+            continue
+        step_s = world * batch / r["samples_per_s"]
+        reach = next((step for step, loss in curve if loss <= target), None)
+        close = [step for step, loss in curve if step in ddp and loss <= 1.05 * ddp[step]]
+        within = next((s for s in close if all(t in close for t, _ in curve if t >= s and t in ddp)), None)
+        out.append({"variant": r["variant"], "reach_step": reach, "reach_s": reach * step_s if reach else None,
+                    "within5_from": within, "last_step": curve[-1][0]})
+    ddp_s = next((c["reach_s"] for c in out if c["variant"] == "ddp"), None)
+    for c in out:
+        c["speedup"] = ddp_s / c["reach_s"] if ddp_s and c["reach_s"] else None
+    return out
+
+
+def catch_up_table(rows: list[dict[str, Any]]) -> str:
+    header = ["variant", "steps to DDP's final loss", "time to it (s)", "vs DDP", "within 5% of DDP from step"]
+    body = [[c["variant"],
+             str(c["reach_step"]) if c["reach_step"] else f"not in {c['last_step']}",
+             f"{c['reach_s']:.1f}" if c["reach_s"] else "",
+             f"{c['speedup']:.2f}×" if c["speedup"] else "",
+             str(c["within5_from"]) if c["within5_from"] else f"not in {c['last_step']}"] for c in rows]
+    return er.markdown_table(header, body)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     header = ["variant", "samples/s (median)", "all rounds", "vs ddp", "vs compute-only", "final loss",
               "Δ loss vs ddp", "replicas equal", "note"]
@@ -262,7 +314,12 @@ def report(args: argparse.Namespace, result: dict[str, Any], meta: dict[str, Any
     params = result.get("parameters")
     caption = (f"Training, MLP {params / 1e6:.1f}M parameters, batch {args.batch}/rank, {meta['world_size']} ranks "
                f"({er.describe_setup(args)}); {args.steps} timed steps after {args.warmup}" if params else "Training")
-    return caption, rows, table(rows)
+    text = table(rows)
+    reached = catch_up(rows, meta["world_size"], args.batch)
+    if reached:
+        text += (f"\n\nLoss evaluated every {args.eval_every} steps (steps counted from the first, warm-up "
+                 "included; time = steps at the variant's samples/s):\n\n" + catch_up_table(reached))
+    return caption, rows, text
 
 
 if __name__ == "__main__":

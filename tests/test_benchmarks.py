@@ -63,3 +63,23 @@ def test_control_plane_benchmark_measures_a_real_cluster(tmp_path):
     # the first table shows the same figures the JSON holds
     table_row = next(line for line in lines if line.startswith("| 2 | "))
     assert f"{row['empty_ms']:.1f}" in table_row and f"{row['start_s']:.1f}" in table_row, table_row
+
+
+def test_train_bench_says_when_each_variant_reaches_ddps_loss(monkeypatch):
+    """The catch-up table's arithmetic: first step at DDP's last loss, its time at the variant's speed, and the
+    step from which the variant stays within 5% of DDP at the same step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import train_bench
+
+    ddp = {"variant": "ddp", "samples_per_s": 64.0, "curve": [(10, 2.0), (20, 1.8), (30, 1.6)]}
+    fast = {"variant": "fast", "samples_per_s": 128.0, "curve": [(10, 2.2), (20, 1.85), (30, 1.62), (40, 1.55)]}
+    never = {"variant": "never", "samples_per_s": 256.0, "curve": [(10, 2.0), (20, 2.0), (30, 2.0)]}
+    alone = {"variant": "compute-only", "samples_per_s": 500.0, "curve": [(10, 1.0)]}
+    rows = {c["variant"]: c for c in train_bench.catch_up([ddp, fast, never, alone], world=4, batch=16)}
+    assert set(rows) == {"ddp", "fast", "never"}  # compute-only trains each rank alone: no comparison
+    assert (rows["ddp"]["reach_step"], rows["ddp"]["reach_s"]) == (30, 30.0)  # 1 s a step at 64 samples/s
+    assert (rows["fast"]["reach_step"], rows["fast"]["reach_s"], rows["fast"]["speedup"]) == (40, 20.0, 1.5)
+    assert rows["fast"]["within5_from"] == 20  # 1.85 <= 1.05 * 1.8 and 1.62 <= 1.05 * 1.6; 2.2 > 2.1
+    assert rows["never"]["reach_step"] is None and rows["never"]["within5_from"] is None  # falls behind at 20
+    text = train_bench.catch_up_table(list(rows.values()))
+    assert "| fast | 40 | 20.0 | 1.50× | 20 |" in text and "| never | not in 30 |" in text
