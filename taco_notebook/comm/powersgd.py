@@ -370,7 +370,10 @@ class PowerSGDCompressor(Compressor):
             qts = _summed(qts, group)
             for (low_key, view), p, qt in zip(low, ps, qts, strict=True):
                 self.state.qs[low_key] = qt.t()
-                view.copy_((p @ qt).view(view.shape))
+                if view.dtype == p.dtype:  # straight into the buffer: no full-size product to copy
+                    torch.mm(p, qt, out=view.view(p.shape[0], qt.shape[1]))
+                else:
+                    view.copy_((p @ qt).view(view.shape))
                 wire += (p.numel() + qt.numel()) * p.element_size()
         raw = shard.numel() * shard.element_size()
         self.stats.add(raw, wire)
