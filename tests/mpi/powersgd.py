@@ -157,6 +157,14 @@ for shm in (True, False):
            if isinstance(key[0], tuple) and key[0][:2] == (("bucket", 0), "2d")}
     assert cut == {(0, 1089) if topo.local_rank == 0 else (1089, 2177)}, cut
     assert replicas and abs(low - dense) <= 0.10 * dense, f"2d shm={shm}: powersgd:4 {low:.5f} vs dense {dense:.5f}"
+    # one row larger than a share: local rank 0's part is empty, local rank 1 sends it all (dense: 1 x 5000)
+    compressor = compressor_for(SPEC)
+    compressor.describe_buffer(("one row", shm), [(1, 5000)])
+    assert compressor.shard_cuts(("one row", shm), 5000, 2) == [0, 0, 5000]
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(r))
+    want = dense_sum(g)
+    taco.allreduce(g, compression=SPEC, algorithm="2d", name=("one row", shm))
+    assert same_everywhere(g) and float((g - want).norm() / want.norm()) < 1e-6, shm
     if r == 0:
         print(f"2d shm={shm}, per-row layout, momentum 0.9: uncompressed {dense:.5f}, powersgd:4 {low:.5f}",
               flush=True)
