@@ -177,8 +177,8 @@ class _Run:
     def scatter(self, k: int) -> None:
         """Passes thread: copy chunk ``k`` in, sum this rank's shard of it into the output area."""
         began, (lo, hi) = time.perf_counter(), self.bounds[k]
-        self.segment.copy_in(self.buf, lo, hi, k)
         start, end, width = self.shard(k)
+        self.segment.copy_in(self.buf, lo, hi, k, own=(start, end))  # this rank's shard: read from buf
         self.segment.sum_shard(self.buf, start, end, self.segment.output(self.area, start, width), k, self.scratch)
         _add("scatter", began)
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["Reduced", "ring_sends", "spread", "merge_sends", "reduce_scatter", "all_gather"]
+__all__ = ["Reduced", "ring_sends", "spread", "merge_sends", "reduce_scatter", "all_gather", "pack", "unpack"]
 
 reduce_scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,3 +51,25 @@ def merge_sends(*sends: dict[int, int]) -> dict[int, int]:
         for peer, nbytes in sent.items():
             total[peer] = total.get(peer, 0) + nbytes
     return total
+
+
+def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``values`` then ``indices`` as one byte tensor, each part padded to 8 bytes so that both read back as
+    aligned views from any rank's row of an allgather (:func:`unpack`)."""
+    at = _padded8(values.numel() * values.element_size())
+    packed = torch.empty(at + _padded8(indices.numel() * indices.element_size()), dtype=torch.uint8,
+                         device=values.device)
+    packed[: values.numel() * values.element_size()].copy_(values.view(torch.uint8))
+    packed[at: at + indices.numel() * indices.element_size()].copy_(indices.view(torch.uint8))
+    return packed
+
+
+def unpack(part: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, values) of one rank's row of packed bytes, shaped and typed as this rank's own."""
+    nv, ni = values.numel() * values.element_size(), indices.numel() * indices.element_size()
+    at = _padded8(nv)
+    return part[at: at + ni].view(indices.dtype), part[:nv].view(values.dtype)
+
+
+def _padded8(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8

@@ -149,11 +149,19 @@ class NodeSegment:
         self._end = [self._start[_COPIED] + chunks, self._start[_REDUCED] + chunks, self._start[_DONE] + 1]
 
     # ---- passes of chunk ``k`` of the call (elements ``[lo, hi)`` of the caller's buffer) ----------------------
-    def copy_in(self, buf: torch.Tensor, lo: int, hi: int, k: int) -> None:
-        """Write this rank's elements ``[lo, hi)`` into its input slot and say so."""
+    def copy_in(self, buf: torch.Tensor, lo: int, hi: int, k: int, own: tuple[int, int] | None = None) -> None:
+        """Write this rank's elements ``[lo, hi)`` into its input slot and say so.
+
+        ``own``: this rank's shard of the chunk, which is left out. Only this rank sums that shard, and
+        :meth:`sum_shard` reads it from ``buf`` itself (1/local_size of the copy saved: half on 2 ranks).
+        """
         if k == 0:  # every rank has read the previous call's output area: slots and area are free again
             self._wait(_DONE, self._start[_DONE])
-        self._view(self.local_rank, buf.dtype, hi - lo, lo).copy_(buf[lo:hi])
+        start, end = own if own is not None else (hi, hi)
+        start, end = min(max(start, lo), hi), min(max(end, lo), hi)
+        for a, b in (lo, start), (end, hi):
+            if b > a:
+                self._view(self.local_rank, buf.dtype, b - a, a).copy_(buf[a:b])
         self._publish(_COPIED, self._start[_COPIED] + k + 1)
 
     def sum_shard(self, buf: torch.Tensor, lo: int, hi: int, out: torch.Tensor, k: int,
@@ -162,11 +170,13 @@ class NodeSegment:
 
         Why straight into ``out``: when ``out`` is the wire buffer of a cast (fp16/bf16) the cast happens in the
         same pass as the sum, with no full-size float copy of the shard. More than two local ranks sum in
-        ``scratch`` (the buffer's dtype) first, so a cast rounds once.
+        ``scratch`` (the buffer's dtype) first, so a cast rounds once. This rank's own part is read from
+        ``buf`` (:meth:`copy_in` leaves it out of its slot), in the same order, so the sum is the same.
         """
         self._wait(_COPIED, self._start[_COPIED] + k + 1)
         width = max(0, hi - lo)
-        slots = [self._view(slot, buf.dtype, width, lo) for slot in range(self.local_size)]
+        slots = [buf[lo:lo + width] if slot == self.local_rank else self._view(slot, buf.dtype, width, lo)
+                 for slot in range(self.local_size)]
         if width < out.numel():
             out[width:].zero_()
         if width == 0:

@@ -89,6 +89,24 @@ for algorithm, chunk_mb in (("flat", "auto"), ("2d", "auto"), ("2d", 0.004)):
     assert err < 0.08, (algorithm, chunk_mb, float(err))
 taco.configure(chunk_mb="auto")
 
+# --- TopK on 2D with shards large enough for the sampled selection (600K elements each): the exact answer. Every
+# rank holds (r+1)·base, so the node sums are 3·base and 7·base, whose top-k in each shard are the same entries:
+# the result is 10·base there and 0 elsewhere, exactly (integers below 2**24), on every rank, and the step after
+# (residuals now in play) still leaves identical replicas.
+gen = torch.Generator().manual_seed(3)
+base = (torch.randperm(1_200_000, generator=gen) + 1).float() * torch.where(torch.rand(1_200_000, generator=gen) < 0.5,
+                                                                             -1.0, 1.0)
+want = torch.zeros_like(base)
+for lo in (0, 600_000):
+    top = torch.topk(base[lo:lo + 600_000].abs(), 6_000).indices + lo
+    want[top] = 10 * base[top]
+for step in range(2):
+    out = base * (r + 1)
+    taco.allreduce(out, compression="topk:0.01:threshold=0", algorithm="2d", name="large-shards")
+    assert same_everywhere(out), step
+    if step == 0:
+        assert torch.equal(out, want), int((out != want).sum())
+
 # --- metrics: bytes per link and compression ratio
 taco.metrics.reset()
 t = torch.ones(400_000)

@@ -1,0 +1,98 @@
+"""TopK's selection on large tensors: exact (the same set as ``torch.topk``), whatever path it takes.
+
+The sampled threshold only narrows the candidates (first to ~1.25·k, then ~4·k, then a full topk), the word-wise
+``nonzero`` finds them, and the ranking keeps them in ascending order; these tests hold each of those to the
+plain ``torch.topk`` answer, on data that sends the sample right, low and far off, and with the reused scratch
+buffers shrinking between calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from taco_notebook.comm.compression import TopKCompressor, TopKState, _sparse_nonzero, _top_indices
+
+
+def _data(layout: str, n: int, seed: int = 7) -> torch.Tensor:
+    """``n`` distinct magnitudes (a shuffled 1..n, exact in float32 below 2**24) with random signs."""
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    t = (torch.randperm(n, generator=g) + 1).to(torch.float32)
+    if layout == "boosted_every_4th":  # the strided sample sees more large values than there are: retries
+        t[::4] += 2 * n
+    elif layout == "boosted_every_6th":  # further off still: may need the full topk
+        t[::6] += 2 * n
+    elif layout == "ascending":
+        t = t.sort().values
+    return t * signs
+
+
+@pytest.mark.parametrize("layout", ["iid", "boosted_every_4th", "boosted_every_6th", "ascending"])
+@pytest.mark.parametrize(("n", "ratio"), [(600_000, 0.01), (2_100_003, 0.01), (700_001, 0.2), (1_000_000, 0.1)])
+def test_selection_equals_torch_topk(layout: str, n: int, ratio: float) -> None:
+    t = _data(layout, n)
+    k = math.ceil(ratio * n)
+    assert torch.unique(t.abs()).numel() == n, "ties-free data, so the top-k set is unique"
+    got = _top_indices(t, k, TopKState(ratio, 0, True))
+    want = torch.topk(t.abs(), k, sorted=False).indices
+    assert got.numel() == k
+    assert torch.equal(got.sort().values, want.sort().values)
+
+
+def test_scratch_buffers_shrink_between_calls_without_stale_entries() -> None:
+    # A large call leaves True bytes in the mask's tail; a smaller length that is not a multiple of 8 must
+    # not see them (the padding is cleared), and a dtype change gets new buffers.
+    state = TopKState(0.01, 0, True)
+    for n, dtype in ((3_000_000, torch.float32), (700_001, torch.float32), (900_005, torch.float64),
+                     (600_003, torch.float32)):
+        t = _data("iid", n, seed=n).to(dtype)
+        k = math.ceil(0.01 * n)
+        got = _top_indices(t, k, state)
+        assert torch.equal(got.sort().values, torch.topk(t.abs(), k).indices.sort().values), (n, dtype)
+
+
+def test_ties_at_the_kth_magnitude_go_to_the_lowest_indices() -> None:
+    n, k = 800_000, 8_100
+    t = -torch.ones(n)
+    threes = torch.arange(5, n, 97)[:8_000]
+    t[threes] = 3.0  # all 8,000 of them in, then 100 of the tied ones, from the lowest index up
+    got = _top_indices(t, k, TopKState(0.01, 0, True))
+    assert got.numel() == k and bool((got.diff() > 0).all())
+    ones = torch.tensor([i for i in range(200) if i not in set(threes[:3].tolist())][:100])
+    assert torch.equal(got, torch.cat([threes, ones]).sort().values)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.05, 0.5, 1.0])
+def test_sparse_nonzero_equals_nonzero(density: float) -> None:
+    g = torch.Generator().manual_seed(int(density * 1000))
+    mask = torch.rand(80_008, generator=g) < density
+    assert torch.equal(_sparse_nonzero(mask), mask.nonzero().view(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_low_precision_selection_picks_top_magnitudes(dtype: torch.dtype) -> None:
+    # Half precision has ties: compare the magnitudes chosen, which are unique as a multiset.
+    t = _data("iid", 1_000_000).to(dtype)
+    got = _top_indices(t, 10_000, TopKState(0.01, 0, True))
+    want = torch.topk(t.abs(), 10_000).indices
+    assert torch.equal(t.abs()[got].sort().values, t.abs()[want].sort().values)
+
+
+def test_error_feedback_on_the_large_path_delivers_every_step_in_full() -> None:
+    # What was sent over the steps plus what is left in the residual is exactly the sum of the inputs:
+    # nothing is lost or counted twice by the in-place residual update (index_fill of the sent entries).
+    n, steps = 1_200_000, 5
+    c = TopKCompressor(0.01, threshold=0)
+    sent = torch.zeros(n, dtype=torch.float64)
+    total = torch.zeros(n, dtype=torch.float64)
+    for step in range(steps):
+        grad = _data("iid", n, seed=100 + step)
+        total += grad.double()
+        (values, indices), _ = c.compress(grad, key="g")
+        assert values.numel() == indices.numel() == 12_000
+        assert torch.unique(indices).numel() == 12_000
+        sent.index_add_(0, indices.long(), values.double())
+    torch.testing.assert_close(sent + c.state.residuals["g"].double(), total, rtol=0, atol=1e-5)
