@@ -26,8 +26,8 @@ from taco_notebook.cluster.elastic import Death, ElasticError, ElasticSpec, Memb
 from taco_notebook.cluster.session import clusters
 from taco_notebook.comm.elastic import State
 
-from ..comm.test_comm import run_mpi
 from ..conftest import session_processes
+from ..mpirun import run_mpi
 
 SETUP = """\
 import os, signal, time
