@@ -222,7 +222,8 @@ def stalled_rank_is_lost(ip, capsys) -> None:
                                "--gather --timeout 120", TRAIN_ONE_HANGS)
     out, err = capsys.readouterr()
     assert "rank 3 never reached the collective the others waited in" in out + err, out + err
-    assert re.search(r"rank 3 \(host [^)]+\) died: SIGKILL[^;]*; continuing on 3 ranks from commit at step 10", out), out
+    assert re.search(r"rank 3 \(host [^)]+\) died: SIGKILL[^;]*; continuing on 3 ranks from commit at step 10",
+                     out), out
     assert [v[:3] for v in values] == [[0, 3, 40], [1, 3, 40], [2, 3, 40]]
     assert values[0][3] == values[1][3] == values[2][3]
     assert time.monotonic() - began < 90
