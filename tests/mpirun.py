@@ -90,21 +90,14 @@ def kill_session(proc: subprocess.Popen[Any], wait_s: float = 15.0) -> list[str]
     """SIGKILL ``proc`` (started with ``start_new_session=True``) and every process it started; reap ``proc``.
 
     Returns ``"pid command"`` of each process killed besides ``proc``. Fails the test if one outlives ``wait_s``.
-    Nothing is done to others when ``proc`` has already been reaped: its session id is then no proof.
+    Nothing is done to others when ``proc`` has already been reaped: its session id is then no proof. The
+    /dev/shm segments they mapped and no live process maps any more are removed: MPI's segments outlive killed
+    ranks, and so would a taco cluster's once its reaper (a process it started, killed here too) is gone.
     """
     if proc.returncode is not None:
         return []
-    frozen: dict[psutil.Process, str] = {}
-    for _ in range(FREEZE_ROUNDS):  # freeze, then look again: a fork during the walk shows up next round
-        found = [p for p in started_by(proc) if p not in frozen]
-        if not found:
-            break
-        for member in found:
-            try:
-                frozen[member] = " ".join(member.cmdline())
-                member.suspend()  # SIGSTOP, after psutil checked pid and creation time
-            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-                continue
+    frozen = _freeze(proc)
+    segments = _shm_mapped({p.pid for p in frozen})
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # our session leader's own group, in one call
     except ProcessLookupError:
@@ -121,7 +114,37 @@ def kill_session(proc: subprocess.Popen[Any], wait_s: float = 15.0) -> list[str]
     left = [f"{p.pid} {frozen[p]}" for p in alive if _alive(p)]
     if left:
         pytest.fail(f"these processes of {proc.args!r} survived SIGKILL for {wait_s:g} s: {left}")
+    for segment in segments - _shm_mapped(None):
+        Path(segment).unlink(missing_ok=True)
     return [f"{p.pid} {frozen[p]}" for p in others]
+
+
+def _freeze(proc: subprocess.Popen[Any]) -> dict[psutil.Process, str]:
+    """SIGSTOP every process ``proc`` started; return them with their command lines."""
+    frozen: dict[psutil.Process, str] = {}
+    for _ in range(FREEZE_ROUNDS):  # freeze, then look again: a fork during the walk shows up next round
+        found = [p for p in started_by(proc) if p not in frozen]
+        if not found:
+            break
+        for member in found:
+            try:
+                frozen[member] = " ".join(member.cmdline())
+                member.suspend()  # SIGSTOP, after psutil checked pid and creation time
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                continue
+    return frozen
+
+
+def _shm_mapped(pids: set[int] | None) -> set[str]:
+    """The /dev/shm files that ``pids`` (None: every process) map."""
+    used: set[str] = set()
+    for pid in pids if pids is not None else (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                used.update(line.split(maxsplit=5)[5].strip() for line in maps if " /dev/shm/" in line)
+        except (OSError, IndexError):
+            continue
+    return {path for path in used if not path.endswith(" (deleted)")}
 
 
 def started_by(proc: subprocess.Popen[Any]) -> list[psutil.Process]:

@@ -3,6 +3,7 @@ fails with its output; a job that ends returns its exit code and output."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -15,11 +16,15 @@ from .mpirun import mpi_env, run_in_session
 
 # each rank also starts a process in a session of its own that inherits its stdout: it is no descendant of
 # mpiexec once the rank dies, and in no session of ours, so only the walk of the frozen tree (or the pipe it
-# holds) finds it
+# holds) finds it; and it maps a /dev/shm segment, as MPI's shared memory does, which a SIGKILL leaves behind
 RANK = """
-import os, subprocess, sys, time
+import mmap, os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-print("PIDS", os.getpid(), os.getppid(), child.pid, flush=True)
+segment = f"/dev/shm/taco-test-mpirun-{os.getpid()}"
+with open(segment, "w+b") as f:
+    f.truncate(4096)
+    mapped = mmap.mmap(f.fileno(), 4096)
+print("PIDS", os.getpid(), os.getppid(), child.pid, segment, flush=True)
 time.sleep(600)
 """
 TIMEOUT_S = 5.0  # 3 s would do, but hydra plus two Python starts can take that long on 2 loaded cores
@@ -48,12 +53,13 @@ def test_a_job_past_its_timeout_fails_and_leaves_no_process(mpiexec: str, wrappe
     took = time.time() - began
     message = str(failed.value)
     assert f"overran {TIMEOUT_S:g} s: killed it and the" in message, message
-    pids = re.findall(r"^PIDS (\d+) (\d+) (\d+)$", message, re.M)  # the output so far is in the failure
+    pids = re.findall(r"^PIDS (\d+) (\d+) (\d+) (\S+)$", message, re.M)  # the output so far is in the failure
     assert len(pids) == 2, message
     rank, proxy, detached = ({int(row[i]) for row in pids} for i in range(3))
     assert len(proxy) == 1 and not proxy & rank, pids  # two ranks of one hydra_pmi_proxy
     left = {pid: cmd for pid in rank | proxy | detached if (cmd := _still_there(pid, began))}
     assert not left, f"left running after the failure: {left}"
+    assert not [row[3] for row in pids if os.path.exists(row[3])], "the ranks' shared memory was left behind"
     assert took < TIMEOUT_S + 20, f"the kill took {took - TIMEOUT_S:.1f} s"
 
 
