@@ -83,7 +83,7 @@ def test_a_rank_that_raises_exits_1_naming_it(script):
     assert '[rank 0] {"argv": ["--fail"]' in result.stdout
 
 
-def test_ctrl_c_stops_the_ranks_and_the_cluster(script):
+def test_ctrl_c_stops_the_ranks_and_the_cluster(script, sigint_as_in_a_kernel):
     proc = subprocess.Popen([sys.executable, "-m", "taco_notebook", "launch", "-np", "2", "--no-dashboard",
                              str(script), "--sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # the SIGINT below reaches it alone, as a kernel's interrupt
