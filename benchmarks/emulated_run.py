@@ -85,8 +85,9 @@ def _descendants(pid: int) -> list[int]:
         return []
 
 
-def _kill_tree(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
-    """SIGTERM then SIGKILL mpiexec's process group and every descendant it started (by pid)."""
+def kill_tree(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM then SIGKILL mpiexec's process group and every descendant it started (by pid): hydra puts each
+    proxy and rank in a session of its own, which the group alone does not reach."""
     if proc.poll() is not None:
         return
     pids = _descendants(proc.pid)
@@ -117,10 +118,10 @@ def _run_mpiexec(argv: list[str], env: dict[str, str], timeout_s: float) -> None
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree(proc)
         raise RanksFailed(f"mpiexec ran past --timeout {timeout_s:g} s and was killed") from None
     except BaseException:  # Ctrl-C, SIGTERM (turned into KeyboardInterrupt), anything
-        _kill_tree(proc)
+        kill_tree(proc)
         raise
     if rc != 0:
         raise RanksFailed(f"mpiexec exited with {rc} (a rank failed; its traceback is above)")

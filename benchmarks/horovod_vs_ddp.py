@@ -15,11 +15,12 @@ import argparse
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import emulated_run as er
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT / "examples" / "scripts" / "hvd_mnist.py"
@@ -96,8 +97,12 @@ def run(np_: int, argv: list[str], timeout: float) -> list[tuple[float, float, f
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise SystemExit(f"{argv[0]} overran {timeout} s") from None
+        er.kill_tree(proc)  # mpiexec and its ranks (each in a session of its own under hydra)
+        out, err = proc.communicate()
+        raise SystemExit(f"{argv[0]} overran {timeout:g} s; killed with its ranks:\n{out}\n{err}") from None
+    except BaseException:  # Ctrl-C: the ranks must not outlive the driver
+        er.kill_tree(proc)
+        raise
     if proc.returncode:
         raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}):\n{out}\n{err}")
     train = [float(v) for v in re.findall(r"Epoch \d+: average train loss ([\d.]+)", out)]

@@ -1,23 +1,27 @@
-"""The benchmark harness still runs (on localhost, no link limit): its tables are what the README quotes."""
+"""The benchmark harness still runs (on localhost, no link limit): its tables are what the README quotes.
+
+A benchmark past its timeout is killed with every process it started (its own mpiexec session included).
+"""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .mpirun import run_in_session
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.mark.timeout(240)
 def test_allreduce_benchmark_measures_every_variant(tmp_path):
-    result = subprocess.run(
+    result = run_in_session(
         [sys.executable, str(BENCHMARKS / "allreduce_bench.py"), "--no-emulate", "--sizes-mib", "1", "--iters", "1",
          "--out", str(tmp_path / "allreduce-smoke.json")],
-        capture_output=True, text=True, timeout=220, cwd=BENCHMARKS)
+        timeout=220, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {line.split("|")[2].strip() for line in result.stdout.splitlines() if line.startswith("| 1 MiB")}
     assert {"gloo", "mpi4py", "taco flat", "taco 2d", "taco 2d+fp16", "taco 2d+topk:0.01"} <= rows, result.stdout
@@ -26,10 +30,10 @@ def test_allreduce_benchmark_measures_every_variant(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_dashboard_cost_benchmark_reports_both_measurements():
-    result = subprocess.run(
+    result = run_in_session(
         [sys.executable, str(BENCHMARKS / "dashboard_cost.py"), "--ranks", "2", "--repeats", "1", "--steps", "20",
          "--calls", "100"],
-        capture_output=True, text=True, timeout=220, cwd=BENCHMARKS)
+        timeout=220, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| 20 ms | 0.05 |" in result.stdout and "one publish:" in result.stdout  # one publish per 0.4 s
     assert "| dashboard |" in result.stdout and "| --no-dashboard |" in result.stdout
@@ -39,9 +43,9 @@ def test_dashboard_cost_benchmark_reports_both_measurements():
 def test_control_plane_benchmark_measures_a_real_cluster(tmp_path):
     """Two real ranks, two repeats: every table has its columns and every figure is a positive measurement."""
     out = tmp_path / "control_plane.json"
-    result = subprocess.run(
+    result = run_in_session(
         [sys.executable, str(BENCHMARKS / "control_plane.py"), "--ranks", "2", "--repeats", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=110, cwd=BENCHMARKS)
+        timeout=110, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     for header in ("| ranks | start s | of it launch s | start CPU s per engine / controller | empty cell ms |",

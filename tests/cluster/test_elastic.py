@@ -26,8 +26,8 @@ from taco_notebook.cluster.elastic import Death, ElasticError, ElasticSpec, Memb
 from taco_notebook.cluster.session import clusters
 from taco_notebook.comm.elastic import State
 
-from ..comm.test_comm import run_mpi
 from ..conftest import session_processes
+from ..mpirun import run_mpi
 
 SETUP = """\
 import os, signal, time
@@ -222,7 +222,8 @@ def stalled_rank_is_lost(ip, capsys) -> None:
                                "--gather --timeout 120", TRAIN_ONE_HANGS)
     out, err = capsys.readouterr()
     assert "rank 3 never reached the collective the others waited in" in out + err, out + err
-    assert re.search(r"rank 3 \(host [^)]+\) died: SIGKILL[^;]*; continuing on 3 ranks from commit at step 10", out), out
+    assert re.search(r"rank 3 \(host [^)]+\) died: SIGKILL[^;]*; continuing on 3 ranks from commit at step 10",
+                     out), out
     assert [v[:3] for v in values] == [[0, 3, 40], [1, 3, 40], [2, 3, 40]]
     assert values[0][3] == values[1][3] == values[2][3]
     assert time.monotonic() - began < 90

@@ -30,6 +30,7 @@ from taco_notebook.cluster.emulated_state import load_nodes, nodes_from_state
 from taco_notebook.cluster.private import write_private_json
 from taco_notebook.emulate import parse_spec
 
+from ..mpirun import run_in_session
 from .test_emulated import MPIEXEC, NETNS_SKIP
 
 REPO = Path(__file__).resolve().parents[2]
@@ -262,15 +263,10 @@ def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -
             str(outdir)]
     assert argv[1:9] == ["-launcher", "ssh", "-launcher-exec", status["launcher"], "-localhost",
                          hosts.nodes.bridge_address, "-hosts", "n0:2,n1:2"]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"mpiexec over ssh timed out\nstdout:\n{out}\nstderr:\n{err}")
-    assert proc.returncode == 0, f"mpiexec exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    # on timeout this kills mpiexec and its ssh clients; the ranks, children of the nodes' sshd, end when their
+    # proxies lose the connection, and the `state_dir` fixture's `down` kills whatever still runs in the namespaces
+    done = run_in_session(argv, env=env, timeout=90)
+    assert done.returncode == 0, f"mpiexec exited {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     ranks = {r["rank"]: r for r in (json.loads(f.read_text()) for f in outdir.glob("*.json"))}
     assert sorted(ranks) == [0, 1, 2, 3]
     assert [ranks[r]["hostname"] for r in range(4)] == ["n0", "n0", "n1", "n1"]

@@ -25,6 +25,8 @@ import pytest
 from taco_notebook.cluster.emulated import EmulatedNodes, parse_rate
 from taco_notebook.cluster.netns_launch import build_command, parse_ssh_args
 
+from ..mpirun import run_in_session
+
 MIB16_FLOATS = 4 << 20  # 16 MiB of float32
 
 
@@ -74,21 +76,15 @@ def _run_ranks(cluster: EmulatedNodes, ranks_per_node: int, script: Path,
                env: dict[str, str] | None = None, timeout: float = 90) -> Path:
     """Run ``script OUTDIR`` on every rank of ``cluster``; return OUTDIR, where ranks write their results.
 
-    Files, not stdout: hydra interleaves the ranks' output. The whole process group dies on timeout.
+    Files, not stdout: hydra interleaves the ranks' output. On timeout mpiexec and every process it started
+    (the launcher wrappers and the ranks inside the namespaces included) are killed (tests/mpirun.py).
     """
     outdir = Path(tempfile.mkdtemp(prefix=f"{script.stem}-", dir=script.parent))
     assert MPIEXEC is not None
     argv = [MPIEXEC, *cluster.mpiexec_args(ranks_per_node), "-n", str(ranks_per_node * len(cluster.nodes)),
             sys.executable, str(script), str(outdir)]
-    proc = subprocess.Popen(argv, env=env or cluster.mpiexec_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"mpiexec timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    assert proc.returncode == 0, f"mpiexec exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    done = run_in_session(argv, env=env or cluster.mpiexec_env(), timeout=timeout)
+    assert done.returncode == 0, f"mpiexec exited {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     return outdir
 
 

@@ -18,6 +18,7 @@ from taco_notebook.__main__ import main
 from taco_notebook.cluster.session import clusters
 
 from ..conftest import session_processes
+from ..mpirun import kill_session, mpi_env, run_in_session
 
 pytestmark = pytest.mark.cluster
 
@@ -39,8 +40,9 @@ if "--sleep" in sys.argv:
 
 
 def launch(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "taco_notebook", "launch", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """``python -m taco_notebook launch ARGS``; past ``timeout`` it and its cluster are killed (tests/mpirun.py)."""
+    return run_in_session([sys.executable, "-m", "taco_notebook", "launch", *args], cwd=cwd, timeout=timeout,
+                          env=mpi_env())
 
 
 def registry_names() -> set[str]:
@@ -81,7 +83,7 @@ def test_a_rank_that_raises_exits_1_naming_it(script):
     assert '[rank 0] {"argv": ["--fail"]' in result.stdout
 
 
-def test_ctrl_c_stops_the_ranks_and_the_cluster(script):
+def test_ctrl_c_stops_the_ranks_and_the_cluster(script, sigint_as_in_a_kernel):
     proc = subprocess.Popen([sys.executable, "-m", "taco_notebook", "launch", "-np", "2", "--no-dashboard",
                              str(script), "--sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # the SIGINT below reaches it alone, as a kernel's interrupt
@@ -101,9 +103,8 @@ def test_ctrl_c_stops_the_ranks_and_the_cluster(script):
         assert time.monotonic() - interrupted < 30
         assert "interrupted (SIGINT): stopping the cluster" in rest
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.returncode is None:  # not seen to end: kill it and every process it started
+            kill_session(proc)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ import pytest
 from taco_notebook.cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host, gforker_beside
 from taco_notebook.cluster.rankwrap import LAUNCHED_BY_ENV, MARKER
 from taco_notebook.errors import MPINotFoundError
+
+from ..mpirun import run_in_session
 
 BIN = Path(sys.executable).parent
 GFORKER = BIN / "mpiexec.gforker"
@@ -95,9 +96,8 @@ def test_rankwrap_under_gforker_sets_local_ranks_and_stops_the_job_when_a_rank_d
     env = {**os.environ, LAUNCHED_BY_ENV: "gforker"}
     began = time.monotonic()
     with open(log, "ab") as out:
-        subprocess.run([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
-                        sys.executable, str(script), "60"], stdout=out, stderr=subprocess.STDOUT, env=env,
-                       timeout=120, start_new_session=True)
+        run_in_session([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
+                        sys.executable, str(script), "60"], stdout=out, env=env, timeout=120)
     took = time.monotonic() - began
     text = log.read_text()
     assert "outlived its peer" not in text, text
@@ -143,9 +143,8 @@ def test_non_ascii_output_reaches_the_log_whole_under_gforker(tmp_path):
     script.write_text(LOUD)
     env = {**os.environ, LAUNCHED_BY_ENV: "gforker"}
     with open(log, "ab") as out:
-        job = subprocess.run([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
-                              sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                             timeout=120, start_new_session=True)
+        job = run_in_session([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.rankwrap",
+                              sys.executable, str(script)], stdout=out, env=env, timeout=120)
     text = log.read_text()  # strict UTF-8: no byte lost or interleaved mid-character
     assert job.returncode == 0, text[-2000:]
     lines = text.splitlines()

@@ -14,7 +14,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from taco_notebook.cluster.mpijob import (
 )
 
 from ..k8s_checks import check_against_crd, check_object_meta, check_pod_template, crd_schema, model_mismatches
+from ..mpirun import kill_session
 
 CRD_FILE = Path(__file__).parents[1] / "data" / "kubeflow.org_mpijobs.yaml"
 CONTROLLER: dict[str, Any] = {"controller_address": "10.0.0.5", "controller_port": 45123}
@@ -191,9 +191,8 @@ def test_the_ranks_command_registers_engines_with_the_notebooks_controller(tmp_p
         client.close()
         proc.wait(timeout=60)
     finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what this test started
-            proc.wait(timeout=30)
+        if proc is not None and proc.returncode is None:
+            kill_session(proc)  # its own session and what it started: only what this test started
         cluster.stop_controller_sync()
 
 

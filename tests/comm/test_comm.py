@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,14 +10,7 @@ import pytest
 
 from taco_notebook.comm.topology import Topology, intra_size_from_env
 
-SCRIPTS = Path(__file__).parents[1] / "mpi"
-
-
-def run_mpi(mpiexec: str, n: int, script: str, env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([mpiexec, "-n", str(n), sys.executable, str(SCRIPTS / script)],
-                          capture_output=True, text=True, timeout=timeout, env=full_env)
+from ..mpirun import run_in_session, run_mpi
 
 
 @pytest.mark.parametrize("n, intra, expect", [
@@ -71,9 +62,9 @@ def test_rank_wrapper_reports_the_rank_that_died(mpiexec, tmp_path):
     script.write_text("import os, signal, time\n"
                       "if os.environ['PMI_RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
                       "time.sleep(30)\n")
-    result = subprocess.run(
+    result = run_in_session(
         [mpiexec, "-n", "2", sys.executable, "-m", "taco_notebook.cluster.rankwrap", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=60)
+        timeout=60)
     assert result.returncode != 0
     marker = [line for line in result.stderr.splitlines() if line.startswith("TACO-RANK-EXIT")]
     assert marker and "rank=1 " in marker[0] and f"signal={int(__import__('signal').SIGSEGV)}" in marker[0], \

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from ..hugepages import NEEDS_ROOT, NR_HUGEPAGES, hugepages_restored, hugetlbfs_dir, mount_hugetlbfs, reserve_hugepages
-from .test_comm import run_mpi
+from ..mpirun import run_mpi
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
 

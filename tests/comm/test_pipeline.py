@@ -67,7 +67,7 @@ def test_configure_sets_and_resets_the_chunk_size(monkeypatch: pytest.MonkeyPatc
 def test_a_dropped_optimizer_is_freed(mpiexec: str) -> None:
     """Rebuilding a DistributedOptimizer in a notebook cell must not keep the old one's buffers (the train
     benchmark's ranks grew ~450 MB per variant until one was OOM-killed)."""
-    from tests.comm.test_comm import run_mpi
+    from tests.mpirun import run_mpi
 
     result = run_mpi(mpiexec, 1, "optimizer_release.py", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-SCRIPTS = Path(__file__).parents[1] / "mpi"
+from ..mpirun import SCRIPTS, kill_session
 
 
 @dataclass(frozen=True)
@@ -151,8 +150,8 @@ def test_plain_mpiexec_job_listens_only_on_loopback_and_removes_its_store(mpiexe
         output, _ = job.communicate(timeout=120)
         assert job.returncode == 0, output
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        if job.returncode is None:  # not seen to end: kill it and every process it started
+            kill_session(job)
             job.communicate()
     if store == "file":
         assert not Path(reports[0]["address"]).parent.exists(), "the rendezvous directory outlived the group"

@@ -2,16 +2,13 @@
 emulated nodes, so the 2D allreduce runs underneath), the Horovod-style example programs, and the pure parts.
 
 One ``mpiexec`` per rank count runs both rank scripts (tests/mpi/horovod_api.py, horovod_training.py), which
-keeps this module at well under a minute of the suite. Every run starts its own session, and the whole of it is
-killed when it overruns.
+keeps this module at well under a minute of the suite. A run that overruns is killed whole (tests/mpirun.py).
 """
 
 from __future__ import annotations
 
 import ast
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +18,8 @@ import torch
 
 import taco_notebook.horovod as hvd
 
+from ..mpirun import mpi_env, run_in_session
+
 ROOT = Path(__file__).parents[2]
 SCRIPTS = ROOT / "tests" / "mpi"
 EXAMPLES = ROOT / "examples" / "scripts"
@@ -28,18 +27,9 @@ EXAMPLES = ROOT / "examples" / "scripts"
 
 def run_ranks(mpiexec: str, n: int, argv: list[str], env: dict[str, str] | None = None,
               timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    """``mpiexec -n N python ARGV`` in a session of its own; on timeout the session (mpiexec and its ranks) is
-    killed by its process group id before the test fails."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"mpiexec -n {n} {argv} overran {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """``mpiexec -n N python ARGV``; on timeout mpiexec and every process it started are killed before the test
+    fails (tests/mpirun.py)."""
+    return run_in_session([mpiexec, "-n", str(n), sys.executable, *argv], env=mpi_env(env), timeout=timeout)
 
 
 BOTH_SCRIPTS = ("import runpy, sys; "
