@@ -87,3 +87,9 @@ def test_train_bench_says_when_each_variant_reaches_ddps_loss(monkeypatch):
     assert rows["never"]["reach_step"] is None and rows["never"]["within5_from"] is None  # falls behind at 20
     text = train_bench.catch_up_table(list(rows.values()))
     assert "| fast | 40 | 20.0 | 1.50× | 20 |" in text and "| never | not in 30 |" in text
+    # DDP's loss at an earlier step as the target; a rounding hair above it (fp16) counts as reached (1%)
+    rounded = {"variant": "rounded", "samples_per_s": 64.0, "curve": [(10, 2.0), (20, 1.8001), (30, 1.6)]}
+    early = {c["variant"]: c for c in train_bench.catch_up([ddp, fast, rounded], world=4, batch=16, at_step=20)}
+    assert [early[v]["reach_step"] for v in ("ddp", "fast", "rounded")] == [20, 30, 20]
+    with pytest.raises(ValueError, match="--catch-up-step 25 is not an evaluated step"):
+        train_bench.catch_up([ddp, fast], world=4, batch=16, at_step=25)
