@@ -21,6 +21,8 @@ from taco_notebook.comm import hardware, placement
 from taco_notebook.comm.mpicheck import launcher_size, mismatch_message
 from taco_notebook.comm.placement import PlacementError, backend_for, check_gpus, decide, launcher_local
 
+from ..mpirun import run_in_session
+
 SCRIPTS = Path(__file__).parents[1] / "mpi"
 
 
@@ -161,8 +163,8 @@ def test_cpu_ranks_under_the_new_backend_selection(mpiexec):
     """Real ranks: auto on a CPU node and none both give gloo and the CPU; none hides every GPU."""
     for mode in ("auto", "none"):
         env = {**os.environ, "TACO_GPUS": mode}
-        result = subprocess.run([mpiexec, "-n", "2", sys.executable, str(SCRIPTS / "placement.py")], env=env,
-                                capture_output=True, text=True, timeout=180)
+        result = run_in_session([mpiexec, "-n", "2", sys.executable, str(SCRIPTS / "placement.py")], env=env,
+                                timeout=180)
         assert result.returncode == 0, result.stdout + result.stderr
         # the ranks' lines can interleave in mpiexec's output: match them anywhere
         found = sorted(re.findall(r"OK (\d+) (\w+) (\w+) (gloo|cpu:gloo,cuda:\w+)", result.stdout))

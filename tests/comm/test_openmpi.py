@@ -16,6 +16,7 @@ import pytest
 
 from taco_notebook.cluster.mpi import find_mpi, mpi4py_environment
 
+from ..mpirun import run_in_session
 from ..openmpi import OpenMPI, prepare_openmpi
 
 SCRIPTS = Path(__file__).parents[1] / "mpi"
@@ -57,16 +58,15 @@ def test_find_mpi_identifies_open_mpi_and_its_library(openmpi, monkeypatch):
     (2, "placement.py", {"TACO_GPUS": "auto"}),
 ])
 def test_rank_scripts_under_open_mpi(openmpi, n, script, extra):
-    result = subprocess.run([*openmpi.mpiexec_args(n), sys.executable, str(SCRIPTS / script)],
-                            env=_ompi_ranks_env(openmpi, extra), capture_output=True, text=True, timeout=300)
+    result = run_in_session([*openmpi.mpiexec_args(n), sys.executable, str(SCRIPTS / script)],
+                            env=_ompi_ranks_env(openmpi, extra), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert len(re.findall(r"OK \d+", result.stdout)) == n, result.stdout
 
 
 def test_training_under_open_mpi_on_two_emulated_nodes(openmpi):
-    result = subprocess.run([*openmpi.mpiexec_args(4), sys.executable, str(SCRIPTS / "training.py")],
-                            env=_ompi_ranks_env(openmpi, {"LIGHT_INTRA_SIZE": "2"}), capture_output=True,
-                            text=True, timeout=420)
+    result = run_in_session([*openmpi.mpiexec_args(4), sys.executable, str(SCRIPTS / "training.py")],
+                            env=_ompi_ranks_env(openmpi, {"LIGHT_INTRA_SIZE": "2"}), timeout=420)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert len(re.findall(r"OK \d+", result.stdout)) == 4, result.stdout
 
@@ -74,8 +74,7 @@ def test_training_under_open_mpi_on_two_emulated_nodes(openmpi):
 def test_mpich_launch_with_open_mpi_loaded_fails_at_once_saying_why(openmpi, mpiexec):
     """The trap seen on the GPU machine: Open MPI's libraries first on the path, mpich's mpiexec."""
     env = {**openmpi.environment(), "MPI4PY_MPIABI": "openmpi"}
-    result = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", MISMATCH_SCRIPT], env=env,
-                            capture_output=True, text=True, timeout=180)
+    result = run_in_session([mpiexec, "-n", "2", sys.executable, "-c", MISMATCH_SCRIPT], env=env, timeout=180)
     assert result.returncode != 0 and "size 1" not in result.stdout, result.stdout
     assert "MPIMismatchError: MPI mismatch: mpich/hydra mpiexec (PMI) started 2 ranks (PMI_SIZE=2) but " \
            "MPI.COMM_WORLD has 1 rank: mpi4py loaded 'Open MPI v4" in result.stderr, result.stderr[-3000:]
@@ -89,8 +88,8 @@ def test_open_mpi_launch_with_mpich_loaded_fails_at_once(openmpi):
     # the ranks get only MPICH's lib dir (-x): its libmpi's RUNPATH yields to LD_LIBRARY_PATH, and Debian's
     # libfabric there would replace the wheel's own
     ranks_path = f"LD_LIBRARY_PATH={os.path.join(sys.prefix, 'lib')}"
-    result = subprocess.run([*openmpi.mpiexec_args(2), "-x", ranks_path, sys.executable, "-c", MISMATCH_SCRIPT],
-                            env=env, capture_output=True, text=True, timeout=180)
+    result = run_in_session([*openmpi.mpiexec_args(2), "-x", ranks_path, sys.executable, "-c", MISMATCH_SCRIPT],
+                            env=env, timeout=180)
     assert result.returncode != 0 and "size 1" not in result.stdout, result.stdout
     ours = "Open MPI mpiexec started 2 ranks (OMPI_COMM_WORLD_SIZE=2)" in result.stderr
     assert ours or "unsupported PMI version PMIx" in result.stderr, result.stderr[-3000:]
@@ -102,8 +101,7 @@ def test_mpi_environment_of_the_cluster_prevents_the_mismatch(openmpi, mpiexec):
     env = {**poisoned, **find_mpi(mpiexec).environment}
     env["LD_LIBRARY_PATH"] = os.pathsep.join([find_mpi(mpiexec).environment["LD_LIBRARY_PATH"],
                                               poisoned["LD_LIBRARY_PATH"]])
-    result = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", MISMATCH_SCRIPT], env=env,
-                            capture_output=True, text=True, timeout=180)
+    result = run_in_session([mpiexec, "-n", "2", sys.executable, "-c", MISMATCH_SCRIPT], env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("size 2") == 2, result.stdout
 

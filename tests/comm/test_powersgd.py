@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,7 @@ from taco_notebook.comm.powersgd import (
     matrix_shape,
 )
 
-SCRIPTS = Path(__file__).parents[1] / "mpi"
+from ..mpirun import run_mpi
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -219,11 +216,7 @@ def test_bad_specs(spec: str, message: str) -> None:
 def test_powersgd_on_four_ranks_flat_and_2d(mpiexec):
     """Identical replicas, rank-1 exactness, half precision, error feedback, per-tensor layouts,
     DistributedOptimizer and DDP training (the checks are in tests/mpi/powersgd.py; ~60 s on 2 busy cores)."""
-    import os
-
-    env = {**os.environ, "LIGHT_INTRA_SIZE": "2"}
-    result = subprocess.run([mpiexec, "-n", "4", sys.executable, str(SCRIPTS / "powersgd.py")],
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = run_mpi(mpiexec, 4, "powersgd.py", {"LIGHT_INTRA_SIZE": "2"}, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # mpiexec may run two ranks' lines together ("OK 0OK 1"): find each mark, not each line
     assert sorted(re.findall(r"OK (\d+)", result.stdout)) == [str(r) for r in range(4)]
