@@ -22,7 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["row_cuts", "pieces"]
+__all__ = ["row_cuts", "pieces", "packed_numel"]
+
+
+def packed_numel(shapes: Sequence[Sequence[int]]) -> int:
+    """Elements a buffer packing tensors of ``shapes`` holds."""
+    return sum(math.prod(shape) for shape in shapes)
 
 
 def _spans(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
