@@ -30,6 +30,8 @@ from typing import IO, Any
 import psutil
 import pytest
 
+from taco_notebook.cluster.processes import alive, mapped_shared_memory
+
 __all__ = ["SCRIPTS", "kill_session", "mpi_env", "run_in_session", "run_mpi", "started_by"]
 
 SCRIPTS = Path(__file__).parent / "mpi"
@@ -97,7 +99,7 @@ def kill_session(proc: subprocess.Popen[Any], wait_s: float = 15.0) -> list[str]
     if proc.returncode is not None:
         return []
     frozen = _freeze(proc)
-    segments = _shm_mapped({p.pid for p in frozen})
+    segments = mapped_shared_memory(frozen)
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # our session leader's own group, in one call
     except ProcessLookupError:
@@ -110,11 +112,11 @@ def kill_session(proc: subprocess.Popen[Any], wait_s: float = 15.0) -> list[str]
     proc.kill()
     proc.wait()  # by Popen: psutil reaping our child would leave Popen a made-up exit code
     others = [p for p in frozen if p.pid != proc.pid]
-    _, alive = psutil.wait_procs(others, timeout=wait_s)
-    left = [f"{p.pid} {frozen[p]}" for p in alive if _alive(p)]
+    _, survivors = psutil.wait_procs(others, timeout=wait_s)
+    left = [f"{p.pid} {frozen[p]}" for p in survivors if alive(p)]
     if left:
         pytest.fail(f"these processes of {proc.args!r} survived SIGKILL for {wait_s:g} s: {left}")
-    for segment in segments - _shm_mapped(None):
+    for segment in segments - mapped_shared_memory(psutil.process_iter()):
         Path(segment).unlink(missing_ok=True)
     return [f"{p.pid} {frozen[p]}" for p in others]
 
@@ -133,18 +135,6 @@ def _freeze(proc: subprocess.Popen[Any]) -> dict[psutil.Process, str]:
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 continue
     return frozen
-
-
-def _shm_mapped(pids: set[int] | None) -> set[str]:
-    """The /dev/shm files that ``pids`` (None: every process) map."""
-    used: set[str] = set()
-    for pid in pids if pids is not None else (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                used.update(line.split(maxsplit=5)[5].strip() for line in maps if " /dev/shm/" in line)
-        except (OSError, IndexError):
-            continue
-    return {path for path in used if not path.endswith(" (deleted)")}
 
 
 def started_by(proc: subprocess.Popen[Any]) -> list[psutil.Process]:
@@ -169,7 +159,7 @@ def started_by(proc: subprocess.Popen[Any]) -> list[psutil.Process]:
             found.update(root.children(recursive=True))
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-    return sorted((p for p in found if _alive(p)), key=lambda p: p.pid)
+    return sorted((p for p in found if alive(p)), key=lambda p: p.pid)
 
 
 def _holds(pid: int, pipes: set[str]) -> bool:
@@ -185,10 +175,3 @@ def _holds(pid: int, pipes: set[str]) -> bool:
         except OSError:
             continue
     return False
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
