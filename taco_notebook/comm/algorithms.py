@@ -143,9 +143,10 @@ def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: 
         padded = buf if buf.numel() == chunk * local_size else torch.cat(
             [buf, buf.new_zeros(chunk * local_size - buf.numel())])
     else:  # the compressor's cuts (PowerSGD: on rows), each part padded to the widest for the collectives
-        chunk = max(b - a for a, b in zip(cuts, cuts[1:], strict=False))
+        spans = list(zip(cuts[:-1], cuts[1:], strict=True))
+        chunk = max(b - a for a, b in spans)
         padded = buf.new_zeros(chunk * local_size)
-        for part, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        for part, (a, b) in enumerate(spans):
             padded[part * chunk: part * chunk + b - a].copy_(buf[a:b])
     shard = buf.new_empty(chunk)
     reduce_scatter(shard, padded, group=tiers.local)
@@ -157,7 +158,7 @@ def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: 
                                                    tiers.cross_peers, me)
     all_gather(padded, shard, group=tiers.local)
     if cuts is not None:
-        for part, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        for part, (a, b) in enumerate(spans):
             buf[a:b].copy_(padded[part * chunk: part * chunk + b - a])
     elif padded is not buf:
         buf.copy_(padded[: buf.numel()])
