@@ -208,6 +208,7 @@ class MetricsStream:
         self.unit = "steps"  # throughput in steps/s until some rank reports samples (a batch size)
         self.tokens_shown = False
         self.step_split: dict[int, tuple[float, float, float]] = {}  # rank -> what its bar shows (compute, comm, wait)
+        self.drawn_until = -math.inf  # the time series' last x: a point is drawn only past it
 
     @classmethod
     def from_snapshots(cls, snapshots: Iterable[Snapshot], **kwargs: Any) -> MetricsStream:
@@ -235,6 +236,7 @@ class MetricsStream:
         """Drop all history: empty the time series, blank the heatmaps and bars."""
         self.latest.clear()
         self.last_interval = None
+        self.drawn_until = -math.inf
         for plot in (self.plots.throughput, self.plots.compression):
             for source in plot.sources.values():
                 source.data = {name: [] for name in source.data}
@@ -263,14 +265,18 @@ class MetricsStream:
         self._use_units()
         rates = interval.samples_per_s if self.unit == "samples" else interval.steps_per_s
         total = sum(rates.values()) if self.unit == "samples" else interval.total_steps_per_s
-        point: dict[str, Any] = {"time": [interval.time], "total": [total], "tokens": [interval.total_tokens_per_s]}
-        for rank in self.node_of_rank:
-            point[rank_column(rank)] = [rates.get(rank, NAN)]
-        self.plots.throughput.sources["throughput"].stream(point, rollover=self.rollover)
-        self.plots.compression.sources["compression"].stream(
-            {"time": [interval.time], "ratio": [interval.compression_ratio], "saved_bytes": [interval.bytes_saved]},
-            rollover=self.rollover,
-        )
+        # An interval ends at the latest rank's clock. When only ranks behind it advanced, it ends where the last
+        # point did: drawing it would repeat an x (a line back in time), so only the heatmaps and bars take it.
+        if interval.time > self.drawn_until:
+            self.drawn_until = interval.time
+            point: dict[str, Any] = {"time": [interval.time], "total": [total], "tokens": [interval.total_tokens_per_s]}
+            for rank in self.node_of_rank:
+                point[rank_column(rank)] = [rates.get(rank, NAN)]
+            self.plots.throughput.sources["throughput"].stream(point, rollover=self.rollover)
+            self.plots.compression.sources["compression"].stream(
+                {"time": [interval.time], "ratio": [interval.compression_ratio], "saved_bytes": [interval.bytes_saved]},
+                rollover=self.rollover,
+            )
         reported = set(interval.samples_per_s)
         _fill_heatmap(self.plots.rank_links, interval.rank_bps, reported)
         reported_nodes = {interval.node_of_rank.get(r, self.node_of_rank.get(r, -1)) for r in reported}

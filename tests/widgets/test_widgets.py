@@ -216,6 +216,24 @@ def test_a_zero_interval_pushes_nothing(stream: MetricsStream) -> None:
     assert stream.new_runs == 0
 
 
+def test_an_interval_ending_where_the_last_point_did_draws_no_point(stream: MetricsStream) -> None:
+    """The dashboard flake of issue 14's run: rank 0's snapshot is the latest clock (2.0) in two batches in a row
+    while only rank 1 advanced. Both intervals end at 2.0; the second must not repeat that x in the series."""
+    stream.push(batch(1.0))
+    stream.push([snapshot(0, 2.0), snapshot(1, 1.5), snapshot(2, 2.0), snapshot(3, 2.0)])
+    interval = stream.push([snapshot(0, 2.0), snapshot(1, 1.9), snapshot(2, 2.0), snapshot(3, 2.0)])
+    assert interval is not None and interval.time == 2.0 and set(interval.samples_per_s) == {1}
+    assert stream.plots.throughput.sources["throughput"].data["time"] == [2.0]
+    assert stream.plots.compression.sources["compression"].data["time"] == [2.0]
+    assert cell(stream.plots.rank_links, 1, 3) == pytest.approx(5e5)  # the heatmaps take it
+    assert math.isnan(cell(stream.plots.rank_links, 0, 2))  # rank 0 did not advance: no data, not its old rate
+
+    stream.push(batch(2.5))
+    throughput = stream.plots.throughput.sources["throughput"].data
+    assert throughput["time"] == [2.0, 2.5]
+    assert throughput[rank_column(1)][-1] == pytest.approx(SAMPLES_PER_S, rel=0.01)  # counters are whole numbers
+
+
 def test_interval_without_traffic_has_nan_ratio_and_string_keys_are_read() -> None:
     before, after = snapshot(0, 1.0), snapshot(0, 2.0)
     after = json.loads(json.dumps(after))  # as if it crossed a JSON boundary: peer keys become strings
