@@ -130,13 +130,22 @@ class Compressor(ABC):
                     me: int) -> Reduced:
         """Sum over ``group`` a ``payload`` already in :meth:`fused_wire_dtype` (a shard of ``raw_bytes``
         before the cast), in place: the dense reduction without the casts, with the same accounting."""
+        done, work = self.start_reduce_wire(payload, raw_bytes, group, peers, me)
+        if work is not None:
+            work.wait()
+        return done
+
+    def start_reduce_wire(self, payload: torch.Tensor, raw_bytes: int, group: Any, peers: tuple[int, ...],
+                          me: int) -> tuple[Reduced, Any]:
+        """:meth:`reduce_wire` issued asynchronously: its accounting and the collective's work (None when
+        nothing is sent), which the caller waits on before reading ``payload``. The pipeline keeps two in
+        flight, so that one chunk's collective starts while the previous one finishes."""
         wire = payload.numel() * payload.element_size()
         self.stats.add(raw_bytes, wire)
-        if len(peers) > 1:
-            dist.all_reduce(payload, group=group)
+        work = dist.all_reduce(payload, group=group, async_op=True) if len(peers) > 1 else None
         sends = ring_sends(peers, me, wire)
         factor = sum(sends.values()) / wire if wire else 0.0
-        return Reduced(int(factor * raw_bytes), sum(sends.values()), sends)
+        return Reduced(int(factor * raw_bytes), sum(sends.values()), sends), work
 
     def describe_buffer(self, name: Hashable, shapes: Sequence[Sequence[int]]) -> None:
         """The buffers allreduced under ``name`` pack tensors of ``shapes``, in order (DistributedOptimizer
