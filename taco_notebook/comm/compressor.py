@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .reduction import Reduced, ring_sends
+from .reduction import Reduced, ring_accounted
 
 __all__ = ["Compressor", "CompressionStats", "Payload", "payload_nbytes"]
 
@@ -112,40 +112,29 @@ class Compressor(ABC):
         reduced = self.decompress(payload, ctx)
         if reduced.data_ptr() != shard.data_ptr():  # uncompressed: the payload was the shard itself
             shard.copy_(reduced.view_as(shard))
-        wire = payload.numel() * payload.element_size()
-        sends = ring_sends(peers, me, wire)
-        factor = sum(sends.values()) / wire if wire else 0.0
-        return Reduced(int(factor * raw), sum(sends.values()), sends)
+        return ring_accounted(raw, payload.numel() * payload.element_size(), peers, me)
 
     def fused_wire_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype of this compressor's payload for a ``dtype`` tensor when that payload is the tensor cast
         (none: ``dtype`` itself; fp16/bf16: theirs), else None (TopK, PowerSGD).
 
         A pass that produces the shard anyway (the 2D algorithm's shared-memory sum) then writes it straight
-        in this dtype and calls :meth:`reduce_wire`, instead of a full-size cast before and after the network.
+        in this dtype and calls :meth:`start_reduce_wire`, instead of a full-size cast before and after the
+        network.
         """
         return None
 
-    def reduce_wire(self, payload: torch.Tensor, raw_bytes: int, group: Any, peers: tuple[int, ...],
-                    me: int) -> Reduced:
-        """Sum over ``group`` a ``payload`` already in :meth:`fused_wire_dtype` (a shard of ``raw_bytes``
-        before the cast), in place: the dense reduction without the casts, with the same accounting."""
-        done, work = self.start_reduce_wire(payload, raw_bytes, group, peers, me)
-        if work is not None:
-            work.wait()
-        return done
-
     def start_reduce_wire(self, payload: torch.Tensor, raw_bytes: int, group: Any, peers: tuple[int, ...],
                           me: int) -> tuple[Reduced, Any]:
-        """:meth:`reduce_wire` issued asynchronously: its accounting and the collective's work (None when
-        nothing is sent), which the caller waits on before reading ``payload``. The pipeline keeps two in
-        flight, so that one chunk's collective starts while the previous one finishes."""
+        """Start summing over ``group`` a ``payload`` already in :meth:`fused_wire_dtype` (a shard of
+        ``raw_bytes`` before the cast), in place: the dense reduction without the casts, with the same
+        accounting. Returns that accounting and the collective's work (None when nothing is sent), which the
+        caller waits on before reading ``payload``: the pipeline keeps two in flight, so that one chunk's
+        collective starts while the previous one finishes."""
         wire = payload.numel() * payload.element_size()
         self.stats.add(raw_bytes, wire)
         work = dist.all_reduce(payload, group=group, async_op=True) if len(peers) > 1 else None
-        sends = ring_sends(peers, me, wire)
-        factor = sum(sends.values()) / wire if wire else 0.0
-        return Reduced(int(factor * raw_bytes), sum(sends.values()), sends), work
+        return ring_accounted(raw_bytes, wire, peers, me), work
 
     def describe_buffer(self, name: Hashable, shapes: Sequence[Sequence[int]]) -> None:
         """The buffers allreduced under ``name`` pack tensors of ``shapes``, in order (DistributedOptimizer

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .compressor import Compressor, Payload
 from .layout import packed_numel, pieces, row_cuts
-from .reduction import Reduced, ring_sends
+from .reduction import Reduced, ring_accounted
 from .specs import DEFAULT_POWERSGD_MIN_SIZE, DEFAULT_POWERSGD_WARMUP, POWERSGD
 
 __all__ = ["PowerSGDCompressor", "PowerSGDState", "PowerSGDContext", "DEFAULT_POWERSGD_WARMUP",
@@ -341,9 +341,7 @@ class PowerSGDCompressor(Compressor):
                 shard.copy_((p @ q.t()).view(-1)[: shard.numel()])
         wire = (p.numel() + q.numel()) * p.element_size()
         self.stats.add(raw, wire)
-        sends = ring_sends(peers, me, wire)
-        factor = 2 * (len(peers) - 1) / len(peers)
-        return Reduced(int(factor * raw), sum(sends.values()), sends)
+        return ring_accounted(raw, wire, peers, me)
 
     def _reduce_tensors(self, shard: torch.Tensor, key: Hashable, shapes: tuple[torch.Size, ...], group: Any,
                         peers: tuple[int, ...], me: int) -> Reduced:
@@ -386,8 +384,7 @@ class PowerSGDCompressor(Compressor):
                 wire += (p.numel() + qt.numel()) * p.element_size()
         raw = shard.numel() * shard.element_size()
         self.stats.add(raw, wire)
-        sends = ring_sends(peers, me, wire)
-        return Reduced(int(2 * (len(peers) - 1) / len(peers) * raw), sum(sends.values()), sends)
+        return ring_accounted(raw, wire, peers, me)
 
 
 def _summed(factors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:

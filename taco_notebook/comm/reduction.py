@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Reduced", "ring_sends", "spread", "merge_sends", "reduce_scatter", "all_gather", "pack", "unpack"]
+__all__ = ["Reduced", "ring_sends", "ring_accounted", "spread", "merge_sends", "reduce_scatter", "all_gather", "pack",
+           "unpack"]
 
 reduce_scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -37,6 +38,14 @@ def ring_sends(group_ranks: tuple[int, ...], me: int, nbytes: float) -> dict[int
         return {}
     nxt = group_ranks[(group_ranks.index(me) + 1) % g]
     return {nxt: int(2 * (g - 1) / g * nbytes)}
+
+
+def ring_accounted(raw: int, wire: int, group_ranks: tuple[int, ...], me: int) -> Reduced:
+    """A ring allreduce of a ``wire``-byte payload (``raw`` bytes before compression) as :class:`Reduced`: what
+    it sends to the next rank, and the raw bytes scaled by the same 2(g-1)/g."""
+    sends = ring_sends(group_ranks, me, wire)
+    factor = sum(sends.values()) / wire if wire else 0.0
+    return Reduced(int(factor * raw), sum(sends.values()), sends)
 
 
 def spread(peers: tuple[int, ...], me: int, nbytes: float) -> dict[int, int]:
