@@ -208,7 +208,6 @@ class MetricsStream:
         self.unit = "steps"  # throughput in steps/s until some rank reports samples (a batch size)
         self.tokens_shown = False
         self.step_split: dict[int, tuple[float, float, float]] = {}  # rank -> what its bar shows (compute, comm, wait)
-        self.drawn_until = -math.inf  # the time series' last x: a point is drawn only past it
 
     @classmethod
     def from_snapshots(cls, snapshots: Iterable[Snapshot], **kwargs: Any) -> MetricsStream:
@@ -236,7 +235,6 @@ class MetricsStream:
         """Drop all history: empty the time series, blank the heatmaps and bars."""
         self.latest.clear()
         self.last_interval = None
-        self.drawn_until = -math.inf
         for plot in (self.plots.throughput, self.plots.compression):
             for source in plot.sources.values():
                 source.data = {name: [] for name in source.data}
@@ -267,8 +265,8 @@ class MetricsStream:
         total = sum(rates.values()) if self.unit == "samples" else interval.total_steps_per_s
         # An interval ends at the latest rank's clock. When only ranks behind it advanced, it ends where the last
         # point did: drawing it would repeat an x (a line back in time), so only the heatmaps and bars take it.
-        if interval.time > self.drawn_until:
-            self.drawn_until = interval.time
+        drawn = self.plots.throughput.sources["throughput"].data["time"]
+        if not drawn or interval.time > drawn[-1]:
             point: dict[str, Any] = {"time": [interval.time], "total": [total], "tokens": [interval.total_tokens_per_s]}
             for rank in self.node_of_rank:
                 point[rank_column(rank)] = [rates.get(rank, NAN)]
