@@ -20,6 +20,7 @@ collectives is the same on every rank. The 2D groups are cached per group genera
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -135,33 +136,33 @@ def _reduce_2d(buf: torch.Tensor, compressor: Compressor, key: Hashable, tiers: 
     if tiers.segment is not None and buf.device.type == "cpu":
         return reduce_2d_shm(buf, compressor, key, tiers.segment, tiers.cross, tiers.local_peers,
                              tiers.cross_peers, me, tiers.calibration)
-    # CUDA tensors (and shm=False): the node's process group (NCCL on GPUs), on the comm stream
-    local_size, local_rank = len(tiers.local_peers), tiers.local_peers.index(me)
-    cuts = compressor.shard_cuts(key, buf.numel(), local_size)
-    if cuts is None:  # equal shards, the last one padded
-        chunk = -(-buf.numel() // local_size)
-        padded = buf if buf.numel() == chunk * local_size else torch.cat(
-            [buf, buf.new_zeros(chunk * local_size - buf.numel())])
-    else:  # the compressor's cuts (PowerSGD: on rows), each part padded to the widest for the collectives
-        spans = list(zip(cuts[:-1], cuts[1:], strict=True))
+    # CUDA tensors (and shm=False): the node's process group (NCCL on GPUs), on the comm stream. Local rank i
+    # reduces part i of the buffer: an equal share, or the compressor's cut (PowerSGD: on rows, its state keyed
+    # by the part). The collectives need equal widths: part i sits at i * chunk of a padded buffer, which is the
+    # buffer itself when the parts already are equal and fill it.
+    numel, local_size = buf.numel(), len(tiers.local_peers)
+    cuts = compressor.shard_cuts(key, numel, local_size)
+    if cuts is None:
+        chunk = -(-numel // local_size)
+        spans = list(itertools.pairwise(min(part * chunk, numel) for part in range(local_size + 1)))
+    else:
+        spans = list(itertools.pairwise(cuts))
         chunk = max(b - a for a, b in spans)
+    lo, hi = spans[tiers.local_peers.index(me)]
+    if numel == chunk * local_size:  # parts of at most chunk that fill it: part i is [i * chunk, (i + 1) * chunk)
+        padded = buf
+    else:
         padded = buf.new_zeros(chunk * local_size)
         for part, (a, b) in enumerate(spans):
             padded[part * chunk: part * chunk + b - a].copy_(buf[a:b])
     shard = buf.new_empty(chunk)
     reduce_scatter(shard, padded, group=tiers.local)
-    if cuts is None:
-        raw, wire, cross_sends = compressor.reduce(shard, (key, "2d"), tiers.cross, tiers.cross_peers, me)
-    else:
-        lo, hi = cuts[local_rank], cuts[local_rank + 1]
-        raw, wire, cross_sends = compressor.reduce(shard[: hi - lo], (key, "2d", lo, hi), tiers.cross,
-                                                   tiers.cross_peers, me)
+    name = (key, "2d") if cuts is None else (key, "2d", lo, hi)
+    raw, wire, cross_sends = compressor.reduce(shard[: hi - lo], name, tiers.cross, tiers.cross_peers, me)
     all_gather(padded, shard, group=tiers.local)
-    if cuts is not None:
+    if padded is not buf:
         for part, (a, b) in enumerate(spans):
             buf[a:b].copy_(padded[part * chunk: part * chunk + b - a])
-    elif padded is not buf:
-        buf.copy_(padded[: buf.numel()])
     shard_bytes = chunk * buf.element_size()
     local = spread(tiers.local_peers, me, 2 * shard_bytes)  # reduce-scatter + allgather, never compressed
     return raw, wire, merge_sends(local, cross_sends)

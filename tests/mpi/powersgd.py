@@ -165,6 +165,14 @@ for shm in (True, False):
     want = dense_sum(g)
     taco.allreduce(g, compression=SPEC, algorithm="2d", name=("one row", shm))
     assert same_everywhere(g) and float((g - want).norm() / want.norm()) < 1e-6, shm
+    # undescribed buffers go in equal shares, the second one short (5001 elements) or empty (1 element)
+    for size in (5001, 1):
+        g = torch.arange(size, dtype=torch.float32) * (r + 1)
+        taco.allreduce(g, compression="none", algorithm="2d", name=("equal", shm, size))
+        assert torch.equal(g, torch.arange(size, dtype=torch.float32) * 10), (shm, size)  # 1+2+3+4, exact
+        g = torch.randn(size, generator=torch.Generator().manual_seed(r))
+        taco.allreduce(g, compression="topk:0.1:threshold=0", algorithm="2d", name=("equal topk", shm, size))
+        assert same_everywhere(g), (shm, size)
     if r == 0:
         print(f"2d shm={shm}, per-row layout, momentum 0.9: uncompressed {dense:.5f}, powersgd:4 {low:.5f}",
               flush=True)
