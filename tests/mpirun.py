@@ -32,7 +32,7 @@ import pytest
 
 from taco_notebook.cluster.processes import alive, mapped_shared_memory
 
-__all__ = ["SCRIPTS", "kill_session", "mpi_env", "run_in_session", "run_mpi", "started_by"]
+__all__ = ["SCRIPTS", "kill_session", "mpi_env", "run_in_session", "run_mpi", "started_by", "still_running"]
 
 SCRIPTS = Path(__file__).parent / "mpi"
 FREEZE_ROUNDS = 5  # a rank forking while we walk the tree is seen in the next round; 5 is plenty
@@ -175,3 +175,14 @@ def _holds(pid: int, pipes: set[str]) -> bool:
         except OSError:
             continue
     return False
+
+
+def still_running(pid: int, since: float) -> str | None:
+    """The command of ``pid`` if the process we saw still runs (not a zombie; not a later one with its pid)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.create_time() > since or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:
+        return None

@@ -9,10 +9,9 @@ import shlex
 import sys
 import time
 
-import psutil
 import pytest
 
-from .mpirun import mpi_env, run_in_session
+from .mpirun import mpi_env, run_in_session, still_running
 
 # each rank also starts a process in a session of its own that inherits its stdout: it is no descendant of
 # mpiexec once the rank dies, and in no session of ours, so only the walk of the frozen tree (or the pipe it
@@ -24,21 +23,10 @@ segment = f"/dev/shm/taco-test-mpirun-{os.getpid()}"
 with open(segment, "w+b") as f:
     f.truncate(4096)
     mapped = mmap.mmap(f.fileno(), 4096)
-print("PIDS", os.getpid(), os.getppid(), child.pid, segment, flush=True)
+os.write(1, f"PIDS {os.getpid()} {os.getppid()} {child.pid} {segment}\\n".encode())  # one write: hydra interleaves
 time.sleep(600)
 """
 TIMEOUT_S = 5.0  # 3 s would do, but hydra plus two Python starts can take that long on 2 loaded cores
-
-
-def _still_there(pid: int, since: float) -> str | None:
-    """The command of ``pid`` if the process we saw still runs (not a zombie; not a later one with its pid)."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.create_time() > since or proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return " ".join(proc.cmdline())
-    except psutil.NoSuchProcess:
-        return None
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["mpiexec", "sh-c-mpiexec"])
@@ -57,7 +45,7 @@ def test_a_job_past_its_timeout_fails_and_leaves_no_process(mpiexec: str, wrappe
     assert len(pids) == 2, message
     rank, proxy, detached = ({int(row[i]) for row in pids} for i in range(3))
     assert len(proxy) == 1 and not proxy & rank, pids  # two ranks of one hydra_pmi_proxy
-    left = {pid: cmd for pid in rank | proxy | detached if (cmd := _still_there(pid, began))}
+    left = {pid: cmd for pid in rank | proxy | detached if (cmd := still_running(pid, began))}
     assert not left, f"left running after the failure: {left}"
     assert not [row[3] for row in pids if os.path.exists(row[3])], "the ranks' shared memory was left behind"
     assert took < TIMEOUT_S + 20, f"the kill took {took - TIMEOUT_S:.1f} s"
