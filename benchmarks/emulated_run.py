@@ -9,7 +9,7 @@ A benchmark script is its own per-rank body: the driver (``python benchmarks/X.p
   non-root); there is no link limit, so bounds and link byte counts are not meaningful.
 
 Every failure path tears down: ``mpiexec`` runs in its own session and, on a rank crash, a timeout, Ctrl-C or
-SIGTERM of the driver, it and every process it started are killed (by pid, collected from the process tree);
+SIGTERM of the driver, it and every process it started are killed (collected from the process tree);
 then ``EmulatedNodes.__exit__`` kills whatever still runs in the namespaces and deletes them.
 """
 
@@ -76,36 +76,38 @@ def mpiexec_path() -> str:
     return str(beside) if beside.exists() else "mpiexec"
 
 
-def _descendants(pid: int) -> list[int]:
-    try:
-        import psutil
-
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except Exception:  # noqa: BLE001 (psutil missing or the process already gone)
-        return []
-
-
 def kill_tree(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
-    """SIGTERM then SIGKILL mpiexec's process group and every descendant it started (by pid): hydra puts each
-    proxy and rank in a session of its own, which the group alone does not reach."""
+    """SIGTERM mpiexec and every process it started, SIGKILL what is left after ``grace_s``: hydra puts each
+    proxy and rank in a session of its own, which mpiexec's group does not reach. The tree is read while
+    mpiexec is our unreaped child, as psutil processes, which check pid and creation time before each signal:
+    a pid reused in the meantime is never hit."""
     if proc.poll() is not None:
         return
-    pids = _descendants(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    import psutil
+
+    from taco_notebook.cluster.processes import descendants, kill
+
+    started = descendants(psutil.Process(proc.pid))[1:]  # mpiexec itself is signalled and reaped through Popen
+    _signal_group(proc, signal.SIGTERM)  # its session's group: ours while mpiexec, its leader, is unreaped
+    for process in started:
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
+            process.terminate()
+        except psutil.Error:
             pass
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    _, left = psutil.wait_procs(started, timeout=grace_s)
+    kill(left)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:

@@ -6,12 +6,14 @@ A benchmark past its timeout is killed with every process it started (its own mp
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from .mpirun import run_in_session
+from .mpirun import mpi_env, run_in_session, still_running
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -26,6 +28,24 @@ def test_allreduce_benchmark_measures_every_variant(tmp_path):
     rows = {line.split("|")[2].strip() for line in result.stdout.splitlines() if line.startswith("| 1 MiB")}
     assert {"gloo", "mpi4py", "taco flat", "taco 2d", "taco 2d+fp16", "taco 2d+topk:0.01"} <= rows, result.stdout
     assert list(tmp_path.glob("allreduce-*.json")), "no JSON result written"
+
+
+def test_an_mpiexec_past_its_timeout_is_killed_with_its_ranks(mpiexec, monkeypatch, capfd):
+    """The benchmarks' own driver (emulated_run): at --timeout it stops mpiexec, hydra's proxy and both ranks,
+    which run in sessions of their own, and says so."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import emulated_run
+
+    # one write(2) per rank: hydra forwards the ranks' output in whatever pieces each write made
+    rank = "import os, time; os.write(1, f'RANK {os.getpid()} {os.getppid()}\\n'.encode()); time.sleep(600)"
+    began = time.time()
+    with pytest.raises(emulated_run.RanksFailed, match="ran past --timeout 8 s and was killed"):
+        emulated_run._run_mpiexec([mpiexec, "-n", "2", sys.executable, "-c", rank], mpi_env(), 8)
+    out = capfd.readouterr().out
+    started = [int(pid) for row in re.findall(r"^RANK (\d+) (\d+)$", out, re.M) for pid in row]
+    assert len(started) == 4, out  # two ranks and their proxy (twice)
+    left = {pid: cmd for pid in started if (cmd := still_running(pid, began))}
+    assert not left, f"left running after the timeout: {left}"
 
 
 @pytest.mark.timeout(240)
