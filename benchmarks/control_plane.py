@@ -226,9 +226,16 @@ def start_cpu(cluster: Any) -> dict[str, float]:
             "start_cpu_controller_s": cpu_seconds([controller, *controller.children(recursive=True)])}
 
 
+# Cells the CPU figures are taken over, at least: process CPU times count in clock ticks (10 ms), and the
+# controller spends ~5 ms per empty cell, so over 2 cells it read 0, 5 or 10 ms from run to run
+CPU_CELLS = 20
+
+
 def cpu_per_cell(cluster: Any, repeats: int) -> dict[str, float]:
     """CPU time (not wall time: no other process's load in it) one empty ``run_cell`` costs the notebook
-    process, the controller's process tree (hub, schedulers) and all engines together, over ``repeats`` cells."""
+    process, the controller's process tree (hub, schedulers) and all engines together, over ``repeats`` cells
+    (:data:`CPU_CELLS` at least, so that a tick is a tenth of a cell's cost or less)."""
+    repeats = max(repeats, CPU_CELLS)
     import psutil
 
     from taco_notebook.cluster.run import CellOptions, run_cell
