@@ -96,7 +96,7 @@ def measure(op: Any, buf: Any, src: Any, comm: Any, row: dict[str, Any], timed: 
 def pipeline_phases() -> dict[str, float] | None:
     """The 2D pipeline's per-phase seconds (a taco from before the pipeline has none)."""
     try:
-        from taco_notebook.comm.pipeline import phase_seconds
+        from taco_notebook.comm.transport.pipeline import phase_seconds
     except ImportError:
         return None
     return phase_seconds

@@ -150,7 +150,7 @@ def dispatch_round(client: Any, views: dict[str, Any]) -> dict[str, float]:
 
 def run_cells(cluster: Any, repeats: int) -> dict[str, Any]:
     """Empty and allreduce cells through ``run_cell``, the split and the dispatch variants, interleaved."""
-    from taco_notebook.cluster.run import CellOptions, run_cell
+    from taco_notebook.cluster.cells.run import CellOptions, run_cell
 
     client = cluster.client
     views = {"direct execute": (client[:], "execute"), "broadcast execute": (client.broadcast_view(), "execute"),
@@ -197,7 +197,7 @@ def publish_cost(cluster: Any, sends: int = 50) -> dict[str, float]:
         steps = {md["data"]["taco"]["metrics"]["steps"] for md in ar.metadata}
         if steps != {20}:
             raise RuntimeError(f"the payloads did not all arrive: steps seen {steps}")
-    from taco_notebook.cluster import engine
+    from taco_notebook.cluster.cells import engine
 
     view.apply_sync(engine.begin_cell, False)  # no sender left behind (the next cell's begin_cell says the same)
     return {"publish_client_cpu_us": statistics.median(samples) * 1e6,
@@ -238,7 +238,7 @@ def cpu_per_cell(cluster: Any, repeats: int) -> dict[str, float]:
     repeats = max(repeats, CPU_CELLS)
     import psutil
 
-    from taco_notebook.cluster.run import CellOptions, run_cell
+    from taco_notebook.cluster.cells.run import CellOptions, run_cell
 
     controller = psutil.Process(cluster.ipp_cluster.controller.process.pid)
     parts = {"controller": [controller, *controller.children(recursive=True)],
@@ -254,8 +254,8 @@ def cpu_per_cell(cluster: Any, repeats: int) -> dict[str, float]:
 
 
 def registry_cost(cluster: Any, directory: Path) -> dict[str, float]:
-    from taco_notebook.cluster.registry_files import entry_path
-    from taco_notebook.cluster.registry_writer import write_entry
+    from taco_notebook.cluster.registry.files import entry_path
+    from taco_notebook.cluster.registry.writer import write_entry
 
     samples = []
     for _ in range(20):
@@ -268,7 +268,7 @@ def registry_cost(cluster: Any, directory: Path) -> dict[str, float]:
 
 def measure_cluster(size: int, repeats: int, registry: Path, start_timeout: float) -> dict[str, Any]:
     """Start an N-rank cluster, measure everything above, stop it (also on failure)."""
-    from taco_notebook.cluster.registry_writer import track
+    from taco_notebook.cluster.registry.writer import track
     from taco_notebook.cluster.session import TacoCluster
 
     load_before = os.getloadavg()[0]

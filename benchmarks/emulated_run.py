@@ -85,7 +85,7 @@ def kill_tree(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
         return
     import psutil
 
-    from taco_notebook.cluster.processes import descendants, kill
+    from taco_notebook.cluster.processes.tree import descendants, kill
 
     started = descendants(psutil.Process(proc.pid))[1:]  # mpiexec itself is signalled and reaped through Popen
     _signal_group(proc, signal.SIGTERM)  # its session's group: ours while mpiexec, its leader, is unreaped
@@ -157,7 +157,7 @@ def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[
                 env.pop(key, None)
             _run_mpiexec([mpiexec_path(), "-n", str(nranks), *body], env, args.timeout)
         else:
-            from taco_notebook.cluster.emulated import EmulatedNodes, parse_rate
+            from taco_notebook.cluster.emulated.nodes import EmulatedNodes, parse_rate
 
             unlimited = args.rate.lower() in ("none", "unlimited")
             with EmulatedNodes(args.nodes, rate=None if unlimited else args.rate) as cluster:

@@ -208,7 +208,7 @@ def worker_overhead(steps: int) -> None:
 def launch(n: int, args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``mpiexec -n N python gpu_check.py ARGS`` with the checkout importable and mpi4py on mpiexec's MPI."""
     sys.path.insert(0, str(ROOT))
-    from taco_notebook.cluster.mpi import find_mpi
+    from taco_notebook.cluster.launch.mpi import find_mpi
 
     mpi = find_mpi()
     full = {**os.environ, **mpi.environment, **env}

@@ -5,7 +5,7 @@ each problem's remedy, as a text table; ``--json`` for the raw facts and finding
 instead, read through a temporary cluster of one engine per node (as ``%taco_doctor --hosts`` does; progress on
 stderr), stopped before the report is printed.
 
-The logic lives in :mod:`taco_notebook.cluster.doctor`; ``%taco_doctor`` shows the same report for every node
+The logic lives in :mod:`taco_notebook.cluster.doctor.report`; ``%taco_doctor`` shows the same report for every node
 of a cluster. Exit codes: 0 no errors (warnings may remain), 1 a finding of severity error, 2 bad arguments,
 3 ``--require-hugepages N`` not met, 4 the nodes could not be examined (a host unreachable, no MPI).
 """
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .cluster.doctor import DoctorReport
-    from .cluster.profiles import Profile
+    from .cluster.doctor.report import DoctorReport
+    from .cluster.launch.profiles import Profile
 
 __all__ = ["main"]
 
@@ -60,13 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.require_hugepages is not None and args.require_hugepages < 1:
         parser.error(f"--require-hugepages must be a positive integer, got {args.require_hugepages}")
-    from .cluster.profiles import ProfileError, profile_for
+    from .cluster.launch.profiles import ProfileError, profile_for
 
     try:
         profile = profile_for(args.profile, args.hosts, args.hostfile)
     except ProfileError as exc:
         parser.error(str(exc))
-    from .cluster.doctor import HugePagesError, local_report, require_hugepages  # imports torch: after the checks
+    from .cluster.doctor.report import (  # imports torch: after the checks
+        HugePagesError,
+        local_report,
+        require_hugepages,
+    )
 
     report = local_report() if profile.single_host else _nodes_report(profile, args.mpiexec)
     if report is None:

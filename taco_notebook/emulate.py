@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from .cluster.emulated import parse_rate
-from .cluster.emulated_hosts import EmulatedHosts, EmulateError, check_prerequisites, default_state_dir, down
+from .cluster.emulated.hosts import EmulatedHosts, EmulateError, check_prerequisites, default_state_dir, down
+from .cluster.emulated.nodes import parse_rate
 
 __all__ = ["main", "parse_spec", "parse_link"]
 

@@ -61,8 +61,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``args.script`` on a cluster as the parsed ``args`` say; stop what was started; an exit status."""
     from IPython.core.error import UsageError
 
-    from .cluster.attach import AttachedCluster
-    from .cluster.run import run_script
+    from .cluster.cells.run import run_script
+    from .cluster.registry.attach import AttachedCluster
     from .cluster.session import clusters
     from .errors import TacoError
     from .magics.output import RankOutput

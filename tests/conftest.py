@@ -135,7 +135,7 @@ def no_leaked_processes(request) -> Iterator[None]:
     /dev/shm file it left (MPI's segments outlive ranks that are killed)."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     yield
-    from taco_notebook.cluster.reaper import running_reapers
+    from taco_notebook.cluster.registry.reaper import running_reapers
     from taco_notebook.cluster.session import clusters
 
     for name in [n for n in clusters if n != SHARED]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .mpirun import mpi_env, run_in_session, still_running
+from .support.mpirun import mpi_env, run_in_session, still_running
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

@@ -1,4 +1,4 @@
-"""tests/mpirun.py for real: an ``mpiexec`` job that never ends is killed whole at its timeout, and the test
+"""tests/support/mpirun.py for real: an ``mpiexec`` job that never ends is killed whole at its timeout, and the test
 fails with its output; a job that ends returns its exit code and output."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .mpirun import mpi_env, run_in_session, still_running
+from .support.mpirun import mpi_env, run_in_session, still_running
 
 # each rank also starts a process in a session of its own that inherits its stdout: it is no descendant of
 # mpiexec once the rank dies, and in no session of ours, so only the walk of the frozen tree (or the pipe it

@@ -81,7 +81,7 @@ def _layer(module: str) -> str | None:
 def test_the_graph_is_read(graph: dict[str, set[str]]) -> None:
     """The reader sees real edges (a parser that found nothing would pass every other test)."""
     assert "taco_notebook.comm.config" in graph["taco_notebook.comm"]
-    assert "taco_notebook.cluster.session" in graph["taco_notebook.cluster.run"]
+    assert "taco_notebook.cluster.session" in graph["taco_notebook.cluster.cells.run"]
     assert all(layer in {_layer(m) for m in graph} for layer in LAYERS)
 
 

@@ -24,7 +24,7 @@ class RankInfo:
     """One engine: its rank, where it runs, its placement, and what its host offers.
 
     ``engine_id``: its ipyparallel engine id. It equals the MPI rank at start; after an elastic membership change
-    (cluster/elastic.py) ranks are renumbered 0..n-1 over the live engines and the two differ.
+    (cluster/elastic/recovery.py) ranks are renumbered 0..n-1 over the live engines and the two differ.
 
     ``gpus``: NVIDIA GPUs the rank can see (``CUDA_VISIBLE_DEVICES`` applied); ``hugepages``: its host's
     ``/proc/meminfo`` huge pages as ``{"total", "free", "page_kb"}``, or None where the kernel has none.
@@ -42,7 +42,7 @@ class RankInfo:
 
     @classmethod
     def of_engine(cls, engine_id: int, info: dict[str, Any]) -> RankInfo:
-        """From :func:`~taco_notebook.cluster.engine.rank_info`'s dict, as engine ``engine_id`` answered it."""
+        """From :func:`~taco_notebook.cluster.cells.engine.rank_info`'s dict, as engine ``engine_id`` answered it."""
         return cls(**info, engine_id=engine_id)
 
 

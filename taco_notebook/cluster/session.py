@@ -6,7 +6,7 @@ torch process group brought up on start, and a liveness check that says which ra
 
 All the sidebar shows lives on the :class:`TacoCluster`; :meth:`TacoCluster.model` builds the ClusterModel, and
 lifecycle events go to subscribers (:meth:`TacoCluster.subscribe`), the registry writer among them
-(:mod:`~taco_notebook.cluster.registry_writer`; this module imports no registry code). Clusters are kept by name
+(:mod:`~taco_notebook.cluster.registry.writer`; this module imports no registry code). Clusters are kept by name
 in :data:`clusters`; every cluster this process started is stopped by the one exit hook registered here.
 """
 
@@ -23,16 +23,24 @@ from typing import Any, Literal
 
 from ..errors import ClusterStartError, RankDiedError
 from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
-from . import engine
-from .deaths import death_report, engine_output, ranks_text
+from .cells import engine
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
-from .members import ElasticMembers
-from .mpi import MPIInfo
+from .elastic.members import ElasticMembers
+from .launch.mpi import MPIInfo
+from .launch.profiles import LOCAL, Profile, mpi_for
 from .private import private_ipython_profile
-from .processes import CLUSTER_ID_ENV, alive, descendants, kill, marked_processes, process_tree, shared_memory_files
-from .profiles import LOCAL, Profile, mpi_for
-from .rankwrap import LAUNCHED_BY_ENV
-from .teardown import stop_processes
+from .processes.deaths import death_report, engine_output, ranks_text
+from .processes.rankwrap import LAUNCHED_BY_ENV
+from .processes.teardown import stop_processes
+from .processes.tree import (
+    CLUSTER_ID_ENV,
+    alive,
+    descendants,
+    kill,
+    marked_processes,
+    process_tree,
+    shared_memory_files,
+)
 
 __all__ = ["RankInfo", "Event", "Subscriber", "TacoCluster", "clusters", "stop_all", "exiting"]
 
@@ -71,7 +79,7 @@ class TacoCluster(ElasticMembers):
                  profile: Profile | None = None) -> None:
         if size <= 0:
             raise ValueError(f"size must be a positive integer, got {size}")
-        self.profile = profile or LOCAL  # where the engines run (cluster/profiles.py)
+        self.profile = profile or LOCAL  # where the engines run (cluster/launch/profiles.py)
         self._engines: Any = "mpi"  # ipp.Cluster's engines: "mpi", or the slurm profile's launcher class
         self.profile.check_size(size)
         self.name = name
@@ -96,7 +104,7 @@ class TacoCluster(ElasticMembers):
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
         self.progress: Callable[[str], None] | None = None  # the slurm profile's queue-state lines go here
-        self.elastic: Any = None  # cluster/membership.py's Membership once an --elastic cell ran here
+        self.elastic: Any = None  # cluster/elastic/membership.py's Membership once an --elastic cell ran here
 
     # ---------------------------------------------------------------- state
     @property
@@ -165,7 +173,7 @@ class TacoCluster(ElasticMembers):
         env.update(self.profile.environment)  # hosts: the nodes' interface for gloo and UCX
         # every rank on this host (local profile): MPI stays off the network unless the user chose
         if self.mpi is not None and self.profile.single_host:
-            from .mpi import single_host_env
+            from .launch.mpi import single_host_env
 
             env.update({k: v for k, v in single_host_env(self.mpi).items() if k not in os.environ})
             if self.mpi.launcher == "gforker":  # rankwrap gives the ranks what hydra would (see there)
@@ -182,11 +190,11 @@ class TacoCluster(ElasticMembers):
         launcher = config.MPIEngineSetLauncher
         launcher.mpi_cmd = [mpi.mpiexec]
         launcher.mpi_args = list(mpi.extra_args) + self.profile.mpiexec_args()
-        launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.rankwrap",
+        launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap",
                                sys.executable, "-m", "ipyparallel.engine"]
         launcher.environment = {**mpi.environment, **self._engine_environment()}  # mpi4py loads mpiexec's MPI
         if self.profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
-            from .slurm_engines import engine_config
+            from .launch.slurm.engines import engine_config
 
             self._engines = engine_config(config, self.profile.slurm, launcher.engine_cmd, launcher.environment,
                                           self.progress)
@@ -237,7 +245,7 @@ class TacoCluster(ElasticMembers):
         # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
         # stayed stuck in the notebook; the magic says "ready in … s" itself.
         if self.profile.slurm is not None:  # as long as the queue holds the job, then start_timeout
-            from .slurm_engines import wait
+            from .launch.slurm.engines import wait
 
             return wait(self.client, self._engine_launchers[0], self.size, self.start_timeout)
         future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout, interactive=False)
@@ -338,7 +346,7 @@ class TacoCluster(ElasticMembers):
     def engines_alive(self) -> bool:
         engine_sets = self._engine_sets()
         if self.profile.slurm is not None:  # no local process: the job's watcher says whether it ended
-            from .slurm_engines import job_alive
+            from .launch.slurm.engines import job_alive
 
             return bool(engine_sets) and all(job_alive(es) for es in engine_sets)
         return bool(engine_sets) and all(alive(getattr(es, "process", None)) for es in engine_sets)

@@ -16,7 +16,7 @@ from . import rendezvous as _rendezvous
 from .algorithms import allreduce_async
 from .bootstrap import device, init, is_initialized, reinit, shutdown
 from .collectives import REDUCE_OPS, allgather, allreduce, alltoall, barrier, broadcast, broadcast_parameters
-from .compression import parse_compression
+from .compression.compressors import parse_compression
 from .config import configure, settings
 from .progress import progress
 from .topology import Topology

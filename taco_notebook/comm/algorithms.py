@@ -31,14 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import bootstrap, metrics, streams
-from .compression import Compressor, NoneCompressor
+from . import bootstrap, metrics
+from .compression.compressors import Compressor, NoneCompressor
 from .config import check_algorithm, compressor_for, settings
-from .pipeline import Calibration, calibrate, reduce_2d_shm
-from .reduction import all_gather, merge_sends, reduce_scatter, spread
-from .shm import NodeSegment, new_tag
 from .stall import tracked
 from .state import state
+from .transport import streams
+from .transport.pipeline import Calibration, calibrate, reduce_2d_shm
+from .transport.reduction import all_gather, merge_sends, reduce_scatter, spread
+from .transport.shm import NodeSegment, new_tag
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "scale_", "resolve_algorithm", "forget_groups", "comm_thread"]
 

@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from . import bootstrap, streams
+from . import bootstrap
 from .stall import tracked
 from .state import state
+from .transport import streams
 
 if TYPE_CHECKING:
     import torch
@@ -150,7 +151,7 @@ def _gathered_counts(count: int, device: Any) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    from .reduction import all_gather
+    from .transport.reduction import all_gather
 
     mine = torch.tensor([count], dtype=torch.int64, device=device)
     every = mine.new_empty(dist.get_world_size())
@@ -166,7 +167,7 @@ def _allgather_job(tensor: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Fu
     """
     import torch
 
-    from .reduction import all_gather
+    from .transport.reduction import all_gather
 
     _check_tensor(tensor, "allgather")
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()

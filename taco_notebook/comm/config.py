@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .compression import Compressor, compression_from_env, parse_compression
+from .compression.compressors import Compressor, compression_from_env, parse_compression
 from .specs import (
     ALGORITHMS,
     DEFAULT_FUSION_MB,

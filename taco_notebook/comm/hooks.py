@@ -15,9 +15,9 @@ What a stateful compressor keeps (TopK's residuals, PowerSGD's warm-started Q) b
 packs, not to the bucket's index: DDP rebuilds its buckets in gradient-ready order after the first iteration
 (with ``static_graph=True`` too) and again whenever its process group is replaced, and two models may share one
 state. So each distinct set of parameters gets its own allreduce name, described to the compressor
-(:meth:`~taco_notebook.comm.compressor.Compressor.describe_buffer`: PowerSGD then compresses each weight as its
+(:meth:`~taco_notebook.comm.compression.base.Compressor.describe_buffer`: PowerSGD then compresses each weight as its
 own matrix), and when a parameter turns up in a new set, the sets it was in before are forgotten
-(:meth:`~taco_notebook.comm.compressor.Compressor.forget`), so nothing is applied to other parameters and nothing
+(:meth:`~taco_notebook.comm.compression.base.Compressor.forget`), so nothing is applied to other parameters and nothing
 piles up. ``no_sync()`` steps call no hook (the gradients accumulate in place and the next synchronised step
 reduces the sum); ``find_unused_parameters=True`` reduces unused parameters' zero gradients like any other.
 """

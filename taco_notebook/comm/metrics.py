@@ -10,7 +10,7 @@ Recording is a few dict updates per collective (never per element), so it stays 
 A *sender* (``set_sender``) is how snapshots leave the rank while a cell runs: ``step()`` and
 ``taco.progress`` call it at most once per interval with ``{"metrics": snapshot(), "progress": ...}``. Under
 ``%%taco_run`` the engine installs one that sends the payload to the notebook (ipyparallel's datapub, see
-``cluster/engine.py``); under plain ``mpiexec`` there is none and nothing is sent. ``sender()``, ``steps()``
+``cluster/cells/engine.py``); under plain ``mpiexec`` there is none and nothing is sent. ``sender()``, ``steps()``
 and ``progress_state()`` tell that engine side (and ``taco.progress``) what it needs without reaching in here.
 """
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..comm.compression import parse_compression
+from ..comm.compression.compressors import parse_compression
 
 __all__ = ["Compressor", "SpecCompression", "Compression", "spec_of"]
 

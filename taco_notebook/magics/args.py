@@ -169,7 +169,7 @@ def elastic_spec(text: str | None, targets: str | None) -> Any:
         return None
     if targets is not None:
         raise UsageError("--elastic runs on every live rank: leave out --targets")
-    from ..cluster.elastic import parse_elastic
+    from ..cluster.elastic.recovery import parse_elastic
 
     with usage_errors():
         return parse_elastic(text)
@@ -241,9 +241,9 @@ def positive_int(value: str | None, option: str) -> int | None:
 
 def cluster_size(value: str | None, option: str, limit: int | None = None) -> int | None:
     """A rank count given as ``option``: a positive integer within the machine's limit (``limit``, from
-    ``TacoMagics.max_ranks``, else :func:`taco_notebook.cluster.limits.check_size`'s), checked before anything
+    ``TacoMagics.max_ranks``, else :func:`taco_notebook.cluster.launch.limits.check_size`'s), checked before anything
     starts or stops."""
-    from ..cluster.limits import SizeLimitError, check_size
+    from ..cluster.launch.limits import SizeLimitError, check_size
 
     number = positive_int(value, option)
     if number is None:

@@ -12,11 +12,11 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from ..cluster.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
-from ..cluster.profiles import LOCAL, Profile, profile_for
-from ..cluster.registry_writer import track
+from ..cluster.launch.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
+from ..cluster.launch.profiles import LOCAL, Profile, profile_for
+from ..cluster.launch.slurm.options import SlurmOptions
+from ..cluster.registry.writer import track
 from ..cluster.session import TacoCluster, clusters
-from ..cluster.slurm import SlurmOptions
 from ..comm.specs import shm_from_env, timeout_from_env
 from ..errors import ClusterStartError, MPINotFoundError
 from .args import DEFAULT_NP, cluster_size, usage_errors
@@ -76,7 +76,7 @@ def chosen_profile(config: TacoSettings, args: Any, size: int) -> Profile:
 def check_reachable(profile: Profile) -> None:
     """A ClusterStartError naming the hosts of ``profile`` that ssh cannot reach, before anything starts: hydra
     names only an address, and the ranks it already started on the other hosts die without cleaning up."""
-    from ..cluster.sshcheck import unreachable_hosts
+    from ..cluster.launch.sshcheck import unreachable_hosts
 
     failed = unreachable_hosts(profile) if profile.hosts and profile.slurm is None else {}
     if failed:
@@ -180,7 +180,7 @@ def ensure_cluster(name: str, size: int | None, mpiexec: str | None, say: RankOu
 
 def attach_shared(name: str, size: int | None, say: RankOutput) -> TacoCluster | None:
     """The cluster ``name`` started from the sidebar (owned by the Jupyter server), if there is one."""
-    from ..cluster.attach import attach, find_shared
+    from ..cluster.registry.attach import attach, find_shared
 
     model = find_shared(name, wait=START_WAIT_S,
                         on_wait=lambda: say.notice(f"waiting for cluster {name!r}, which the sidebar is starting…"))
@@ -200,9 +200,9 @@ def check_hugepages(cluster: TacoCluster, need: int | None, started: bool) -> No
     it found running, or attached from the sidebar, is left as it was)."""
     if need is None:
         return
-    from ..cluster.attach import AttachedCluster
-    from ..cluster.doctor import HugePagesError, require_hugepages
-    from .doctor import hugepage_nodes
+    from ..cluster.doctor.engines import hugepage_nodes
+    from ..cluster.doctor.report import HugePagesError, require_hugepages
+    from ..cluster.registry.attach import AttachedCluster
 
     try:
         require_hugepages(hugepage_nodes(cluster), need)
@@ -225,7 +225,7 @@ def format_status(cluster: TacoCluster) -> str:
         hosts = ", ".join(sorted({n["host"] for n in status["nodes"]}))
         lines.append(f"  up for {time.time() - status['started_at']:.0f} s; hosts: {hosts}")
     if status["membership"] is not None:
-        from ..cluster.elastic import membership_text
+        from ..cluster.elastic.recovery import membership_text
 
         lines.append(f"  membership: {membership_text(status['membership'])}")
     if cluster.ranks:
@@ -236,7 +236,7 @@ def format_status(cluster: TacoCluster) -> str:
 
 def shared_size(name: str, say: RankOutput | None = None) -> int | None:
     """The size of the sidebar's cluster ``name`` (waiting while the sidebar starts it), or None."""
-    from ..cluster.attach import find_shared
+    from ..cluster.registry.attach import find_shared
 
     model = find_shared(name, wait=START_WAIT_S, on_wait=None if say is None else lambda: say.notice(
         f"waiting for cluster {name!r}, which the sidebar is starting…"))

@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..cluster.run import run_cell, run_script
+from ..cluster.cells.run import run_cell, run_script
 from ..cluster.session import clusters
 from .args import (
     cluster_args,
@@ -174,7 +174,7 @@ class TacoMagics(Magics, TacoSettings):
                               "--elastic cell grows without a restart)")
             cluster.scale(size)
             return
-        from ..cluster.elastic import wait_for_joiners
+        from ..cluster.elastic.recovery import wait_for_joiners
 
         cluster.scale(size)
         pending = wait_for_joiners(cluster)
@@ -219,14 +219,14 @@ class TacoMagics(Magics, TacoSettings):
             return None
         args = parse_argstring(self.taco_doctor, line)
         need = positive_int(args.require_hugepages, "--require-hugepages")
-        from .doctor import show_report
+        from ..cluster.doctor.engines import show_report
         from .doctor_nodes import chosen_report
 
         report = chosen_report(self, args, RankOutput(quiet=args.json))  # --json prints nothing
         if not args.json:
             show_report(report)
         if need is not None:
-            from ..cluster.doctor import HugePagesError, require_hugepages
+            from ..cluster.doctor.report import HugePagesError, require_hugepages
 
             try:
                 require_hugepages(report, need)

@@ -3,7 +3,7 @@ magic shows.
 
 :func:`examine_nodes` starts a temporary cluster with one engine per node through the normal start path
 (:func:`~taco_notebook.magics.clusters.start_cluster`: ssh, hydra and emulated hosts work as for ``%%taco_run``),
-reads it with :func:`~taco_notebook.magics.doctor.cluster_report`, and always stops it. Its own module because
+reads it with :func:`~taco_notebook.cluster.doctor.engines.cluster_report`, and always stops it. Its own module because
 :mod:`.clusters` reads huge pages through :mod:`.doctor`, and this one starts clusters through :mod:`.clusters`.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from ..cluster.doctor import DoctorReport, local_report
-from ..cluster.profiles import Profile
+from ..cluster.doctor.engines import cluster_report, doctor_report
+from ..cluster.doctor.report import DoctorReport, local_report
+from ..cluster.launch.profiles import Profile
 from ..cluster.session import clusters
 from ..errors import ClusterStartError
-from .doctor import cluster_report, doctor_report
 from .output import RankOutput
 
 __all__ = ["examine_nodes", "one_engine_per_node", "chosen_report"]

@@ -1,7 +1,7 @@
 """``%taco_cluster manifest --k8s``: a Kubeflow MPIJob whose ranks are engines of the notebook's controller.
 
 The options are their own parser (``%taco_cluster manifest --help``), so that ``start``'s options stay apart;
-:mod:`taco_notebook.cluster.mpijob` builds and checks the manifest, and its ``MPIJobSpecError`` (naming the
+:mod:`taco_notebook.cluster.launch.mpijob` builds and checks the manifest, and its ``MPIJobSpecError`` (naming the
 option and the fix) becomes a ``UsageError`` here, before anything is written.
 """
 
@@ -58,7 +58,7 @@ def _integer(value: str | None, option: str) -> int | None:
 
 def manifest_text(args: Any) -> str:
     """The YAML for parsed ``args``; bad options (0 GPUs, -np not a multiple of them, …) are UsageErrors."""
-    from ..cluster.mpijob import MPIJobSpec, MPIJobSpecError, build_manifest, to_yaml
+    from ..cluster.launch.mpijob import MPIJobSpec, MPIJobSpecError, build_manifest, to_yaml
 
     if not args.k8s:
         raise UsageError(f"%taco_cluster manifest needs the kind of manifest: {', '.join(MANIFEST_KINDS)} "

@@ -13,8 +13,8 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from ..cluster.run import CellOptions
-from ..cluster.script import Script, load_script
+from ..cluster.cells.run import CellOptions
+from ..cluster.cells.script import Script, load_script
 from ..cluster.session import TacoCluster, clusters
 from .args import (
     DEFAULT_NP,
@@ -115,8 +115,8 @@ def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
     check_hugepages(cluster, need, started=started)
     monitors = [] if mode == "off" else [_cell_dashboard(cluster, targets, mode, capacity)]
     runner = None
-    if elastic is not None:  # the elastic wait loop, which survives a rank's death (cluster/elastic.py)
-        from ..cluster.elastic import run_elastic
+    if elastic is not None:  # the elastic wait loop, which survives a rank's death (cluster/elastic/recovery.py)
+        from ..cluster.elastic.recovery import run_elastic
 
         runner = partial(run_elastic, spec=elastic)
     options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,

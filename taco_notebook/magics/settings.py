@@ -54,9 +54,9 @@ from typing import Any
 from traitlets import Bool, Float, Int, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
-from ..cluster.mpi import LAUNCHERS
-from ..cluster.profiles import PROFILES
-from ..cluster.slurm import check_count, check_partition, check_time
+from ..cluster.launch.mpi import LAUNCHERS
+from ..cluster.launch.profiles import PROFILES
+from ..cluster.launch.slurm.options import check_count, check_partition, check_time
 from ..comm.placement import GPU_MODES
 
 __all__ = ["TacoSettings", "RANK_SETTINGS", "CLUSTER_ENV", "KERNEL_ENV", "SLURM_SETTINGS", "check_setting",
@@ -75,7 +75,7 @@ def _algorithm(value: Any, what: str) -> str:
 
 
 def _compression(value: Any, what: str) -> str:
-    from ..comm.compression import parse_compression
+    from ..comm.compression.compressors import parse_compression
 
     return parse_compression(value).name  # its message names the spec and what is accepted
 
@@ -112,7 +112,7 @@ def _dashboard_modes() -> tuple[str, ...]:
 
 
 def _hosts(value: Any, what: str) -> str:
-    from ..cluster.profiles import parse_hosts
+    from ..cluster.launch.profiles import parse_hosts
 
     parse_hosts(str(value), what)  # a ProfileError (a ValueError) naming the entry and the form
     return str(value)

@@ -7,10 +7,10 @@ Two kinds of cluster, one list:
   carries out between cells; until then the model shows it as ``pending``. An entry whose kernel died is
   removed as soon as it is read if nothing of its cluster runs any more; otherwise it is ``stale``, its
   ``error`` says how many processes are left, and deleting it kills those that prove to be the cluster's
-  (see :func:`~taco_notebook.cluster.registry_files.discard_stale`), never a pid merely named in the file.
+  (see :func:`~taco_notebook.cluster.registry.files.discard_stale`), never a pid merely named in the file.
 - server-owned (``POST /clusters``): plain :class:`TacoCluster` objects in this process, started, stopped and
   scaled in worker threads (never on the server's event loop), written to the registry by
-  :func:`~taco_notebook.cluster.registry_writer.track`, and all stopped by :meth:`ClusterManager.shutdown`
+  :func:`~taco_notebook.cluster.registry.writer.track`, and all stopped by :meth:`ClusterManager.shutdown`
   (the extension's shutdown hook, :class:`~taco_notebook.server.handlers.TacoServerExtension`). Their state
   (pending action, last error) lives on the cluster; the manager keeps only a dict of them by id.
 
@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..cluster import registry_files
 from ..cluster.describe import new_cluster_id
-from ..cluster.limits import SizeLimitError, max_ranks
+from ..cluster.launch.limits import SizeLimitError, max_ranks
 from ..cluster.private import UnsafeDirectoryError
-from ..cluster.registry_writer import track
+from ..cluster.registry import files as registry_files
+from ..cluster.registry.writer import track
 from ..cluster.session import TacoCluster
 from ..model import ClusterList, ClusterModel
 from .requests import (
@@ -64,7 +64,7 @@ Body = bytes | str | Mapping[str, Any]
 
 class ClusterManager:
     """Lists, starts, stops and scales clusters; ``registry_dir`` defaults to
-    :func:`~taco_notebook.cluster.registry_files.registry_dir`."""
+    :func:`~taco_notebook.cluster.registry.files.registry_dir`."""
 
     def __init__(self, registry_dir: str | os.PathLike[str] | None = None, max_workers: int = 4) -> None:
         self.directory: Path = registry_files.registry_dir(registry_dir)

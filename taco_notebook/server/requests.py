@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..cluster.limits import SizeLimitError, check_size
+from ..cluster.launch.limits import SizeLimitError, check_size
 from ..model import ScaleRequest, StartRequest
 
 __all__ = [

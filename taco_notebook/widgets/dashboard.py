@@ -1,6 +1,6 @@
 """The live dashboard under a ``%%taco_run`` cell: status line, one progress bar for all ranks, bokeh plots.
 
-``cluster/run.py`` reads what the engines publish (``{"metrics": snapshot, "progress": state}`` per rank) and
+``cluster/cells/run.py`` reads what the engines publish (``{"metrics": snapshot, "progress": state}`` per rank) and
 hands it to a :class:`CellDashboard`, which decides how to show it:
 
 * ``widget``: an ipywidgets ``VBox`` (status ``HTML``, ``IntProgress`` + label, and the plots in one
@@ -311,7 +311,7 @@ class CellDashboard:
         self.dashboard.update(payloads, running=len(running), elapsed=time.monotonic() - self.started)
 
     def membership_changed(self, text: str, node_of_rank: Mapping[int, int]) -> None:
-        """Shown on the status line: the ranks an elastic cell lost or gained (cluster/elastic.py)."""
+        """Shown on the status line: the ranks an elastic cell lost or gained (cluster/elastic/recovery.py)."""
         self.node_of_rank = dict(node_of_rank)
         if self.dashboard is not None:
             self.dashboard.membership_changed(text, node_of_rank)

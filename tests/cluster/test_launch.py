@@ -18,7 +18,7 @@ from taco_notebook.__main__ import main
 from taco_notebook.cluster.session import clusters
 
 from ..conftest import session_processes
-from ..mpirun import kill_session, mpi_env, run_in_session
+from ..support.mpirun import kill_session, mpi_env, run_in_session
 
 pytestmark = pytest.mark.cluster
 
@@ -40,7 +40,9 @@ if "--sleep" in sys.argv:
 
 
 def launch(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m taco_notebook launch ARGS``; past ``timeout`` it and its cluster are killed (tests/mpirun.py)."""
+    """``python -m taco_notebook launch ARGS``; past ``timeout`` it and its cluster are killed
+    (tests/support/mpirun.py).
+    """
     return run_in_session([sys.executable, "-m", "taco_notebook", "launch", *args], cwd=cwd, timeout=timeout,
                           env=mpi_env())
 

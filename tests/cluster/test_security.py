@@ -25,10 +25,10 @@ import psutil
 import pytest
 from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures: jp_fetch, jp_serverapp, ...)
 
-from taco_notebook.cluster import registry_files as registry
-from taco_notebook.cluster import registry_writer
-from taco_notebook.cluster.limits import max_ranks
+from taco_notebook.cluster.launch.limits import max_ranks
 from taco_notebook.cluster.private import UnsafeDirectoryError, check_private_dir
+from taco_notebook.cluster.registry import files as registry
+from taco_notebook.cluster.registry import writer as registry_writer
 from taco_notebook.cluster.session import TacoCluster, clusters
 from taco_notebook.server.manager import ClusterManager, UnsafeRegistry
 from taco_notebook.server.requests import MAX_BODY_BYTES
@@ -36,7 +36,7 @@ from taco_notebook.server.requests import MAX_BODY_BYTES
 from ..conftest import cluster_pids
 from ..server import test_server
 from ..server.test_server import API, Fetch
-from .test_registry import dead_pid, make_entry, wait_for
+from .registry.test_registry import dead_pid, make_entry, wait_for
 
 # the REST fixtures of test_server.py (a server with the extension, its manager, a registry of the test's own)
 api, manager, registry_dir, jp_server_config = (test_server.api, test_server.manager, test_server.registry_dir,
@@ -65,7 +65,7 @@ def sleep_process() -> Iterator[psutil.Process]:
 # ------------------------------------------------------------------------------------------ private files
 _FRESH_HOME_JOB = textwrap.dedent("""
     import json, os, subprocess, sys
-    from taco_notebook.cluster.registry_writer import track
+    from taco_notebook.cluster.registry.writer import track
     from taco_notebook.cluster.session import TacoCluster, clusters
     home, as_root = sys.argv[1], sys.argv[2] == "1"
     cluster = track(TacoCluster("modes", 2))
@@ -369,7 +369,7 @@ def test_a_kernels_cluster_names_its_notebook_and_server(api: Fetch, jp_serverap
 def test_a_rank_maps_no_segment_it_does_not_own_or_that_is_a_symlink(tmp_path: Path) -> None:
     """What rank 0 names (a hugetlbfs or /dev/shm path) is opened with O_NOFOLLOW and refused if another user owns
     it: a file planted under the expected name in a shared mount is never mapped."""
-    from taco_notebook.comm.shm import _open_own
+    from taco_notebook.comm.transport.shm import _open_own
 
     own = tmp_path / "own"
     own.write_bytes(b"\0" * 16)

@@ -10,7 +10,7 @@ import pytest
 
 from taco_notebook.comm.topology import Topology, intra_size_from_env
 
-from ..mpirun import run_in_session, run_mpi
+from ..support.mpirun import run_in_session, run_mpi
 
 
 @pytest.mark.parametrize("n, intra, expect", [
@@ -63,7 +63,8 @@ def test_rank_wrapper_reports_the_rank_that_died(mpiexec, tmp_path):
                       "if os.environ['PMI_RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
                       "time.sleep(30)\n")
     result = run_in_session(
-        [mpiexec, "-n", "2", sys.executable, "-m", "taco_notebook.cluster.rankwrap", sys.executable, str(script)],
+        [mpiexec, "-n", "2", sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap", sys.executable,
+         str(script)],
         timeout=60)
     assert result.returncode != 0
     marker = [line for line in result.stderr.splitlines() if line.startswith("TACO-RANK-EXIT")]

@@ -1,4 +1,4 @@
-"""Tests of taco_notebook.comm.compression on real torch tensors (single process, no ranks needed)."""
+"""Tests of taco_notebook.comm.compression.compressors on real torch tensors (single process, no ranks needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from taco_notebook.comm.compression import (
+from taco_notebook.comm.compression.compressors import (
     DEFAULT_TOPK_THRESHOLD,
     BF16Compressor,
     CompressionStats,

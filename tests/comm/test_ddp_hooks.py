@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ..mpirun import run_mpi
+from ..support.mpirun import run_mpi
 
 
 def test_ddp_hook_follows_buckets_and_keeps_replicas_identical(mpiexec):

@@ -10,7 +10,7 @@ import pytest
 
 from taco_notebook.errors import RankFailedError
 
-from ..mpirun import SCRIPTS, mpi_env, run_in_session
+from ..support.mpirun import SCRIPTS, mpi_env, run_in_session
 
 # How long after rank 1 raises the job may take to end. The abort ends it in about 1-5 s, but MPI_Abort and
 # hydra's teardown were once seen to take 29 s on 2 cores shared with other jobs. What the limit tells apart is

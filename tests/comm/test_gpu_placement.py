@@ -21,7 +21,7 @@ from taco_notebook.comm import hardware, placement
 from taco_notebook.comm.mpicheck import launcher_size, mismatch_message
 from taco_notebook.comm.placement import PlacementError, backend_for, check_gpus, decide, launcher_local
 
-from ..mpirun import run_in_session
+from ..support.mpirun import run_in_session
 
 SCRIPTS = Path(__file__).parents[1] / "mpi"
 

@@ -8,8 +8,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from ..hugepages import NEEDS_ROOT, NR_HUGEPAGES, hugepages_restored, hugetlbfs_dir, mount_hugetlbfs, reserve_hugepages
-from ..mpirun import run_mpi
+from ..support.hugepages import (
+    NEEDS_ROOT,
+    NR_HUGEPAGES,
+    hugepages_restored,
+    hugetlbfs_dir,
+    mount_hugetlbfs,
+    reserve_hugepages,
+)
+from ..support.mpirun import run_mpi
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
 

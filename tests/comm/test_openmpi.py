@@ -1,6 +1,6 @@
 """The rank-side tests under Debian's Open MPI, and the MPI-mismatch check against a real mismatch.
 
-Open MPI is unpacked privately (``tests/openmpi.py``), never installed: a system Open MPI would change which
+Open MPI is unpacked privately (``tests/support/openmpi.py``), never installed: a system Open MPI would change which
 library mpi4py loads for every other process here. Needs root (apt-get) and the Debian mirror; skips saying so.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from taco_notebook.cluster.mpi import find_mpi, mpi4py_environment
+from taco_notebook.cluster.launch.mpi import find_mpi, mpi4py_environment
 
-from ..mpirun import run_in_session
-from ..openmpi import OpenMPI, prepare_openmpi
+from ..support.mpirun import run_in_session
+from ..support.openmpi import OpenMPI, prepare_openmpi
 
 SCRIPTS = Path(__file__).parents[1] / "mpi"
 # one write() per rank, so the ranks' lines cannot interleave in mpiexec's output

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from taco_notebook.comm.config import configure, settings
-from taco_notebook.comm.pipeline import Calibration, _timed, chunk_bounds
 from taco_notebook.comm.specs import check_chunk_mb, chunk_mb_from_env
+from taco_notebook.comm.transport.pipeline import Calibration, _timed, chunk_bounds
 
 
 def test_chunks_cover_the_buffer_in_multiples_of_the_local_size() -> None:
@@ -76,7 +76,7 @@ def test_configure_sets_and_resets_the_chunk_size(monkeypatch: pytest.MonkeyPatc
 def test_a_dropped_optimizer_is_freed(mpiexec: str) -> None:
     """Rebuilding a DistributedOptimizer in a notebook cell must not keep the old one's buffers (the train
     benchmark's ranks grew ~450 MB per variant until one was OOM-killed)."""
-    from tests.mpirun import run_mpi
+    from tests.support.mpirun import run_mpi
 
     result = run_mpi(mpiexec, 1, "optimizer_release.py", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -7,16 +7,16 @@ import re
 import pytest
 import torch
 
-from taco_notebook.comm.compression import PowerSGDCompressor, parse_compression
-from taco_notebook.comm.config import compressor_for
-from taco_notebook.comm.powersgd import (
+from taco_notebook.comm.compression.compressors import PowerSGDCompressor, parse_compression
+from taco_notebook.comm.compression.powersgd import (
     DEFAULT_POWERSGD_MIN_SIZE,
     DEFAULT_POWERSGD_WARMUP,
     PowerSGDContext,
     matrix_shape,
 )
+from taco_notebook.comm.config import compressor_for
 
-from ..mpirun import run_mpi
+from ..support.mpirun import run_mpi
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -240,11 +240,11 @@ def test_taco_run_compression_powersgd(ip):
     assert value[2] < 1e-4
 
 
-# --- 2D shards cut on rows (taco_notebook/comm/layout.py) ---------------------------------------------------
+# --- 2D shards cut on rows (taco_notebook/comm/compression/layout.py)
 
 
 def test_row_cuts_round_equal_shares_to_row_boundaries() -> None:
-    from taco_notebook.comm.layout import pieces, row_cuts
+    from taco_notebook.comm.compression.layout import pieces, row_cuts
 
     # a bucket as DistributedOptimizer packs an MLP (reversed): fc2.bias, fc2.weight, fc1.bias, fc1.weight
     shapes = [(1,), (1, 64), (64,), (64, 32)]

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ..mpirun import SCRIPTS, kill_session
+from ..support.mpirun import SCRIPTS, kill_session
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 from taco_notebook.comm.config import configure, settings
 from taco_notebook.comm.specs import DEFAULT_STALL_TIMEOUT_S, stall_timeout_from_env
 
-from ..mpirun import run_mpi
+from ..support.mpirun import run_mpi
 
 STALL_S = 3.0
 SLACK_S = 3.0  # a loaded 2-core machine: the watchdog's wake-up and tearing the group down (about 0.5 s)

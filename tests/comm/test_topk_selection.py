@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from taco_notebook.comm.compression import TopKCompressor, TopKState, _sparse_nonzero, _top_indices
+from taco_notebook.comm.compression.compressors import TopKCompressor, TopKState, _sparse_nonzero, _top_indices
 
 
 def _data(layout: str, n: int, seed: int = 7) -> torch.Tensor:

@@ -2,7 +2,7 @@
 emulated nodes, so the 2D allreduce runs underneath), the Horovod-style example programs, and the pure parts.
 
 One ``mpiexec`` per rank count runs both rank scripts (tests/mpi/horovod_api.py, horovod_training.py), which
-keeps this module at well under a minute of the suite. A run that overruns is killed whole (tests/mpirun.py).
+keeps this module at well under a minute of the suite. A run that overruns is killed whole (tests/support/mpirun.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 import taco_notebook.horovod as hvd
 
-from ..mpirun import mpi_env, run_in_session
+from ..support.mpirun import mpi_env, run_in_session
 
 ROOT = Path(__file__).parents[2]
 SCRIPTS = ROOT / "tests" / "mpi"
@@ -28,7 +28,7 @@ EXAMPLES = ROOT / "examples" / "scripts"
 def run_ranks(mpiexec: str, n: int, argv: list[str], env: dict[str, str] | None = None,
               timeout: float = 150) -> subprocess.CompletedProcess[str]:
     """``mpiexec -n N python ARGV``; on timeout mpiexec and every process it started are killed before the test
-    fails (tests/mpirun.py)."""
+    fails (tests/support/mpirun.py)."""
     return run_in_session([mpiexec, "-n", str(n), sys.executable, *argv], env=mpi_env(env), timeout=timeout)
 
 

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from taco_notebook.cluster.emulated_hosts import EmulatedHosts
+from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import ClusterStartError
 from taco_notebook.magics.output import RankOutput
 
-from ..cluster.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
+from ..cluster.launch.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
 from ..conftest import REPO
-from ..slurm import slurm  # noqa: F401 - the fixture
+from ..support.slurm import slurm  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.cluster
 LINK_GBIT = 1.0  # the emulated fixture's --link rate
@@ -84,7 +84,7 @@ class _InterruptWhenReading(RankOutput):
 
 @pytest.mark.timeout(300, method="signal")
 def test_ctrl_c_while_reading_stops_the_temporary_cluster(capsys, sigint_as_in_a_kernel) -> None:
-    from taco_notebook.cluster.profiles import profile_for
+    from taco_notebook.cluster.launch.profiles import profile_for
     from taco_notebook.magics.doctor_nodes import examine_nodes
 
     with pytest.raises(KeyboardInterrupt):

@@ -121,7 +121,7 @@ def test_a_killed_kernel_leaves_nothing_running(kernel, tmp_path):
                              "import json; print(json.dumps(sorted(clusters['orphaned'].shared_memory)))")
     started = {pid: cmd for pid, cmd in session_processes().items() if pid not in before}
     assert any("ipyparallel.engine" in cmd for cmd in started.values())
-    assert any("taco_notebook.cluster.reaper" in cmd for cmd in started.values())
+    assert any("taco_notebook.cluster.registry.reaper" in cmd for cmd in started.values())
     assert [p.name for p in registry.glob("*.json")], "the cluster was not written to the registry"
     kernel_pid = manager.provisioner.pid
     client.stop_channels()

@@ -247,7 +247,7 @@ def test_engines_that_fail_to_start_stop_everything_and_say_why(ip, tmp_path):
 
 
 def test_no_mpiexec_on_path_says_how_to_install(ip, monkeypatch, tmp_path):
-    import taco_notebook.cluster.mpi as mpi
+    import taco_notebook.cluster.launch.mpi as mpi
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(mpi.sys, "executable", str(tmp_path / "python"))

@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 
 from taco_notebook.cluster.session import clusters
 
-from ..hugepages import NEEDS_ROOT, NR_HUGEPAGES, POOL_2M, hugepages_restored, reserve_hugepages
+from ..support.hugepages import NEEDS_ROOT, NR_HUGEPAGES, POOL_2M, hugepages_restored, reserve_hugepages
 
 pytestmark = pytest.mark.cluster
 

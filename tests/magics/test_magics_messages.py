@@ -12,8 +12,8 @@ import pytest
 from ipyparallel.error import RemoteError
 from IPython.core.error import UsageError
 
-from taco_notebook.cluster.limits import MAX_RANKS_ENV, max_ranks
-from taco_notebook.cluster.reporting import error_kinds, error_line, ranks_phrase
+from taco_notebook.cluster.cells.reporting import error_kinds, error_line, ranks_phrase
+from taco_notebook.cluster.launch.limits import MAX_RANKS_ENV, max_ranks
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import RankFailedError
 

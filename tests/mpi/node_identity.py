@@ -1,4 +1,5 @@
-"""Run by ``mpiexec`` on emulated hosts (tests/cluster/test_emulate_cli.py): each rank writes OUTDIR/<rank>.json.
+"""Run by ``mpiexec`` on emulated hosts (tests/cluster/emulated/test_emulate_cli.py): each rank writes
+OUTDIR/<rank>.json.
 
 It records where it runs (hostname, network namespace, the interface gloo uses, its node and local rank as
 :mod:`taco_notebook.comm` sees them) and the result of a real allreduce over the shaped links. Files, not

@@ -11,8 +11,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import taco_notebook.comm as taco
+from taco_notebook.comm.compression.powersgd import PowerSGDCompressor
 from taco_notebook.comm.config import compressor_for
-from taco_notebook.comm.powersgd import PowerSGDCompressor
 
 torch.set_num_threads(1)
 r, n = taco.rank(), taco.size()

@@ -28,15 +28,15 @@ from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
 import taco_notebook
-from taco_notebook.cluster import registry_files as registry
-from taco_notebook.cluster.limits import max_ranks
-from taco_notebook.cluster.registry_writer import track
+from taco_notebook.cluster.launch.limits import max_ranks
+from taco_notebook.cluster.registry import files as registry
+from taco_notebook.cluster.registry.writer import track
 from taco_notebook.cluster.session import TacoCluster
 from taco_notebook.server import MANAGER_SETTING, handlers
 from taco_notebook.server.manager import ClusterManager
 
-from ..cluster import test_registry
-from ..cluster.test_registry import dead_pid, make_entry, wait_for
+from ..cluster.registry import test_registry
+from ..cluster.registry.test_registry import dead_pid, make_entry, wait_for
 
 sleeper = test_registry.sleeper  # a fixture: processes that stand in for a dead kernel's leftovers
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from taco_notebook.cluster import registry_files as registry
+from taco_notebook.cluster.registry import files as registry
 from taco_notebook.server.manager import BadRequest, ClusterManager, Conflict, NotFound
 from taco_notebook.server.requests import parse_scale_request, parse_start_request
 
-from ..cluster import test_registry
-from ..cluster.test_registry import dead_pid, make_entry
+from ..cluster.registry import test_registry
+from ..cluster.registry.test_registry import dead_pid, make_entry
 
 sleeper = test_registry.sleeper  # a fixture: processes that stand in for a dead kernel's leftovers
 
@@ -38,7 +38,7 @@ def test_server_package_and_manager_import_no_tornado() -> None:
     """The package is imported on every MPI rank, the manager by tests and kernels: neither may pull in tornado."""
     # changed with issue 12: the extension point names its app's factory (an ExtensionApp gets a shutdown call)
     code = ("import sys, taco_notebook, taco_notebook.server, taco_notebook.server.manager, "
-            "taco_notebook.cluster.registry_writer, taco_notebook.cluster.session\n"
+            "taco_notebook.cluster.registry.writer, taco_notebook.cluster.session\n"
             "assert taco_notebook._jupyter_server_extension_points() == [{'module': 'taco_notebook.server', "
             "'app': taco_notebook.server.extension_app}]\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tornado', 'jupyter_server')))")

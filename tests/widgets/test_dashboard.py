@@ -9,7 +9,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import taco_notebook
-from taco_notebook.cluster.run import CellOptions, run_cell
+from taco_notebook.cluster.cells.run import CellOptions, run_cell
 from taco_notebook.errors import RankFailedError, TacoError
 from taco_notebook.magics.output import RankOutput
 from taco_notebook.widgets import dashboard as dashboard_module
@@ -135,7 +135,7 @@ def test_taco_dashboard_before_any_run_says_what_makes_one(monkeypatch):
 
 
 def test_the_registry_entry_shows_the_running_cell_and_its_step(shared_cluster):
-    from taco_notebook.cluster import registry_files as registry
+    from taco_notebook.cluster.registry import files as registry
 
     seen = []
 
@@ -155,7 +155,7 @@ def test_the_registry_entry_shows_the_running_cell_and_its_step(shared_cluster):
 def test_the_sidebar_and_the_dashboard_show_the_same_progress_of_real_ranks(shared_cluster, monkeypatch):
     """Ranks that run at different speeds (no collective holds them together): at every poll the registry's ``run``
     (what the sidebar shows) and the dashboard's bar both show the slowest rank's count."""
-    from taco_notebook.cluster import reporting
+    from taco_notebook.cluster.cells import reporting
     from taco_notebook.model import cell_progress
     from taco_notebook.widgets.dashboard import CellDashboard
 

@@ -1,0 +1,104 @@
+"""Report a cell: tell the cluster registry (and so the JupyterLab sidebar) what runs on a cluster and how far it
+got, and word the one-line summaries of how it failed (which ranks, which error)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...model import RunModel
+    from ..session import TacoCluster
+
+__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds", "stalled_ranks"]
+
+SNIPPET_CHARS = 120
+WRITE_EVERY_S = 1.0  # the sidebar polls every ~2 s: writing the entry more often would only cost the kernel
+
+
+def cell_snippet(code: str) -> str:
+    """The first non-blank line of a cell, shortened: what the sidebar shows as the current run."""
+    line = next((line.strip() for line in code.splitlines() if line.strip()), "")
+    return line if len(line) <= SNIPPET_CHARS else line[: SNIPPET_CHARS - 1] + "…"
+
+
+class RegistryRun:
+    """A cell monitor: writes ``run`` (cell, step, total, samples/s) into the cluster's registry entry at most
+    once a second, and clears it when the cell ends. It reads what the ranks publish but does not ask them to
+    publish: with ``--no-dashboard`` the sidebar shows the cell and its start time only."""
+
+    wants_metrics = False
+
+    def __init__(self, cluster: TacoCluster, code: str) -> None:
+        self.cluster = cluster
+        self.run: RunModel = {"cell": cell_snippet(code), "started_at": time.time(), "step": 0, "total": None,
+                         "samples_per_s": None}  # fmt: skip
+        self.written = time.monotonic()
+        cluster.set_run(self.run)
+
+    def update(self, payloads: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> None:
+        now = time.monotonic()
+        if now - self.written < WRITE_EVERY_S:
+            return
+        from ...model import cell_progress  # the dashboard's definition too: the slowest rank's step
+
+        progress = cell_progress(payloads)
+        self.run = {"cell": self.run["cell"], "started_at": self.run["started_at"], "step": progress["step"],
+                    "total": progress["total"], "samples_per_s": progress["samples_per_s"]}  # fmt: skip
+        self.written = now
+        self.cluster.set_run(self.run)
+
+    def finish(self, outcome: str) -> None:
+        self.cluster.set_run(None)
+
+
+SUMMARY_ERROR_CHARS = 100  # an error's message in a one-line failure summary is cut to this
+
+
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1, 3``: the subject of a summary's clause, with the right number.
+
+    >>> ranks_phrase([3]), ranks_phrase([3, 0])
+    ('rank 3', 'ranks 0, 3')
+    """
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(rank) for rank in sorted(ranks))
+
+
+def were(ranks: Sequence[int]) -> str:
+    """The verb that goes with :func:`ranks_phrase`."""
+    return "was" if len(ranks) == 1 else "were"
+
+
+def error_line(error: Any) -> str:
+    """``ValueError: bad shard``: a remote error's name and the first line of its message, cut to a line."""
+    name = getattr(error, "ename", None) or type(error).__name__
+    lines = str(getattr(error, "evalue", "") or "").strip().splitlines()
+    text = f"{name}: {lines[0].strip()}" if lines else name
+    more = len(lines) > 1
+    if len(text) > SUMMARY_ERROR_CHARS:
+        text, more = text[: SUMMARY_ERROR_CHARS - 1], True
+    return text + "…" if more else text
+
+
+def error_kinds(errors: Mapping[int, Any]) -> str:
+    """The distinct errors of the other failed ranks, each once: ``RuntimeError: Connection closed by peer``;
+    which ranks raised which when they differ."""
+    by_text: dict[str, list[int]] = {}
+    for rank, error in sorted(errors.items()):
+        by_text.setdefault(error_line(error), []).append(rank)
+    if len(by_text) == 1:
+        return next(iter(by_text))
+    return "; ".join(f"{ranks_phrase(ranks)}: {text}" for text, ranks in by_text.items())
+
+
+def stalled_ranks(errors: Mapping[int, Any]) -> list[int]:
+    """The ranks that the ranks' StallErrors name as never having entered the stalled collective: what a cell's
+    summary says stalled (the message is cut to a line, and a rank names at most its own view)."""
+    from ...errors import StallError
+
+    named = {rank for error in errors.values() if getattr(error, "ename", None) == "StallError"
+             for rank in StallError.missing_in(str(getattr(error, "evalue", "")))}
+    return sorted(named)

@@ -1,0 +1,398 @@
+"""Run one cell (or a script, :func:`run_script`) on the ranks of a TacoCluster: stream output, notice failure,
+never hang.
+
+The wait loop polls, every few tens of milliseconds, four things: the cell's result, the engines' output, the
+mpiexec process (a rank that dies takes it down) and the deadline. When something goes wrong it climbs one
+ladder, the same for Ctrl-C, ``--timeout`` and a rank that raised while its peers still run:
+
+1. the torch process group of ranks that already finished is shut down, so peers blocked in a collective
+   waiting for them fail at once instead of after the 30-minute collective timeout;
+2. SIGINT goes to the ranks still running;
+3. ranks still running a few seconds later are killed; the next cell gets a fresh cluster.
+
+Whatever happened, the next cell on a live cluster first rebuilds the process group on every rank.
+
+While the cell runs, what the engines send (metric snapshots and ``taco.progress`` counts, see
+``cluster/cells/engine.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
+``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome.
+
+Everything but the user's cell reaches the engines as a call into ``cluster/cells/engine.py`` (``view.apply``);
+the value of the cell's last expression is captured and brought back by ``cluster/cells/result.py``. The cell's
+per-rank state is read through ipyparallel's public API: ``AsyncResult.metadata`` (each rank's output, live)
+and ``AsyncResult.split()`` (one AsyncResult per rank, each done when its rank is).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from ipyparallel.error import RemoteError
+
+from ...errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
+from ..session import TacoCluster
+from . import engine
+from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, were
+from .result import capture_last_expression, unwrap_result
+from .script import Script
+
+__all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
+
+log = logging.getLogger("taco_notebook")
+
+POLL_S = 0.05
+REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every engine.SEND_S)
+
+
+class CellMonitor(Protocol):
+    """Watches a running cell: ``update`` with every rank's latest payload, ``finish`` once.
+
+    The ranks send metrics only if some monitor ``wants_metrics``; the others read what comes.
+    """
+
+    wants_metrics: bool
+
+    def update(self, payloads: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> None: ...
+    def finish(self, outcome: str) -> None: ...
+
+
+@dataclass
+class CellOptions:
+    targets: list[int] | None = None
+    timeout: float | None = None
+    gather: bool = False
+    interrupt_grace: float = 2.5  # seconds ranks get to honour SIGINT before they are killed
+    failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
+    settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
+    monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
+    runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
+
+
+class OutputSink(Protocol):
+    def stream(self, rank: int, name: str, text: str) -> None: ...
+    def display(self, rank: int, content: dict[str, Any]) -> None: ...
+    def notice(self, text: str) -> None: ...
+    def warn(self, text: str) -> None: ...
+    def flush(self) -> None: ...
+
+
+class _CellRun:
+    def __init__(self, cluster: TacoCluster, options: CellOptions, sink: OutputSink) -> None:
+        self.cluster = cluster
+        self.options = options
+        self.sink = sink
+        self.targets = options.targets if options.targets is not None else [r.rank for r in cluster.ranks]
+        self.engines = cluster.engine_ids(self.targets)  # the targets' engine ids (differ after an elastic change)
+        self.shown: dict[tuple[int, str], int] = {}  # (rank, stdout/stderr/outputs) -> how much was shown
+        self.errors: dict[int, Any] = {}
+        self.shut_down_pg: set[int] = set()
+        self.started = 0.0
+        self.failure_deadline: float | None = None
+        self.killed: list[int] = []
+        self.ar: Any = None
+        self.parts: dict[int, Any] = {}  # rank -> its own AsyncResult (ar.split())
+        self.reported_at = 0.0
+        self.reported: dict[int, int] = {}  # rank -> id() of the payload last handed to the monitors
+        self.sending = any(m.wants_metrics for m in options.monitors)
+        self.origin: str | None = None  # a script's path: its tracebacks are shown from its first frame
+
+    # ---------------------------------------------------------------- output
+    def drain(self) -> None:
+        """Show what arrived since the last call. The client appends every rank's output to the result's
+        metadata as it comes; reading from there (not from iopub callbacks registered after submission)
+        cannot lose what a fast rank printed before we looked."""
+        for rank, md in zip(self.targets, self.ar.metadata, strict=True):
+            for name in ("stdout", "stderr"):
+                text = md[name]
+                seen = self.shown.get((rank, name), 0)
+                if len(text) > seen:
+                    self.shown[(rank, name)] = len(text)
+                    self.sink.stream(rank, name, text[seen:])
+            outputs = md["outputs"]
+            seen = self.shown.get((rank, "outputs"), 0)
+            for content in outputs[seen:]:
+                self.sink.display(rank, content)
+            self.shown[(rank, "outputs")] = len(outputs)
+
+    def report(self, force: bool = False) -> None:
+        """Hand the monitors every rank's latest payload, at most every REPORT_S unless ``force``."""
+        if not self.options.monitors or self.ar is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.reported_at < REPORT_S:
+            return
+        self.reported_at = now
+        payloads = {rank: md["data"][engine.KEY] for rank, md in zip(self.targets, self.ar.metadata, strict=True)
+                    if engine.KEY in md["data"]}  # fmt: skip
+        fresh = {rank: id(payload) for rank, payload in payloads.items()}
+        if fresh == self.reported:
+            return
+        self.reported = fresh
+        running = self.running()
+        for monitor in self.options.monitors:
+            monitor.update(payloads, running)
+
+    def finish_monitors(self, error: BaseException | None) -> None:
+        """The final picture: the engines' last payloads, and how the cell ended."""
+        if not self.options.monitors:
+            return
+        self.report(force=True)
+        outcome = _outcome(error)
+        for monitor in self.options.monitors:
+            monitor.finish(outcome)
+
+    # ---------------------------------------------------------------- states
+    def running(self) -> list[int]:
+        return [rank for rank, part in self.parts.items() if not part.ready()]
+
+    def outcomes(self) -> dict[int, Any]:
+        """What each finished rank's cell returned: an ExecuteReply, or a RemoteError where it raised.
+
+        Read from the rank's own AsyncResult (the client's ``results`` cache is purged as soon as a message
+        and its output are in, so it cannot be polled). ``split()`` hands a one-rank cell its own AsyncResult,
+        whose result is a list of one.
+        """
+        found = {}
+        for rank, part in self.parts.items():
+            if part.ready():
+                value = part.get(0, return_exceptions=True)
+                found[rank] = value[0] if part is self.ar else value
+        return found
+
+    def collect_errors(self) -> None:
+        for rank, result in self.outcomes().items():
+            if rank in self.errors:
+                continue
+            if getattr(result, "ename", None) == "EngineError":  # the hub saw the engine process go
+                self.engine_died()
+            if isinstance(result, RemoteError):
+                self.errors[rank] = result
+                if self.failure_deadline is None:
+                    self.failure_deadline = time.monotonic() + self.options.failure_grace
+                if len(self.errors) == 1 and self.running():
+                    self.sink.warn(f"rank {rank} raised {error_line(result)}; waiting for the other ranks")
+
+    def release_peers(self) -> None:
+        """Shut the process group down on finished ranks so peers blocked on them fail fast (ladder step 1)."""
+        finished = [r for r in self.targets if r not in self.running() and r not in self.shut_down_pg]
+        if not finished or not self.running():
+            return
+        self.shut_down_pg.update(finished)
+        self.cluster.needs_reinit = True
+        self.cluster.client[self.cluster.engine_ids(finished)].apply_async(engine.abort)
+
+    def check_alive(self) -> None:
+        if not self.cluster.engines_alive():
+            self.engine_died()
+
+    def engine_died(self) -> None:
+        """Report which rank died and how, shut the cluster down, raise RankDiedError."""
+        deadline = time.monotonic() + 5  # mpiexec takes the other ranks down a moment after the first
+        while self.cluster.engines_alive() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self.drain()
+        self.sink.flush()
+        error = self.cluster.died_error(finished=self.completed())
+        self.cluster.stop()
+        raise error
+
+    def completed(self) -> list[int]:
+        """Ranks whose cell ended on its own (the hub fails a dead engine's task with EngineError)."""
+        return [rank for rank, result in self.outcomes().items() if getattr(result, "ename", None) != "EngineError"]
+
+    # ---------------------------------------------------------------- main
+    def wait_until(self, deadline: float | None) -> bool:
+        """Poll until done (True), or until ``deadline`` or the failure grace runs out (False)."""
+        while not self.ar.ready():
+            self.check_alive()
+            self.drain()
+            self.report()
+            self.collect_errors()
+            if self.errors:
+                self.release_peers()
+            limit = deadline if self.failure_deadline is None else _earliest(deadline, self.failure_deadline)
+            if limit is not None and time.monotonic() >= limit:
+                return False
+            self.ar.wait(POLL_S)  # returns as soon as the cell is done: no sleep-granularity latency
+        return True
+
+    def stop_ladder(self, why: str) -> list[int]:
+        """SIGINT the running ranks, release their peers, kill them if they hang. Returns ranks killed."""
+        running = self.running()
+        if running:
+            self.sink.warn(f"{why}: sending SIGINT to {ranks_phrase(running)}")
+            delivered = self.cluster.client.send_signal("SIGINT", targets=running, block=False)
+            try:  # a signal still in flight could land in the next cell on a loaded machine: see it delivered
+                delivered.result(timeout=1.0)
+            except Exception:  # a dead or wedged engine: the ladder's kill step deals with it
+                pass
+        self.cluster.needs_reinit = True
+        self.failure_deadline = float("inf")  # the ladder is climbing: only its own grace counts now
+        if self.wait_until(time.monotonic() + self.options.interrupt_grace):
+            return []
+        stuck = self.killed = self.running()
+        self.sink.warn(f"{ranks_phrase(stuck)} ignored SIGINT for {self.options.interrupt_grace:g} s: "
+                       f"killing the engines; the next cell starts a fresh cluster")
+        self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
+        return stuck
+
+    def run(self, submit: Callable[[Any], Any], captured: bool) -> Any:
+        """Prepare the ranks, ``submit(view)`` the work (a cell's ``execute`` or a script's ``apply``), and
+        wait for it through the ladder; ``captured``: the cell's last expression is to be fetched."""
+        if self.cluster.needs_reinit:
+            self.cluster.reinit()
+        if self.options.settings:
+            self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
+        # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
+        self.cluster.client[self.engines].apply_async(engine.begin_cell, self.sending)
+        try:
+            value = self._execute(submit, captured)
+        except BaseException as exc:
+            try:
+                self.finish_monitors(exc)
+            except Exception:  # the cell's own error is what the user must see
+                log.exception("the dashboard or the registry failed to record the end of the cell")
+            raise
+        else:
+            self.finish_monitors(None)
+            return value
+        finally:
+            # engines still registered only: under --elastic a member may have died during the cell
+            live = [e for e in self.engines if e in self.cluster.client.ids] if self.cluster.running else []
+            if self.options.settings and live:
+                self.cluster.client[live].apply_async(engine.reset_settings)
+
+    def _execute(self, submit: Callable[[Any], Any], captured: bool) -> Any:
+        self.ar = submit(self.cluster.client[self.engines])
+        self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
+        self.started = time.monotonic()
+        try:
+            self._wait_with_ladder()
+        except KeyboardInterrupt:
+            self.stop_ladder("Interrupted")
+            self.drain()
+            self.sink.flush()
+            raise
+        if self.killed:
+            raise self.failure()
+        self.ar.wait_for_output(1)
+        self.drain()
+        self.sink.flush()
+        self.collect_errors()
+        if self.errors:
+            raise self.failure()
+        if not captured:
+            return None
+        values = [unwrap_result(v) for v in self.cluster.client[self.engines].apply_sync(engine.fetch_result)]
+        return values if self.options.gather else values[0]
+
+    def _wait_with_ladder(self) -> None:
+        timeout = self.options.timeout
+        deadline = None if timeout is None else self.started + timeout
+        if self.wait_until(deadline):
+            return
+        if deadline is None or time.monotonic() < deadline:  # the failure grace ran out first
+            failed = ranks_phrase(sorted(self.errors))
+            self.stop_ladder(f"ranks still running {self.options.failure_grace:g} s after {failed} failed")
+            return
+        running = self.running()
+        killed = self.stop_ladder(f"Timeout after {timeout:g} s")
+        self.drain()
+        self.sink.flush()
+        fate = f"; {ranks_phrase(killed)} hung and {were(killed)} killed" if killed else ""
+        raise CellTimeoutError(
+            f"cell timed out after {timeout:g} s (--timeout) with {ranks_phrase(running)} still "
+            f"running{fate}", running)
+
+    def failure(self) -> RankFailedError:
+        first = next(iter(self.errors))  # first seen: the others failed after we shut its peers' group down
+        error = self.errors[first]
+        host = self._host(first)
+        others = {r: e for r, e in self.errors.items() if r != first}
+        message = f"rank {first} (host {host}) raised {error_line(error)}"
+        stalled = stalled_ranks(self.errors)
+        if stalled:
+            message += f"; {ranks_phrase(stalled)} stalled (never entered the collective the others waited in)"
+        if others:
+            message += f"; {ranks_phrase(list(others))} also failed ({error_kinds(others)})"
+        if self.killed:
+            message += f"; {ranks_phrase(self.killed)} hung after it and {were(self.killed)} killed"
+        ok = [r for r in self.targets if r not in self.errors and r not in self.killed]
+        if ok:
+            message += f"; {ranks_phrase(ok)} finished"
+        tracebacks = {r: _render(e, self.origin) for r, e in self.errors.items()}
+        tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
+        return RankFailedError(message, tracebacks, first_rank=first)
+
+    def _host(self, rank: int) -> str:
+        return next((r.host for r in self.cluster.ranks if r.rank == rank), "?")
+
+
+def _outcome(error: BaseException | None) -> str:
+    """How a cell ended, in a few words for the dashboard's status line."""
+    if error is None:
+        return "finished"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, CellTimeoutError):
+        return "timed out"
+    if isinstance(error, RankFailedError):
+        return f"failed: rank {error.first_rank} raised"
+    if isinstance(error, RankDiedError):
+        return f"failed: rank {error.rank} died" if error.rank is not None else "failed: a rank died"
+    return f"failed: {type(error).__name__}"
+
+
+def _earliest(a: float | None, b: float) -> float:
+    return b if a is None else min(a, b)
+
+
+def _render(error: Any, origin: str | None = None) -> str:
+    """A rank's traceback as text; from the first frame in file ``origin`` on, when given and found (a script's
+    traceback then starts in the script, not in the engine's machinery that ran it)."""
+    try:
+        text = "\n".join(error.render_traceback()[1:])
+    except Exception:
+        return f"{type(error).__name__}: {error}"
+    lines = text.splitlines()
+    first = next((i for i, line in enumerate(lines) if i and "File" in line and origin and origin in line), None)
+    return text if first is None else "\n".join([lines[0], *lines[first:]])
+
+
+def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
+    """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
+    ``gather``) value of the last expression, or None. With ``options.runner`` (``--elastic``) the run survives
+    a rank's death and admits joiners (cluster/elastic/recovery.py)."""
+    source, captured = capture_last_expression(code)
+    return _run(cluster, code, options, sink,
+                lambda view: view.execute(source, silent=False, block=False), captured)
+
+
+def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink: OutputSink) -> None:
+    """Run ``script`` (:func:`~.script.load_script`) on the cluster's ranks as ``python script args`` would,
+    with a cell's live output, failure handling, Ctrl-C ladder and monitors. ``options.gather`` is ignored:
+    a script has no last expression."""
+    _run(cluster, f"%taco_run {script.command()}", options, sink,
+         lambda view: view.apply_async(engine.run_script, script), captured=False, origin=script.path)
+
+
+def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSink,
+         submit: Callable[[Any], Any], captured: bool, origin: str | None = None) -> Any:
+    """Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end;
+    ``shown`` is what the sidebar says runs."""
+    from .reporting import RegistryRun
+
+    with cluster.busy:
+        if not cluster.running:  # broken, or stopped or rescaled from the sidebar since the magic looked
+            why = cluster.error or "it was stopped or rescaled from the sidebar just before this cell"
+            raise ClusterStartError(f"cluster {cluster.name!r} cannot run this cell: {why}; run the cell "
+                                    "again to use it or start a fresh one")
+        options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, shown)])
+        if options.runner is not None:  # --elastic: cluster/elastic/recovery.py's, which survives a rank's death
+            return options.runner(cluster, submit, captured, options, sink, origin)
+        run = _CellRun(cluster, options, sink)
+        run.origin = origin
+        return run.run(submit, captured)

@@ -1,0 +1,1 @@
+"""Elastic membership (``--elastic MIN:MAX``): deaths noticed, survivors rebuilt, joiners admitted."""

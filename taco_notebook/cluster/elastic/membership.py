@@ -1,0 +1,188 @@
+"""An elastic cluster's membership as the client knows it: the ``--elastic MIN:MAX`` bounds, the ranks lost (read
+from the wrappers' marker lines by :class:`DeathWatch`), the engines joining, and the blacklist of hosts that
+failed repeatedly; and :func:`rebuild`, which gives chosen engines a new group (cluster/elastic/recovery.py decides
+when; :meth:`TacoCluster.reinit` calls it after a failed cell).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ...model import MembershipModel
+from ..cells import engine
+from ..describe import RankInfo
+from ..processes.deaths import signal_name
+from ..processes.rankwrap import MARKER
+
+if TYPE_CHECKING:
+    from ..session import TacoCluster
+
+__all__ = ["ElasticSpec", "Death", "Membership", "DeathWatch", "parse_elastic", "membership_text", "rebuild",
+           "launch_engines", "grow", "BLACKLIST_AFTER", "BLACKLIST_WINDOW_S", "COOLDOWN_S"]
+
+BLACKLIST_AFTER = 2  # failures of one host ...
+BLACKLIST_WINDOW_S = 600.0  # ... within this window blacklist it ...
+COOLDOWN_S = 300.0  # ... for this long
+
+_MARK = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)")
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """``--elastic MIN:MAX``: go on while at least ``min`` ranks live; at most ``max`` ranks take part."""
+
+    min: int
+    max: int
+
+
+def parse_elastic(text: str) -> ElasticSpec:
+    """``"2:4"`` -> ``ElasticSpec(2, 4)``; a ValueError naming the mistake otherwise."""
+    parts = text.split(":")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) != 2 or numbers[0] <= 0 or numbers[0] > numbers[1]:
+        raise ValueError(f"--elastic must be MIN:MAX with 1 <= MIN <= MAX (say 2:4), got {text!r}")
+    return ElasticSpec(numbers[0], numbers[1])
+
+
+@dataclass(frozen=True)
+class Death:
+    """One engine's death as its wrapper told it."""
+
+    rank: int  # its rank in the membership it died in
+    host: str
+    pid: int
+    how: str  # "SIGKILL", "exit code 3"
+    at: float = field(default_factory=time.time, compare=False)
+
+
+@dataclass
+class Membership:
+    """What the client knows of an elastic cluster's membership: changes so far and the blacklist."""
+
+    spec: ElasticSpec
+    owns_membership: bool = False  # True once ranks were renumbered: the group is no longer MPI's world
+    lost: list[Death] = field(default_factory=list)
+    joined: int = 0
+    failures: dict[str, list[float]] = field(default_factory=dict)  # host -> when its ranks died
+    blacklist: dict[str, float] = field(default_factory=dict)  # host -> until when (time.time())
+    launching: list[tuple[int, set[int]]] = field(default_factory=list)  # (engines started, engine ids before)
+    pending: list[RankInfo] = field(default_factory=list)  # registered joiners, admitted at the next commit
+    parked: list[RankInfo] = field(default_factory=list)  # live ranks of blacklisted hosts: pending after cooldown
+
+    def record(self, deaths: list[Death], now: float | None = None) -> list[str]:
+        """Count one failure against each host of ``deaths`` (a node's ranks dying together fail it once); the
+        hosts that this blacklists."""
+        now = time.time() if now is None else now
+        self.lost += deaths
+        banned = []
+        for host in dict.fromkeys(d.host for d in deaths):
+            recent = [t for t in self.failures.get(host, []) if now - t < BLACKLIST_WINDOW_S] + [now]
+            self.failures[host] = recent
+            if len(recent) >= BLACKLIST_AFTER and host not in self.blacklisted(now):
+                self.blacklist[host] = now + COOLDOWN_S
+                banned.append(host)
+        return banned
+
+    def model(self) -> MembershipModel:
+        """As the registry, the REST API and the sidebar show it."""
+        return {"min": self.spec.min, "max": self.spec.max, "joined": self.joined,
+                "lost": [{"rank": d.rank, "host": d.host, "how": d.how, "at": d.at} for d in self.lost],
+                "blacklisted": self.blacklisted()}
+
+    def blacklisted(self, now: float | None = None) -> list[str]:
+        """Hosts in their cooldown now."""
+        now = time.time() if now is None else now
+        return sorted(host for host, until in self.blacklist.items() if until > now)
+
+
+def membership_text(model: MembershipModel) -> str:
+    """``elastic 2:4 · lost rank 2 (n1, SIGKILL) · 1 joined · blacklisted n1`` (as the sidebar's format.ts)."""
+    parts = [f"elastic {model['min']}:{model['max']}"]
+    if model["lost"]:
+        lost = ", ".join(f"{x['rank']} ({x['host']}, {x['how']})" for x in model["lost"])
+        parts.append(f"lost rank{'s' if len(model['lost']) > 1 else ''} {lost}")
+    if model["joined"]:
+        parts.append(f"{model['joined']} joined")
+    if model["blacklisted"]:
+        parts.append(f"blacklisted {', '.join(model['blacklisted'])}")
+    return " · ".join(parts)
+
+
+class DeathWatch:
+    """Reads the marker lines the wrappers print into the engine sets' logs, from where it last stopped."""
+
+    def __init__(self, cluster: TacoCluster) -> None:
+        self.cluster = cluster
+        self.offsets: dict[str, int] = {}
+        self.seen: set[tuple[str, int]] = set()  # a member who died between cells is found at the cell's start
+
+    def read(self) -> list[Death]:
+        """Deaths of current members not reported yet."""
+        members = {(r.host, r.pid): r for r in self.cluster.ranks}
+        found = []
+        for path in self.cluster.engine_log_paths():
+            try:
+                with open(path, "rb") as log:
+                    log.seek(self.offsets.get(path, 0))
+                    text = log.read()
+            except OSError:
+                continue
+            end = text.rfind(b"\n") + 1  # a line still being written is read next time
+            self.offsets[path] = self.offsets.get(path, 0) + end
+            for match in _MARK.finditer(text[:end].decode(errors="replace")):
+                _, host, pid, kind, value = match.groups()
+                key = (host, int(pid))
+                if key in self.seen or key not in members:
+                    continue
+                self.seen.add(key)
+                how = signal_name(int(value)) if kind == "signal" else f"exit code {value}"
+                found.append(Death(members[key].rank, host, int(pid), how))
+        return found
+
+
+def rebuild(cluster: TacoCluster, members: list[RankInfo]) -> None:
+    """Give ``members`` (in this order) ranks 0..n-1 and a new process group, all through engine calls."""
+    ids = [m.engine_id if m.engine_id >= 0 else m.rank for m in members]
+    view = cluster.client[ids]
+    facts = view.apply_sync(engine.placement)
+    one_host = len({tuple(f["where"]) for f in facts}) == 1 and not any(f["tcp"] for f in facts)
+    kind = "file" if one_host else "tcp"
+    address = cluster.client[ids[0]].apply_sync(engine.open_group, kind, len(ids))
+    ranks_by_key = {f["key"]: rank for rank, f in enumerate(facts)}
+    view.apply_sync(engine.join_group, ranks_by_key, [f["node"] for f in facts], kind, address)
+    infos = view.apply_sync(engine.rank_info)
+    cluster.ranks = [RankInfo(**info, engine_id=eid) for eid, info in zip(ids, infos, strict=True)]
+    cluster.size = len(members)
+    cluster.needs_reinit = False
+    if cluster.elastic is not None:
+        cluster.elastic.owns_membership = True
+
+
+def launch_engines(cluster: TacoCluster, count: int) -> None:
+    """Start ``count`` more engines (a second ``mpiexec`` connecting to the same controller) without touching
+    the running ones; an elastic cell admits them at its next commit (cluster/elastic/recovery.py). Any thread."""
+    from ..processes.tree import process_tree
+
+    if cluster.ipp_cluster is None or cluster.elastic is None:
+        raise RuntimeError(f"cluster {cluster.name!r} runs no elastic cell: engines can only be added to an "
+                           "elastic cluster (run a %%taco_run --elastic cell first)")
+    known = set(cluster.client.ids) if cluster.client is not None else set()
+    cluster.elastic.launching.append((count, known))
+    cluster.ipp_cluster.start_engines_sync(n=count)
+    cluster.refresh_engine_sets()
+    cluster.processes = list({p.pid: p for p in cluster.processes + process_tree(cluster.ipp_cluster)}.values())
+
+
+def grow(cluster: TacoCluster, size: int) -> None:
+    """Launch what ``size`` ranks need beyond the members, the pending joiners and engines still starting."""
+    membership = cluster.elastic
+    assert membership is not None
+    waiting = len(membership.pending) + sum(count for count, _ in membership.launching)
+    if size - len(cluster.ranks) - waiting > 0:
+        launch_engines(cluster, size - len(cluster.ranks) - waiting)

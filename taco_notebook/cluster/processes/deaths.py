@@ -1,0 +1,66 @@
+"""How a cluster's ranks died, in words: read from what mpiexec and the engines printed.
+
+Each rank runs under :mod:`~taco_notebook.cluster.processes.rankwrap`, which prints a marker line with its rank, host,
+pid and how it ended; :func:`death_report` finds it in the engine set's log (:func:`engine_output`).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .rankwrap import MARKER
+
+__all__ = ["engine_output", "death_report", "signal_name", "ranks_text"]
+
+# a death an elastic cell survived (the marker ends in " elastic") is not what ended the job
+_PATTERN = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)\b(?! elastic)")
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks)) if ranks else "none"
+
+
+def engine_output(paths: Sequence[str], launchers: Sequence[Any]) -> str:
+    """The text of the engine sets' logs ``paths``; a log ipyparallel already removed is asked of its launcher
+    (``launchers``), which read it on stop."""
+    chunks = []
+    by_path = {getattr(es, "output_file", None): es for es in launchers}
+    for path in paths:
+        try:
+            with open(path, errors="replace") as f:
+                chunks.append(f.read())
+        except OSError:
+            if path in by_path:
+                chunks.append(by_path[path].get_output())
+    return "".join(chunks)
+
+
+def death_report(read_output: Callable[[], str],
+                 wait: float = 3.0) -> tuple[str, int | None, str | None, str | None]:
+    """(sentence, rank, host, signal name) of the first rank death in ``read_output()``.
+
+    Waits up to ``wait`` s for the marker: mpiexec flushes the wrapper's line into the log late on a busy machine.
+    """
+    deadline = time.monotonic() + wait
+    while (match := _PATTERN.search(read_output())) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if match is None:
+        return ("the engines' mpiexec exited unexpectedly", None, None, None)
+    rank_text, host, pid, kind, value = match.groups()
+    rank = int(rank_text) if rank_text.isdigit() else None
+    how = f"killed by {signal_name(int(value))}" if kind == "signal" else f"exited with code {value}"
+    if kind == "signal" and int(value) == signal.SIGKILL:
+        how += " (killed from outside, or out of memory)"
+    return (f"rank {rank_text} (host {host}, pid {pid}) {how}", rank, host,
+            signal_name(int(value)) if kind == "signal" else None)

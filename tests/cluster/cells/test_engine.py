@@ -1,0 +1,171 @@
+"""The kernel–engine protocol: each function of ``cluster/cells/engine.py`` does its job on real engines through
+``view.apply``, and nothing but the user's cell reaches the engines as source."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from taco_notebook.cluster.cells import engine
+
+CLUSTER_DIR = Path(engine.__file__).parents[1]
+TRAIN = "for _ in taco.progress(range(20)):\n    taco.metrics.step(samples=2)\n"
+
+
+def _settings() -> dict[str, Any]:
+    from dataclasses import asdict
+
+    import taco_notebook.comm as taco
+
+    return asdict(taco.settings())
+
+
+def _group_up() -> bool:
+    import taco_notebook.comm as taco
+
+    return taco.is_initialized()
+
+
+def _allreduce_rank() -> float:
+    import torch
+
+    import taco_notebook.comm as taco
+
+    t = torch.full((4,), float(taco.rank() + 1))
+    taco.allreduce(t)
+    return float(t[0])
+
+
+def _namespace() -> tuple[str, str, int]:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    flushes = [cb for cb in shell.events.callbacks["post_execute"] if cb == engine._sender.flush]
+    return shell.user_ns["taco"].__name__, shell.InteractiveTB.mode, len(flushes)
+
+
+def _sender_state() -> tuple[bool, int]:
+    from taco_notebook.comm import metrics
+
+    return metrics.sender() is engine._sender, metrics.steps()
+
+
+@pytest.fixture
+def view(shared_cluster: Any) -> Iterator[Any]:
+    """The shared cluster's engines; each test leaves them with default settings, a group and no sender."""
+    yield shared_cluster.view
+    shared_cluster.view.apply_sync(engine.reset_settings)
+    if not all(shared_cluster.view.apply_sync(_group_up)):
+        shared_cluster.view.apply_sync(engine.reinit)
+    shared_cluster.view.apply_sync(engine.begin_cell, False)
+
+
+@pytest.mark.cluster
+def test_setup_made_taco_the_rank_api_with_plain_tracebacks_and_one_flush(view):
+    assert view.apply_sync(_namespace) == [("taco_notebook.comm", "Plain", 1)] * 4
+
+
+@pytest.mark.cluster
+def test_rank_info_is_each_engines_rank_and_check_ranks_is_public(shared_cluster, view):
+    infos = view.apply_sync(engine.rank_info)
+    assert [info["rank"] for info in infos] == shared_cluster.client.ids == [0, 1, 2, 3]
+    ranks = list(shared_cluster.ranks)
+    shared_cluster.check_ranks()
+    assert shared_cluster.ranks == ranks and [r.pid for r in ranks] == [info["pid"] for info in infos]
+
+
+@pytest.mark.cluster
+def test_configure_for_a_cell_then_reset_restores_the_ranks_settings(view):
+    before = view.apply_sync(_settings)
+    view.apply_sync(engine.configure_cell, {"algorithm": "flat", "compression": "fp16", "fusion_mb": 8})
+    during = view.apply_sync(_settings)
+    assert all(s["algorithm"] == "flat" and s["compression"] == "fp16" and s["fusion_mb"] == 8 for s in during)
+    view.apply_sync(engine.reset_settings)
+    assert view.apply_sync(_settings) == before
+
+
+@pytest.mark.cluster
+def test_reinit_after_abort_gives_a_working_group(view):
+    view.apply_sync(engine.abort)
+    assert view.apply_sync(_group_up) == [False] * 4
+    view.apply_sync(engine.reinit)
+    assert view.apply_sync(_group_up) == [True] * 4
+    assert view.apply_sync(_allreduce_rank) == [10.0] * 4  # 1 + 2 + 3 + 4
+
+
+@pytest.mark.cluster
+def test_begin_cell_without_dashboard_sends_nothing_and_with_one_sends_the_end_state(view):
+    view.apply_async(engine.begin_cell, False)  # queued before the cell, as run.py does it
+    quiet = view.execute(TRAIN, block=False)
+    quiet.get(timeout=60)
+    quiet.wait_for_output(5)
+    assert [engine.KEY in md["data"] for md in quiet.metadata] == [False] * 4
+    assert view.apply_sync(_sender_state) == [(False, 20)] * 4
+
+    view.apply_async(engine.begin_cell, True)
+    loud = view.execute(TRAIN, block=False)
+    loud.get(timeout=60)
+    loud.wait_for_output(5)
+    payloads = [md["data"].get(engine.KEY) for md in loud.metadata]
+    assert all(p is not None and p["metrics"]["steps"] == 20 and p["progress"]["n"] == 20 for p in payloads), \
+        payloads
+    assert view.apply_sync(_sender_state) == [(True, 20)] * 4
+
+
+@pytest.mark.cluster
+def test_fetch_result_reads_the_captured_name_or_marks_what_cannot_travel(view):
+    from taco_notebook.cluster.cells.result import UnpicklableResult, capture_last_expression, unwrap_result
+
+    source, captured = capture_last_expression("x = taco.rank()\nx * 10")
+    assert captured
+    view.execute(source, block=True)
+    assert view.apply_sync(engine.fetch_result) == [0, 10, 20, 30]
+    view.execute(capture_last_expression("import threading\nthreading.Lock()")[0], block=True)
+    values = [unwrap_result(v) for v in view.apply_sync(engine.fetch_result)]
+    assert all(isinstance(v, UnpicklableResult) and "lock" in repr(v) for v in values), values
+
+
+@pytest.mark.cluster
+def test_a_cell_on_one_rank_reports_its_error_and_its_value(ip, view):
+    """One target: ``AsyncResult.split()`` hands back the cell's own AsyncResult, whose result is a list."""
+    from taco_notebook.errors import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"rank 2 \(host .*\) raised ValueError: only rank 2") as failed:
+        ip.run_cell_magic("taco_run", "--targets 2", "raise ValueError('only rank 2')")
+    assert failed.value.first_rank == 2
+    assert ip.run_cell_magic("taco_run", "--targets 2", "taco.rank() * 10") == 20
+    assert ip.run_cell_magic("taco_run", "--targets 2 --gather", "taco.rank()") == [2]
+
+
+def _calls(path: Path) -> Iterator[tuple[str, ast.Call]]:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            yield node.func.attr, node
+
+
+def test_no_code_string_is_sent_to_engines_but_the_users_cell():
+    """In addition to the behaviour tests above: a grep over cluster/ with the parser's eyes."""
+    sent = []
+    for path in sorted(CLUSTER_DIR.rglob("*.py")):
+        for name, call in _calls(path):
+            if name != "execute" or not call.args:
+                continue
+            sent.append((path.name, ast.unparse(call.args[0])))
+            assert isinstance(call.args[0], ast.Name), f"{path.name}:{call.lineno} sends code as a string"
+    assert sent == [("run.py", "source")]  # the user's cell, after capture_last_expression
+
+
+def test_no_private_attribute_of_another_module_or_of_ipyparallel_is_read():
+    package = CLUSTER_DIR.parent
+    for path in [*CLUSTER_DIR.rglob("*.py"), package / "comm" / "progress.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("_metadata", "_children", "_publishing",
+                                                                  "_metrics", "_sending", "_check_ranks"):
+                pytest.fail(f"{path.name}:{node.lineno} reads .{node.attr}")
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "metrics"
+                    and node.attr.startswith("_")):
+                pytest.fail(f"{path.name}:{node.lineno} reads metrics.{node.attr}")
