@@ -285,7 +285,7 @@ def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -
 @pytest.mark.timeout(120, method="signal")
 def test_failed_up_removes_what_it_made(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """n0's sshd really starts; starting n1's fails: n0's sshd, the namespaces, links and files all go."""
-    from taco_notebook.cluster.emulated.nodes import hosts as emulated_hosts
+    from taco_notebook.cluster.emulated import hosts as emulated_hosts
 
     real_start = emulated_hosts.start_sshd
     started: list[tuple[str, SshdProcess]] = []
