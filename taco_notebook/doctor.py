@@ -31,15 +31,13 @@ NOT_EXAMINED = 4
 def _nodes_report(profile: Profile, mpiexec: str | None) -> DoctorReport | None:
     """The nodes of ``profile`` through a temporary cluster (progress on stderr); None, with the reason on
     stderr, when they could not be examined."""
-    from IPython.core.error import UsageError
-
     from .errors import TacoError
-    from .magics.doctor_nodes import examine_nodes
-    from .magics.output import RankOutput
+    from .plan.doctor import examine_nodes
+    from .plan.output import RankOutput
 
     try:
         return examine_nodes(profile, RankOutput(stdout=sys.stderr), mpiexec)
-    except (TacoError, UsageError) as exc:
+    except TacoError as exc:
         print(f"taco doctor: {exc}", file=sys.stderr)
         return None
 

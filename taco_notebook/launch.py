@@ -1,7 +1,7 @@
 """``python -m taco_notebook launch -np 4 [options] train.py ARGS``: an existing script on every rank, from a shell.
 
 horovodrun's shape on this project's clusters: the same options, checks, profiles (local, hosts, slurm, mpijob),
-cluster start and wait loop as ``%taco_run -np 4 train.py ARGS`` in a notebook (:mod:`.magics.runplan`,
+cluster start and wait loop as ``%taco_run -np 4 train.py ARGS`` in a notebook (:mod:`.plan.runplan`,
 :func:`~.cluster.run.run_script`), with every rank's output labelled ``[rank N]`` as it comes. It starts a
 cluster of its own (named ``launch-PID`` unless ``--cluster`` names another; one started from the JupyterLab
 sidebar under that name is used and left running) and stops what it started when the script ends, fails, is
@@ -59,15 +59,13 @@ def _signals_end_the_run() -> Iterator[None]:
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``args.script`` on a cluster as the parsed ``args`` say; stop what was started; an exit status."""
-    from IPython.core.error import UsageError
-
     from .cluster.cells.run import run_script
     from .cluster.registry.attach import AttachedCluster
     from .cluster.session import clusters
-    from .errors import TacoError
-    from .magics.output import RankOutput
-    from .magics.runplan import plan_run, script_of
-    from .magics.settings import TacoSettings
+    from .errors import OptionError, TacoError
+    from .plan.output import RankOutput
+    from .plan.runplan import plan_run, script_of
+    from .plan.settings import TacoSettings
 
     if args.cluster == "default":  # the magic's default name: a command of its own must not take a notebook's
         args.cluster = f"launch-{os.getpid()}"
@@ -79,7 +77,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             plan = plan_run(TacoSettings(), args, say)
             run_script(plan.cluster, script, plan.options, say)
         return 0
-    except UsageError as exc:
+    except OptionError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT
     except TacoError as exc:

@@ -1,14 +1,12 @@
-"""Argument stacks shared by the magics, and the checks that turn bad input into a ``UsageError``.
+"""Argument stacks shared by the magics, their help, and the boundary that shows the plan layer's
+:class:`~taco_notebook.errors.OptionError` as IPython's ``UsageError``.
 
-Every option that has a trait and an environment variable (:mod:`.settings`) is resolved here or in ``core``:
-the option when given, else the trait when set, else the environment.
+The options are checked and resolved (option, else trait, else environment) by :mod:`taco_notebook.plan.resolve`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,14 +14,10 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-from ..comm.specs import check_positive
-from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings, setting_from_env
+from ..errors import OptionError
+from ..plan.resolve import DEFAULT_NP
 
-__all__ = ["cluster_args", "run_args", "comm_settings", "cluster_settings", "usage_errors", "positive_int",
-           "cluster_size", "elastic_spec", "positive_float", "parse_targets", "wants_help", "usage", "DEFAULT_NP",
-           "gpu_option", "required_hugepages", "add_arguments", "run_wants_help"]
-
-DEFAULT_NP = 4
+__all__ = ["cluster_args", "run_args", "usage_errors", "wants_help", "usage", "add_arguments", "run_wants_help"]
 
 
 def _stack(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -156,101 +150,11 @@ def run_wants_help(magic: Any, line: str) -> bool:
 
 @contextmanager
 def usage_errors() -> Iterator[None]:
-    """Turn the ValueErrors of the settings' checks (which name the option, trait or variable) into UsageErrors."""
+    """The plan layer's :class:`~taco_notebook.errors.OptionError` as IPython's ``UsageError``: the same message,
+    shown without a traceback."""
     try:
         yield
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def elastic_spec(text: str | None, targets: str | None) -> Any:
-    """``--elastic MIN:MAX`` checked (None when not given); refused with ``--targets``, which runs on a subset."""
-    if text is None:
-        return None
-    if targets is not None:
-        raise UsageError("--elastic runs on every live rank: leave out --targets")
-    from ..cluster.elastic.recovery import parse_elastic
-
-    with usage_errors():
-        return parse_elastic(text)
-
-
-def _flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def comm_settings(config: TacoSettings, args: Any) -> dict[str, object]:
-    """The ranks' ``taco.configure()`` for this cell: each of ``--algorithm/--compression/--fusion-mb/
-    --stall-timeout`` given, else its trait when set (the ranks read the environment themselves), checked so
-    that a typo starts nothing."""
-    from ..comm.specs import (
-        algorithm_from_env,
-        compression_spec_from_env,
-        fusion_mb_from_env,
-        stall_timeout_from_env,
-    )
-
-    from_env = {"algorithm": algorithm_from_env, "compression": compression_spec_from_env,
-                "fusion_mb": fusion_mb_from_env, "stall_timeout": stall_timeout_from_env}  # fmt: skip
-    chosen: dict[str, object] = {}
-    with usage_errors():
-        for name in RANK_SETTINGS:
-            value = config.chosen(name, getattr(args, name), _flag_of(name))
-            if value is not None:
-                chosen[name] = value
-            else:  # the ranks will read it: a bad value fails here, naming the variable, before anything starts
-                from_env[name]()
-    return chosen
-
-
-def cluster_settings(config: TacoSettings, args: Any, size: int) -> dict[str, str]:
-    """The engines' environment that the process group is built from: ``--gpus`` (checked against this machine's
-    GPUs by :func:`gpu_option`), ``--shm/--no-shm``, ``--collective-timeout``, each given or its trait when set."""
-    from ..comm.specs import shm_from_env, timeout_from_env
-
-    env: dict[str, str] = {}
-    with usage_errors():
-        gpus = gpu_option(config.chosen("gpus", args.gpus, "--gpus"), size)
-        shm = config.chosen("shm", args.shm, "--shm")
-        timeout = config.chosen("collective_timeout", args.collective_timeout, "--collective-timeout")
-        shm_from_env(), timeout_from_env()  # what the ranks read when not given: checked before anything starts
-    if gpus is not None:
-        env[CLUSTER_ENV["gpus"]] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
-    if shm is not None:
-        env[CLUSTER_ENV["shm"]] = "1" if shm else "0"
-    if timeout is not None:
-        env[CLUSTER_ENV["collective_timeout"]] = repr(float(timeout))
-    return env
-
-
-def required_hugepages(config: TacoSettings, args: Any) -> int | None:
-    """``--require-hugepages N``, else its trait, else ``TACO_REQUIRE_HUGEPAGES``; None: nothing required.
-    Checked before anything starts."""
-    with usage_errors():
-        wanted = config.chosen("require_hugepages", args.require_hugepages, "--require-hugepages")
-        return wanted if wanted is not None else setting_from_env("require_hugepages")
-
-
-def positive_int(value: str | None, option: str) -> int | None:
-    """An option's text as a positive integer (None when not given), else a UsageError naming ``option``."""
-    if value is None:
-        return None
-    with usage_errors():
-        return int(check_positive(value, option, "", int))
-
-
-def cluster_size(value: str | None, option: str, limit: int | None = None) -> int | None:
-    """A rank count given as ``option``: a positive integer within the machine's limit (``limit``, from
-    ``TacoMagics.max_ranks``, else :func:`taco_notebook.cluster.launch.limits.check_size`'s), checked before anything
-    starts or stops."""
-    from ..cluster.launch.limits import SizeLimitError, check_size
-
-    number = positive_int(value, option)
-    if number is None:
-        return None
-    try:
-        return check_size(number, option, limit=limit)
-    except SizeLimitError as exc:
+    except OptionError as exc:
         raise UsageError(str(exc)) from None
 
 
@@ -274,63 +178,3 @@ def usage(magic: Any, shown_as: str) -> str:
         text = text[2:].lstrip("\n")
     name = "%" + magic.__name__
     return text.replace(f"  {name}", f"usage: {shown_as}", 1)
-
-
-def positive_float(value: str | None, option: str) -> float | None:
-    """An option's text as a positive, finite number of seconds (None when not given), else a UsageError naming
-    ``option``."""
-    if value is None:
-        return None
-    with usage_errors():
-        return float(check_positive(value, option, "seconds"))
-
-
-def parse_targets(spec: str | None, size: int) -> list[int] | None:
-    """'0,2-3' -> [0, 2, 3]; every rank must be in 0..size-1.
-
-    >>> parse_targets("0,2-3", 4)
-    [0, 2, 3]
-    """
-    if spec is None:
-        return None
-    ranks: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            if "-" in part[1:]:
-                low, high = part.split("-", 1)
-                chosen = range(int(low), int(high) + 1)
-                if not chosen:
-                    raise ValueError
-            else:
-                chosen = range(int(part), int(part) + 1)
-        except ValueError:
-            raise UsageError(f"--targets must be ranks like '0', '0,2' or '1-3', got {spec!r}") from None
-        ranks.update(chosen)
-    outside = sorted(r for r in ranks if not 0 <= r < size)
-    if outside:
-        raise UsageError(f"--targets {spec!r} names rank {outside[0]}, outside 0..{size - 1} for -np {size}")
-    return sorted(ranks)
-
-
-def gpu_option(value: str | None, size: int) -> str | None:
-    """``--gpus`` checked before anything starts: the mode (None when not given), or a ``UsageError``.
-
-    Local clusters run every rank on this machine, so ``auto`` with fewer GPUs than ranks is refused here,
-    with the ways out; the GPUs are counted from /proc, without initialising CUDA in the kernel.
-    """
-    from ..comm.hardware import visible_gpus
-    from ..comm.placement import PlacementError, check_gpus, decide, too_few_message
-
-    if value is None and not os.environ.get("TACO_GPUS"):
-        mode = "auto"
-    else:
-        try:
-            mode = check_gpus(value)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-    try:
-        decide(mode, 0, size, visible_gpus(), socket.gethostname())
-    except PlacementError:
-        raise UsageError(too_few_message(socket.gethostname(), visible_gpus(), size)) from None
-    return mode if value is not None else None

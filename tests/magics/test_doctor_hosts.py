@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import ClusterStartError
-from taco_notebook.magics.output import RankOutput
+from taco_notebook.plan.output import RankOutput
 
 from ..cluster.launch.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
 from ..conftest import REPO
@@ -85,7 +85,7 @@ class _InterruptWhenReading(RankOutput):
 @pytest.mark.timeout(300, method="signal")
 def test_ctrl_c_while_reading_stops_the_temporary_cluster(capsys, sigint_as_in_a_kernel) -> None:
     from taco_notebook.cluster.launch.profiles import profile_for
-    from taco_notebook.magics.doctor_nodes import examine_nodes
+    from taco_notebook.plan.doctor import examine_nodes
 
     with pytest.raises(KeyboardInterrupt):
         examine_nodes(profile_for("hosts", "localhost"), _InterruptWhenReading())
