@@ -32,15 +32,15 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the engines' tracebacks are coloured for
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The ``launch`` command's options: ``%%taco_run``'s (:data:`~.magics.args.run_args`), defined there once."""
-    from .magics.args import add_arguments, run_args
+    """The ``launch`` command's options: ``%%taco_run``'s, from the one option table (:mod:`.plan.options`)."""
+    from .plan.options import add_arguments
 
     parser = parser or argparse.ArgumentParser(prog=PROG)
     parser.description = __doc__.split("\n\n")[0].replace("``", "")
     parser.epilog = ("Options go before SCRIPT; everything after it is the script's own (`launch -np 2 train.py "
                      "--lr 0.1 -np 3` gives train.py `--lr 0.1 -np 3`). Exit status: 0 every rank finished, 1 a "
                      "rank failed or the cluster did not start, 2 a usage mistake, 130 Ctrl-C (128 + the signal).")
-    return add_arguments(parser, run_args)
+    return add_arguments(parser, "run")
 
 
 @contextmanager

@@ -1,10 +1,11 @@
 """The package's import structure: no import loops between modules, and no lower layer importing a higher one.
 
-Layers, lowest first (DESIGN.md): ``errors`` and ``model`` (no imports from the package) < ``comm`` (runs on
-every rank under plain mpiexec: no IPython, widgets, cluster) < ``widgets`` (renders what it is handed) <
-``cluster`` < ``server`` and ``plan`` (siblings: neither imports the other) < ``magics`` < the package root. Imports inside functions count as much as those at
-the top (a lazy import is still a dependency); imports under ``if TYPE_CHECKING:`` do not. Read from the
-source with :mod:`ast`, so a loop is found whether or not a test happens to execute it.
+Layers, lowest first (DESIGN.md): ``errors`` and ``model`` (no imports from the package) < ``comm`` (runs on every
+rank under plain mpiexec: no IPython, widgets, cluster) < ``widgets`` (renders what it is handed) < ``cluster`` <
+``server`` and ``plan`` (siblings: neither imports the other) < ``magics`` < the package root. Imports inside
+functions count as much as those at the top (a lazy import is still a dependency); imports under ``if
+TYPE_CHECKING:`` do not. Read from the source with :mod:`ast`, so a loop is found whether or not a test happens
+to execute it.
 """
 
 from __future__ import annotations

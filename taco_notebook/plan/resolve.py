@@ -14,12 +14,11 @@ from typing import Any
 
 from ..comm.specs import check_positive
 from ..errors import OptionError
+from .options import DEFAULT_NP
 from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings, setting_from_env
 
 __all__ = ["DEFAULT_NP", "option_errors", "comm_settings", "cluster_settings", "required_hugepages", "positive_int",
            "cluster_size", "elastic_spec", "positive_float", "parse_targets", "gpu_option"]
-
-DEFAULT_NP = 4
 
 
 @contextmanager
