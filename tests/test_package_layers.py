@@ -2,10 +2,10 @@
 
 Layers, lowest first (DESIGN.md): ``errors`` and ``model`` (no imports from the package) < ``comm`` (runs on every
 rank under plain mpiexec: no IPython, widgets, cluster) < ``widgets`` (renders what it is handed) < ``cluster`` <
-``server`` and ``plan`` (siblings: neither imports the other) < ``magics`` < the package root. Imports inside
-functions count as much as those at the top (a lazy import is still a dependency); imports under ``if
-TYPE_CHECKING:`` do not. Read from the source with :mod:`ast`, so a loop is found whether or not a test happens
-to execute it.
+``server`` and ``plan`` (siblings: neither imports the other) < ``magics`` and ``cli`` (the two faces of the plan:
+neither imports the other) < the package root. Imports inside functions count as much as those at the top (a lazy
+import is still a dependency); imports under ``if TYPE_CHECKING:`` do not. Read from the source with :mod:`ast`, so
+a loop is found whether or not a test happens to execute it.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 import taco_notebook
 
 PACKAGE = Path(taco_notebook.__file__).parent
-LAYERS = ["_version", "errors", "model", "comm", "widgets", "cluster", "server", "plan", "magics"]
+LAYERS = ["_version", "errors", "model", "comm", "widgets", "cluster", "server", "plan", "magics", "cli"]
 RANK = {"_version": 0, "errors": 0, "model": 0, "comm": 1, "widgets": 2, "cluster": 3, "server": 4, "plan": 4,
-        "magics": 5}
-NO_IPYTHON = ("comm", "plan")  # comm runs on every rank; plan is shared by the magics and the command line
+        "magics": 5, "cli": 5}
+NO_IPYTHON = ("comm", "plan", "cli")  # comm runs on every rank; plan is shared by the magics and the command line
 
 
 def _module_name(path: Path) -> str:
@@ -159,7 +159,7 @@ def _third_party_imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("layer", NO_IPYTHON)
 def test_layers_that_run_without_ipython_never_import_it(layer: str) -> None:
     """``plan`` is the road of shell commands as well as of the magics: it raises ``OptionError``, never
-    IPython's ``UsageError``."""
+    IPython's ``UsageError``; the command line never goes through IPython."""
     wrong = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / layer).rglob("*.py")
                    if "IPython" in _third_party_imports(p))
     assert not wrong, f"{layer} modules importing IPython: {wrong}"
