@@ -1,6 +1,7 @@
 """Exceptions raised by taco_notebook.
 
-User mistakes in magics raise IPython's ``UsageError`` (no traceback); everything that goes wrong on the
+A user's mistake in an option or a setting raises :class:`OptionError`, which the magics show as IPython's
+``UsageError`` (no traceback) and the command line as a usage error (exit 2); everything that goes wrong on the
 cluster raises a :class:`TacoError` subclass whose message names the rank, the host and what to do next.
 """
 
@@ -10,6 +11,7 @@ import re
 
 __all__ = [
     "TacoError",
+    "OptionError",
     "ClusterStartError",
     "RankFailedError",
     "RankDiedError",
@@ -26,6 +28,10 @@ class TacoError(RuntimeError):
         # IPython shows this instead of a local traceback: the local frames (the magic's wait loop)
         # say nothing useful about a failure that happened on the cluster.
         return [f"{type(self).__name__}: {self}"]
+
+
+class OptionError(TacoError):
+    """A bad option, setting or command line, caught before anything starts; the message names it and the fix."""
 
 
 class MPINotFoundError(TacoError):

@@ -1,10 +1,11 @@
 """The package's import structure: no import loops between modules, and no lower layer importing a higher one.
 
-Layers, lowest first (DESIGN.md): ``errors`` and ``model`` (no imports from the package) < ``comm`` (runs on
-every rank under plain mpiexec: no IPython, widgets, cluster) < ``widgets`` (renders what it is handed) <
-``cluster`` < ``server`` < ``magics`` < the package root. Imports inside functions count as much as those at
-the top (a lazy import is still a dependency); imports under ``if TYPE_CHECKING:`` do not. Read from the
-source with :mod:`ast`, so a loop is found whether or not a test happens to execute it.
+Layers, lowest first (DESIGN.md): ``errors`` and ``model`` (no imports from the package) < ``comm`` (runs on every
+rank under plain mpiexec: no IPython, widgets, cluster) < ``widgets`` (renders what it is handed) < ``cluster`` <
+``server`` and ``plan`` (siblings: neither imports the other) < ``magics`` and ``cli`` (the two faces of the plan:
+neither imports the other) < the package root. Imports inside functions count as much as those at the top (a lazy
+import is still a dependency); imports under ``if TYPE_CHECKING:`` do not. Read from the source with :mod:`ast`, so
+a loop is found whether or not a test happens to execute it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import pytest
 import taco_notebook
 
 PACKAGE = Path(taco_notebook.__file__).parent
-LAYERS = ["_version", "errors", "model", "comm", "widgets", "cluster", "server", "magics"]
-RANK = {"_version": 0, "errors": 0, "model": 0, "comm": 1, "widgets": 2, "cluster": 3, "server": 4, "magics": 5}
+LAYERS = ["_version", "errors", "model", "comm", "widgets", "cluster", "server", "plan", "magics", "cli"]
+RANK = {"_version": 0, "errors": 0, "model": 0, "comm": 1, "widgets": 2, "cluster": 3, "server": 4, "plan": 4,
+        "magics": 5, "cli": 5}
+NO_IPYTHON = ("comm", "plan", "cli")  # comm runs on every rank; plan is shared by the magics and the command line
 
 
 def _module_name(path: Path) -> str:
@@ -140,3 +143,23 @@ def test_no_module_over_400_lines() -> None:
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if "labextension" not in p.parts and (n := len(p.read_text().splitlines())) > 400}
     assert not long, f"modules over 400 lines (split them): {long}"
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """The top-level names of what ``path`` imports from outside the package (TYPE_CHECKING blocks included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("layer", NO_IPYTHON)
+def test_layers_that_run_without_ipython_never_import_it(layer: str) -> None:
+    """``plan`` is the road of shell commands as well as of the magics: it raises ``OptionError``, never
+    IPython's ``UsageError``; the command line never goes through IPython."""
+    wrong = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / layer).rglob("*.py")
+                   if "IPython" in _third_party_imports(p))
+    assert not wrong, f"{layer} modules importing IPython: {wrong}"

@@ -10,7 +10,7 @@ default), ``TACO_SHM`` (0 keeps the 2D algorithm's intra-node steps on the proce
 it from measured speeds; 0 turns pipelining off). ``configure()``, each call's arguments and, from a notebook,
 ``%%taco_run``'s options and ``TacoMagics`` traits (``--algorithm/--compression/--fusion-mb`` configure the
 ranks for a cell; ``--shm/--collective-timeout`` go into the cluster's environment, see
-``taco_notebook.magics.settings``) override them. The environment is read when a setting is first used, not at
+``taco_notebook.plan.settings``) override them. The environment is read when a setting is first used, not at
 import.
 """
 

@@ -1,7 +1,9 @@
 """``%%taco_run`` runs a cell on every MPI rank; ``%taco_cluster`` starts, stops and inspects clusters (and writes
-Kubernetes manifests, :mod:`.manifest`); ``%taco_doctor`` reports on the nodes (:mod:`.doctor`).
+Kubernetes manifests, :mod:`.manifest`); ``%taco_doctor`` reports on the nodes.
 
-Their defaults are :class:`TacoMagics`'s traits, then the environment (:mod:`.settings`).
+The IPython face of the run-plan layer (:mod:`taco_notebook.plan`), which checks the options and picks or starts
+the cluster; its :class:`~taco_notebook.errors.OptionError` is shown here as a ``UsageError``. Their defaults are
+:class:`TacoMagics`'s traits, then the environment (:mod:`taco_notebook.plan.settings`).
 """
 
 from __future__ import annotations
@@ -15,19 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..cluster.cells.run import run_cell, run_script
 from ..cluster.session import clusters
-from .args import (
-    cluster_args,
-    cluster_settings,
-    cluster_size,
-    positive_int,
-    required_hugepages,
-    run_args,
-    run_wants_help,
-    usage,
-    usage_errors,
-    wants_help,
-)
-from .clusters import (
+from ..plan.clusters import (
     LOST,
     check_hugepages,
     chosen_profile,
@@ -36,22 +26,24 @@ from .clusters import (
     restart_reason,
     start_cluster,
 )
-from .output import RankOutput
-from .runplan import dashboard_mode, link_capacity, new_size, plan_run, script_of
-from .settings import TacoSettings
+from ..plan.resolve import cluster_settings, cluster_size, option_errors, positive_int, required_hugepages
+from ..plan.runplan import dashboard_mode, link_capacity, new_size, plan_run, script_of
+from ..plan.settings import TacoSettings
+from .args import cluster_args, run_args, run_wants_help, usage, usage_errors, wants_help
+from .output import NotebookOutput
 
 __all__ = ["TacoMagics"]
-
 
 
 @magics_class
 class TacoMagics(Magics, TacoSettings):
     """Registered by ``%load_ext taco_notebook``. Its traits (``%config TacoMagics``) are the magics' defaults:
-    see :mod:`taco_notebook.magics.settings`."""
+    see :mod:`taco_notebook.plan.settings`."""
 
     @magic_arguments()
     @run_args
     @line_cell_magic
+    @usage_errors()
     def taco_run(self, line: str, cell: str | None = None) -> Any:
         """Run the cell on every MPI rank of a cluster (started on first use); ``taco`` is the rank's API
         (``taco_notebook.comm``; in the notebook itself ``taco`` is the package, for ``taco.dashboard()``).
@@ -73,7 +65,7 @@ class TacoMagics(Magics, TacoSettings):
             print(usage(self.taco_run, "%%taco_run" if cell is not None else "%taco_run"))
             return None
         args = parse_argstring(self.taco_run, line)
-        say = RankOutput(live=args.stream, quiet=args.quiet)
+        say = NotebookOutput(live=args.stream, quiet=args.quiet)
         if cell is None:  # the line form: a script
             if not args.script:
                 raise UsageError("%taco_run needs a script: %taco_run -np 4 train.py --epochs 1 runs train.py on "
@@ -108,6 +100,7 @@ class TacoMagics(Magics, TacoSettings):
     @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
     @cluster_args
     @line_magic
+    @usage_errors()
     def taco_cluster(self, line: str) -> None:
         """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | scale N | status | list [--cluster NAME]``;
         ``%taco_cluster manifest --k8s -np 16 --gpus-per-node 8 …`` prints a Kubernetes MPIJob."""
@@ -146,7 +139,7 @@ class TacoMagics(Magics, TacoSettings):
             if stopping not in clusters:
                 raise UsageError(f"no cluster named {stopping!r} is running; running: {sorted(clusters) or 'none'}")
             clusters.pop(stopping).stop()
-            RankOutput().notice(f"cluster {stopping!r} stopped")
+            NotebookOutput().notice(f"cluster {stopping!r} stopped")
 
     def _cluster_start(self, name: str, size: int | None, args: Any) -> None:
         running = clusters.get(name)
@@ -156,10 +149,10 @@ class TacoMagics(Magics, TacoSettings):
         profile = chosen_profile(self, args, ranks)
         if (running is not None and running.running and size in (None, running.size)
                 and running.profile == profile and restart_reason(running, env) is None):
-            RankOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
+            NotebookOutput().notice(f"cluster {name!r} is already running with {running.size} ranks")
             cluster = running
         else:
-            cluster = ensure_cluster(name, size, args.mpiexec, RankOutput(), env, launcher, self.max_ranks,
+            cluster = ensure_cluster(name, size, args.mpiexec, NotebookOutput(), env, launcher, self.max_ranks,
                                      self._new_size(), profile)
         check_hugepages(cluster, need, started=cluster is not running)
 
@@ -170,7 +163,7 @@ class TacoMagics(Magics, TacoSettings):
             raise UsageError(f"%taco_cluster scale N needs a running cluster and N; running: "
                              f"{sorted(clusters) or 'none'}")
         if cluster.elastic is None or size <= len(cluster.ranks):
-            RankOutput().warn(f"restarting cluster {name!r} with {size} ranks: {LOST} (only a cluster that ran an "
+            NotebookOutput().warn(f"restarting cluster {name!r} with {size} ranks: {LOST} (only a cluster that ran an "
                               "--elastic cell grows without a restart)")
             cluster.scale(size)
             return
@@ -178,7 +171,7 @@ class TacoMagics(Magics, TacoSettings):
 
         cluster.scale(size)
         pending = wait_for_joiners(cluster)
-        RankOutput().notice(f"{len(pending)} engine{'s' if len(pending) != 1 else ''} ready on cluster {name!r}: "
+        NotebookOutput().notice(f"{len(pending)} engine{'s' if len(pending) != 1 else ''} ready on cluster {name!r}: "
                             f"they join at the next commit of an --elastic cell (up to its MAX)")
 
     def _cluster_restart(self, name: str, size: int | None, args: Any) -> None:
@@ -189,10 +182,10 @@ class TacoMagics(Magics, TacoSettings):
         profile = chosen_profile(self, args, ranks)
         previous = clusters.pop(name, None)
         if previous is not None:
-            RankOutput().warn(f"restarting cluster {name!r}: {LOST}")
+            NotebookOutput().warn(f"restarting cluster {name!r}: {LOST}")
             previous.stop()
-        check_hugepages(start_cluster(name, ranks, args.mpiexec, RankOutput(), env, launcher, self.max_ranks, profile),
-                         need, started=True)
+        started = start_cluster(name, ranks, args.mpiexec, NotebookOutput(), env, launcher, self.max_ranks, profile)
+        check_hugepages(started, need, started=True)
 
     @magic_arguments()
     @argument("--cluster", default=None, metavar="NAME",
@@ -209,6 +202,7 @@ class TacoMagics(Magics, TacoSettings):
     @argument("--require-hugepages", dest="require_hugepages", default=None, metavar="N",
               help="a UsageError naming the nodes with fewer than N free huge pages of their default size")
     @line_magic
+    @usage_errors()
     def taco_doctor(self, line: str) -> Any:
         """One table, a row per node: huge pages, GPUs, NICs, CPUs/NUMA, MPI, torch and NCCL, the measured links;
         then each problem with its remedy. Problems are shown, not raised (but see --require-hugepages).
@@ -220,9 +214,9 @@ class TacoMagics(Magics, TacoSettings):
         args = parse_argstring(self.taco_doctor, line)
         need = positive_int(args.require_hugepages, "--require-hugepages")
         from ..cluster.doctor.engines import show_report
-        from .doctor_nodes import chosen_report
+        from ..plan.doctor import chosen_report
 
-        report = chosen_report(self, args, RankOutput(quiet=args.json))  # --json prints nothing
+        report = chosen_report(self, args, NotebookOutput(quiet=args.json))  # --json prints nothing
         if not args.json:
             show_report(report)
         if need is not None:
@@ -237,5 +231,5 @@ class TacoMagics(Magics, TacoSettings):
     def _cluster_options(self, args: Any, size: int) -> tuple[dict[str, str], str | None]:
         """The engines' environment (``--gpus``, ``--shm``, ``--collective-timeout``) and the MPI launcher."""
         env = cluster_settings(self, args, size)
-        with usage_errors():
+        with option_errors():
             return env, self.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")

@@ -1,4 +1,4 @@
-"""``%taco_doctor --hosts/--hostfile/--profile`` and ``python -m taco_notebook.doctor --hosts``: nodes where no
+"""``%taco_doctor --hosts/--hostfile/--profile`` and ``python -m taco_notebook doctor --hosts``: nodes where no
 cluster runs, read through a temporary cluster of one engine per node (issue 13).
 
 The emulated tests are real end to end: two network namespaces on a bridge shaped to 1 Gbit/s, Debian's sshd in
@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import ClusterStartError
-from taco_notebook.magics.output import RankOutput
+from taco_notebook.plan.output import RankOutput
 
 from ..cluster.launch.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
 from ..conftest import REPO
@@ -85,7 +85,7 @@ class _InterruptWhenReading(RankOutput):
 @pytest.mark.timeout(300, method="signal")
 def test_ctrl_c_while_reading_stops_the_temporary_cluster(capsys, sigint_as_in_a_kernel) -> None:
     from taco_notebook.cluster.launch.profiles import profile_for
-    from taco_notebook.magics.doctor_nodes import examine_nodes
+    from taco_notebook.plan.doctor import examine_nodes
 
     with pytest.raises(KeyboardInterrupt):
         examine_nodes(profile_for("hosts", "localhost"), _InterruptWhenReading())
@@ -164,7 +164,7 @@ def test_doctor_unreachable_emulated_node_is_named_within_bounded_time(ip, emula
 @needs_hosts
 @pytest.mark.timeout(300, method="signal")
 def test_cli_hosts_prints_a_table_of_both_nodes(emulated: EmulatedHosts) -> None:  # noqa: F811
-    run = subprocess.run([sys.executable, "-m", "taco_notebook.doctor", "--hosts", "n0:1,n1:1"], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "taco_notebook", "doctor", "--hosts", "n0:1,n1:1"], cwd=REPO,
                          capture_output=True, text=True, timeout=240)  # TACO_EMULATE_DIR: the fixture's
     assert run.returncode in (0, 1), run.stderr  # 1: a finding of severity error (say, no huge pages)
     assert "starting one engine on each of 2 nodes (n0, n1)…" in run.stderr
@@ -176,10 +176,10 @@ def test_cli_hosts_prints_a_table_of_both_nodes(emulated: EmulatedHosts) -> None
 
 
 def test_cli_bad_hosts_exit_2_and_an_unresolvable_host_is_named() -> None:
-    run = subprocess.run([sys.executable, "-m", "taco_notebook.doctor", "--hosts", "n0:x"], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "taco_notebook", "doctor", "--hosts", "n0:x"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "'n0:x' is not HOST[:SLOTS]" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "taco_notebook.doctor", "--hosts", "nosuch-host.invalid"],
+    run = subprocess.run([sys.executable, "-m", "taco_notebook", "doctor", "--hosts", "nosuch-host.invalid"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "host 'nosuch-host.invalid'" in run.stderr
 

@@ -14,7 +14,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from taco_notebook.cluster.session import clusters
-from taco_notebook.magics.settings import TacoSettings
+from taco_notebook.plan.settings import TacoSettings
 
 from ..conftest import assert_trait_refused, session_processes
 

@@ -1,4 +1,4 @@
-"""Run by ``mpiexec`` on emulated hosts (tests/cluster/emulated/test_emulate_cli.py): each rank writes
+"""Run by ``mpiexec`` on emulated hosts (tests/cli/test_emulate.py): each rank writes
 OUTDIR/<rank>.json.
 
 It records where it runs (hostname, network namespace, the interface gloo uses, its node and local rank as

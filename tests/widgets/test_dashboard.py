@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 import taco_notebook
 from taco_notebook.cluster.cells.run import CellOptions, run_cell
 from taco_notebook.errors import RankFailedError, TacoError
-from taco_notebook.magics.output import RankOutput
+from taco_notebook.plan.output import RankOutput
 from taco_notebook.widgets import dashboard as dashboard_module
 
 pytestmark = pytest.mark.cluster

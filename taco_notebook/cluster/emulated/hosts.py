@@ -1,4 +1,4 @@
-"""Emulated nodes as real ssh hosts that outlive the process that made them (``python -m taco_notebook.emulate``).
+"""Emulated nodes as real ssh hosts that outlive the process that made them (``python -m taco_notebook emulate``).
 
 :class:`EmulatedHosts` is an :class:`~taco_notebook.cluster.emulated.nodes.EmulatedNodes` set (network namespaces on a
 shaped bridge) with a real ``sshd`` on every node (:mod:`~taco_notebook.cluster.emulated.sshd`), all of it
@@ -91,7 +91,7 @@ def check_prerequisites() -> str:
     what is missing and how to get it."""
     if os.geteuid() != 0:
         raise EmulateError(f"emulated nodes need root to create network namespaces (running as uid {os.geteuid()});"
-                           " run it as root, e.g. `sudo python -m taco_notebook.emulate up 2x2`", 2)
+                           " run it as root, e.g. `sudo python -m taco_notebook emulate up 2x2`", 2)
     missing = {tool: _TOOL_PACKAGES[tool] for tool in (*REQUIRED_TOOLS, *SSH_TOOLS)
                if (find_sshd() if tool == "sshd" else shutil.which(tool)) is None}
     if missing:
@@ -193,7 +193,7 @@ class EmulatedHosts:
         state_dir = (state_dir or default_state_dir()).absolute()
         if os.path.lexists(state_dir):
             raise EmulateError(f"emulated nodes are already up (state in {state_dir}): "
-                               "`python -m taco_notebook.emulate status` shows them, `… down` removes them")
+                               "`python -m taco_notebook emulate status` shows them, `… down` removes them")
         _check_sshd_trusts(state_dir.parent)
         made_parents = _missing_parents(state_dir)
         make_private_dirs(state_dir.parent)

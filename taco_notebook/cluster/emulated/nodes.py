@@ -13,7 +13,7 @@ MPI ranks are placed on the nodes by mpich's hydra with :mod:`taco_notebook.clus
 
 Only private addresses inside the namespaces created here are used; the bridge has no route to anywhere else.
 cluster/emulated/state.py saves and loads a set so it can outlive its maker: ``python -m
-taco_notebook.emulate`` (:mod:`taco_notebook.cluster.emulated.hosts`) runs a real sshd on each node that way.
+taco_notebook emulate`` (:mod:`taco_notebook.cluster.emulated.hosts`) runs a real sshd on each node that way.
 """
 
 from __future__ import annotations

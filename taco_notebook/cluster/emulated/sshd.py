@@ -92,7 +92,7 @@ def sshd_config(address: str, host_key: Path, authorized_keys: Path, user: str,
     path = os.pathsep.join([str(Path(sys.executable).parent), _SYSTEM_PATH])
     setenv = " ".join(f"{k}={v}" for k, v in {"PATH": path, **node_env}.items())
     return "\n".join([
-        "# sshd of one emulated node (taco_notebook.emulate); started with -D -f THIS in the node's namespace",
+        "# sshd of one emulated node (taco-notebook emulate); started with -D -f THIS in the node's namespace",
         f"ListenAddress {address}:22", "AddressFamily inet", f"HostKey {host_key}", "PidFile none",
         f"AuthorizedKeysFile {authorized_keys}", f"AllowUsers {user}", "PermitRootLogin prohibit-password",
         "PubkeyAuthentication yes", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
@@ -114,7 +114,7 @@ def known_hosts(host_keys: Mapping[str, tuple[str, str]]) -> str:
 
 def client_config(addresses: Mapping[str, str], user: str, identity: Path, known_hosts_file: Path) -> str:
     """An ssh client config (``ssh -F THIS n0 …``) that reaches every node with no prompt of any kind."""
-    blocks = ["# ssh client config of emulated nodes (taco_notebook.emulate): ssh -F THIS n0 hostname"]
+    blocks = ["# ssh client config of emulated nodes (taco-notebook emulate): ssh -F THIS n0 hostname"]
     for host, address in addresses.items():
         blocks.append("\n".join([
             f"Host {host}", f"  HostName {address}", "  Port 22", f"  User {user}", f"  IdentityFile {identity}",

@@ -1,6 +1,6 @@
 """Save a started :class:`~taco_notebook.cluster.emulated.nodes.EmulatedNodes` to a file and find it again later.
 
-Emulated nodes made by ``python -m taco_notebook.emulate up`` outlive the process that made them; ``status`` and
+Emulated nodes made by ``python -m taco_notebook emulate up`` outlive the process that made them; ``status`` and
 ``down`` run in other processes. What they need to find and undo the set (its random name prefix, subnet, the
 namespaces and links it made, its work directory) is written as JSON to a private file (0600, through
 :func:`~taco_notebook.cluster.private.write_private_json`) and read back only if that file is a regular file of

@@ -8,7 +8,7 @@ A :class:`Profile` says how the engines launch (the mpiexec arguments and enviro
 * ``hosts``: ``--hosts n0:2,n1:2`` or ``--hostfile FILE`` (``HOST[:SLOTS]`` per line, ``#`` comments); mpich
   hydra starts the ranks over ssh (``-launcher ssh``, the user's ssh or ``launcher_exec``), ``SLOTS`` ranks per
   node in order, and ``-np`` must fit the slots. The controller listens on the address the hosts reach: the
-  given ``controller_ip``, else for emulated hosts (``python -m taco_notebook.emulate up``, found through its
+  given ``controller_ip``, else for emulated hosts (``python -m taco_notebook emulate up``, found through its
   state directory) the bridge's address, else this machine's address on the route to the first host. Never
   0.0.0.0.
 * ``slurm``: the engines are a Slurm job (sbatch outside an allocation, an srun step inside one), through

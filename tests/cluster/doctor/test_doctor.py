@@ -283,17 +283,17 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_cli_prints_this_machines_report() -> None:
-    done = subprocess.run([sys.executable, "-m", "taco_notebook.doctor"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "taco_notebook", "doctor"], capture_output=True, text=True,
                           env=_env(), timeout=180)
     assert done.returncode in (0, 1), done.stderr
     assert socket.gethostname() in done.stdout and "huge pages 1 GB" in done.stdout and "fix: " in done.stdout
-    as_json = subprocess.run([sys.executable, "-m", "taco_notebook.doctor", "--json", "--require-hugepages",
+    as_json = subprocess.run([sys.executable, "-m", "taco_notebook", "doctor", "--json", "--require-hugepages",
                               "100000", "--page-size", "1G"], capture_output=True, text=True, env=_env(),
                              timeout=180)
     assert as_json.returncode == 3, as_json.stderr
     assert json.loads(as_json.stdout)["nodes"][0]["facts"]["hostname"] == socket.gethostname()
     assert f"lack 100000 free huge pages 1 GB: {socket.gethostname()}" in as_json.stderr
-    bad = subprocess.run([sys.executable, "-m", "taco_notebook.doctor", "--require-hugepages", "0"],
+    bad = subprocess.run([sys.executable, "-m", "taco_notebook", "doctor", "--require-hugepages", "0"],
                          capture_output=True, text=True, env=_env(), timeout=180)
     assert bad.returncode == 2 and "--require-hugepages must be a positive integer, got 0" in bad.stderr
 

@@ -255,7 +255,7 @@ def test_losing_a_whole_emulated_node_under_elastic(ip, capsys, monkeypatch) -> 
     monkeypatch.setenv("TACO_EMULATE_DIR", str(home / "state"))
 
     def emulate(*args: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "taco_notebook.emulate", *args], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "taco_notebook", "emulate", *args], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
 

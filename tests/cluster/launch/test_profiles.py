@@ -31,9 +31,9 @@ from taco_notebook.cluster.launch.profiles import (
 )
 from taco_notebook.cluster.session import TacoCluster, clusters
 
+from ...cli.test_emulate import SSH_SKIP
 from ...conftest import assert_trait_refused, session_processes
 from ...support.slurm import job_processes_after
-from ..emulated.test_emulate_cli import SSH_SKIP
 from ..emulated.test_emulated import MPIEXEC
 
 needs_hosts = pytest.mark.skipif(SSH_SKIP is not None or MPIEXEC is None,

@@ -1,9 +1,9 @@
-"""``python -m taco_notebook launch -np 4 [options] train.py ARGS``: an existing script on every rank, from a shell.
+"""``taco-notebook launch -np 4 [options] train.py ARGS``: an existing script on every rank, from a shell.
 
 horovodrun's shape on this project's clusters: the same options, checks, profiles (local, hosts, slurm, mpijob),
-cluster start and wait loop as ``%taco_run -np 4 train.py ARGS`` in a notebook (:mod:`.magics.runplan`,
-:func:`~.cluster.run.run_script`), with every rank's output labelled ``[rank N]`` as it comes. It starts a
-cluster of its own (named ``launch-PID`` unless ``--cluster`` names another; one started from the JupyterLab
+cluster start and wait loop as ``%taco_run -np 4 train.py ARGS`` in a notebook (:mod:`taco_notebook.plan.runplan`,
+:func:`~taco_notebook.cluster.cells.run.run_script`), with every rank's output labelled ``[rank N]`` as it comes.
+It starts a cluster of its own (named ``launch-PID`` unless ``--cluster`` names another; one started from the JupyterLab
 sidebar under that name is used and left running) and stops what it started when the script ends, fails, is
 interrupted (Ctrl-C, SIGTERM, SIGHUP) or cannot start.
 
@@ -24,23 +24,30 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["PROG", "build_parser", "launch"]
+__all__ = ["add_parser", "build_parser", "launch"]
 
-PROG = "python -m taco_notebook launch"
 USAGE_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the engines' tracebacks are coloured for a notebook
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The ``launch`` command's options: ``%%taco_run``'s (:data:`~.magics.args.run_args`), defined there once."""
-    from .magics.args import add_arguments, run_args
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """``launch [options] SCRIPT ARGS``."""
+    parser = build_parser(subparsers.add_parser(
+        "launch", help="run a Python script on every rank of a cluster (horovodrun's shape): launch -np 4 "
+                       "train.py ARGS"))
+    parser.set_defaults(run_command=lambda args: launch(args, parser))
+    return parser
 
-    parser = parser or argparse.ArgumentParser(prog=PROG)
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``launch`` command's options: ``%%taco_run``'s, from the one option table (:mod:`..plan.options`)."""
+    from ..plan.options import add_arguments
+
     parser.description = __doc__.split("\n\n")[0].replace("``", "")
     parser.epilog = ("Options go before SCRIPT; everything after it is the script's own (`launch -np 2 train.py "
                      "--lr 0.1 -np 3` gives train.py `--lr 0.1 -np 3`). Exit status: 0 every rank finished, 1 a "
                      "rank failed or the cluster did not start, 2 a usage mistake, 130 Ctrl-C (128 + the signal).")
-    return add_arguments(parser, run_args)
+    return add_arguments(parser, "run")
 
 
 @contextmanager
@@ -59,15 +66,13 @@ def _signals_end_the_run() -> Iterator[None]:
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``args.script`` on a cluster as the parsed ``args`` say; stop what was started; an exit status."""
-    from IPython.core.error import UsageError
-
-    from .cluster.cells.run import run_script
-    from .cluster.registry.attach import AttachedCluster
-    from .cluster.session import clusters
-    from .errors import TacoError
-    from .magics.output import RankOutput
-    from .magics.runplan import plan_run, script_of
-    from .magics.settings import TacoSettings
+    from ..cluster.cells.run import run_script
+    from ..cluster.registry.attach import AttachedCluster
+    from ..cluster.session import clusters
+    from ..errors import OptionError, TacoError
+    from ..plan.output import RankOutput
+    from ..plan.runplan import plan_run, script_of
+    from ..plan.settings import TacoSettings
 
     if args.cluster == "default":  # the magic's default name: a command of its own must not take a notebook's
         args.cluster = f"launch-{os.getpid()}"
@@ -79,8 +84,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             plan = plan_run(TacoSettings(), args, say)
             run_script(plan.cluster, script, plan.options, say)
         return 0
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+    except OptionError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT
     except TacoError as exc:
         say.flush()

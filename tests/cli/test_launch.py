@@ -1,4 +1,4 @@
-"""``python -m taco_notebook launch -np N [options] SCRIPT ARGS`` as a user runs it: a real process that starts a
+"""``taco-notebook launch -np N [options] SCRIPT ARGS`` as a user runs it: a real process that starts a
 real MPI-launched cluster, labels every rank's output, exits with a status that says what happened and leaves
 nothing behind (the conftest's leak check runs after each test: every process this one started carries its mark)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from taco_notebook.__main__ import main
+from taco_notebook.cli import main
 from taco_notebook.cluster.session import clusters
 
 from ..conftest import session_processes

@@ -1,6 +1,7 @@
 """Which cluster a magic runs on: the running one when it fits, one started from the sidebar (attached), or a
 new one started here with the chosen profile, MPI and environment; and the checks made right after a start
-(huge pages). Split out of :mod:`.core`, which parses the magics' lines and calls these.
+(huge pages). The policy shared by the magics and the command line, which parse their options and call these;
+a user's mistake is an :class:`~taco_notebook.errors.OptionError`.
 """
 
 from __future__ import annotations
@@ -10,17 +11,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from IPython.core.error import UsageError
-
 from ..cluster.launch.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host
 from ..cluster.launch.profiles import LOCAL, Profile, profile_for
 from ..cluster.launch.slurm.options import SlurmOptions
 from ..cluster.registry.writer import track
 from ..cluster.session import TacoCluster, clusters
 from ..comm.specs import shm_from_env, timeout_from_env
-from ..errors import ClusterStartError, MPINotFoundError
-from .args import DEFAULT_NP, cluster_size, usage_errors
+from ..errors import ClusterStartError, MPINotFoundError, OptionError
 from .output import RankOutput
+from .resolve import DEFAULT_NP, cluster_size, option_errors
 from .settings import CLUSTER_ENV, SLURM_SETTINGS, TacoSettings
 
 __all__ = ["LOST", "chosen_profile", "slurm_options", "profile_change", "check_reachable",
@@ -41,12 +40,12 @@ def mpi_for_launcher(mpiexec: str | None, launcher: str | None) -> MPIInfo:
 
 def slurm_options(config: TacoSettings, args: Any, profile: str | None) -> SlurmOptions | None:
     """The slurm profile's job from ``--partition/--time/--nodes/--gpus-per-node/--queue-timeout`` (else their
-    traits), checked; None for another profile, where any of these options is a UsageError naming it."""
+    traits), checked; None for another profile, where any of these options is a OptionError naming it."""
     if (profile or "").strip().lower() != "slurm":
         for name in SLURM_SETTINGS:
             if getattr(args, name, None) is not None:
                 flag = "--" + name.replace("_", "-")
-                raise UsageError(f"{flag} is for --profile slurm (the Slurm job's options), but this cluster's "
+                raise OptionError(f"{flag} is for --profile slurm (the Slurm job's options), but this cluster's "
                                  f"profile is {profile or 'local'}: add --profile slurm, or leave {flag} out")
         return None
     chosen = {name: config.chosen(name, getattr(args, name, None), "--" + name.replace("_", "-"))
@@ -58,7 +57,7 @@ def chosen_profile(config: TacoSettings, args: Any, size: int) -> Profile:
     """``--profile/--hosts/--hostfile`` (else their traits) as a checked :class:`Profile` that fits ``size`` ranks.
     ``--hosts``/``--hostfile`` replace both traits; another ``--profile`` than hosts ignores the hosts traits; the slurm
     profile's job comes from :func:`slurm_options`."""
-    with usage_errors():
+    with option_errors():
         name = config.chosen("profile", args.profile, "--profile")
         if args.hosts is not None or args.hostfile is not None:
             hosts = config.chosen("hosts", args.hosts, "--hosts") if args.hosts is not None else None
@@ -93,7 +92,7 @@ def start_cluster(name: str, size: int, mpiexec: str | None, say: RankOutput, en
     try:
         mpi = mpi_for_launcher(mpiexec, launcher) if profile.single_host else find_mpi(mpiexec)
     except MPINotFoundError as exc:
-        raise UsageError(str(exc)) from None
+        raise OptionError(str(exc)) from None
     # TacoCluster.start() picks the one-host launcher again from TACO_MPI_LAUNCHER unless its mpiexec was named:
     # a launcher chosen here names the program it resolved to (gforker is kept as it is)
     chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
@@ -123,7 +122,7 @@ def environment_default(key: str) -> str | None:
 def restart_reason(cluster: TacoCluster, env: Mapping[str, str]) -> str | None:
     """Why the running ``cluster`` cannot serve a cell that wants ``env`` in its engines' environment, if so."""
     for key, wanted in env.items():
-        with usage_errors():
+        with option_errors():
             current = cluster.env.get(key) or environment_default(key)
         if current == wanted:
             continue
@@ -187,7 +186,7 @@ def attach_shared(name: str, size: int | None, say: RankOutput) -> TacoCluster |
     if model is None:
         return None
     if size is not None and size != model["size"]:
-        raise UsageError(f"cluster {name!r} was started from the sidebar with {model['size']} ranks: scale it "
+        raise OptionError(f"cluster {name!r} was started from the sidebar with {model['size']} ranks: scale it "
                          f"there, or use -np {model['size']} or another --cluster name")
     cluster = clusters[name] = attach(model)
     say.notice(f"using cluster {name!r} started from the sidebar: {model['size']} ranks")
@@ -196,7 +195,7 @@ def attach_shared(name: str, size: int | None, say: RankOutput) -> TacoCluster |
 
 def check_hugepages(cluster: TacoCluster, need: int | None, started: bool) -> None:
     """``--require-hugepages N``: every node of ``cluster`` has ``N`` free huge pages of its default size, else a
-    UsageError naming the nodes and the remedy, after stopping the cluster when this magic ``started`` it (one
+    OptionError naming the nodes and the remedy, after stopping the cluster when this magic ``started`` it (one
     it found running, or attached from the sidebar, is left as it was)."""
     if need is None:
         return
@@ -211,8 +210,8 @@ def check_hugepages(cluster: TacoCluster, need: int | None, started: bool) -> No
             if clusters.get(cluster.name) is cluster:
                 clusters.pop(cluster.name)
             cluster.stop()
-            raise UsageError(f"cluster {cluster.name!r} stopped: --require-hugepages {need}: {exc}") from None
-        raise UsageError(f"cluster {cluster.name!r} (left running) does not meet --require-hugepages {need}: "
+            raise OptionError(f"cluster {cluster.name!r} stopped: --require-hugepages {need}: {exc}") from None
+        raise OptionError(f"cluster {cluster.name!r} (left running) does not meet --require-hugepages {need}: "
                          f"{exc}") from None
 
 

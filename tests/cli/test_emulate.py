@@ -1,4 +1,4 @@
-"""``python -m taco_notebook.emulate up|status|down``: emulated nodes with a real sshd each, through the real CLI.
+"""``python -m taco_notebook emulate up|status|down``: emulated nodes with a real sshd each, through the real CLI.
 
 Everything runs for real: network namespaces, htb shaping, Debian's OpenSSH server and client, mpich's hydra
 over ssh. Tests that make nodes need root, iproute2 and openssh-server (``apt-get install -y openssh-server``)
@@ -24,16 +24,16 @@ from typing import Any
 import psutil
 import pytest
 
+from taco_notebook.cli.emulate import parse_spec
 from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.emulated.sshd import PRIVSEP_DIR, SshdProcess, find_sshd
 from taco_notebook.cluster.emulated.state import load_nodes, nodes_from_state
 from taco_notebook.cluster.private import write_private_json
-from taco_notebook.emulate import parse_spec
 
-from ...support.mpirun import run_in_session
-from .test_emulated import MPIEXEC, NETNS_SKIP
+from ..cluster.emulated.test_emulated import MPIEXEC, NETNS_SKIP
+from ..support.mpirun import run_in_session
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _install_openssh() -> None:
@@ -63,7 +63,7 @@ Cli = Callable[..., subprocess.CompletedProcess[str]]
 
 def _cli(state_dir: Path, *args: str, env: dict[str, str] | None = None,
          prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    argv = [*prefix, sys.executable, "-m", "taco_notebook.emulate", *args, "--state-dir", str(state_dir)]
+    argv = [*prefix, sys.executable, "-m", "taco_notebook", "emulate", *args, "--state-dir", str(state_dir)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
 
 

@@ -1,4 +1,4 @@
-"""Emulated nodes as a user tool: ``python -m taco_notebook.emulate up 2x2 --link 1gbit``, ``status``, ``down``.
+"""Emulated nodes as a user tool: ``taco-notebook emulate up 2x2 --link 1gbit``, ``status``, ``down``.
 
 ``up NODESxSLOTS`` makes NODES network-namespace nodes ``n0``, ``n1``, … on one bridge, each link shaped to
 ``--link`` (a ``tc`` rate such as ``1gbit``, or ``none``) in both directions, each node running a real ``sshd``
@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from .cluster.emulated.hosts import EmulatedHosts, EmulateError, check_prerequisites, default_state_dir, down
-from .cluster.emulated.nodes import parse_rate
+from ..cluster.emulated.hosts import EmulatedHosts, EmulateError, check_prerequisites, default_state_dir, down
+from ..cluster.emulated.nodes import parse_rate
 
-__all__ = ["main", "parse_spec", "parse_link"]
+__all__ = ["add_parser", "command", "parse_spec", "parse_link"]
 
 NOTHING_UP = 3
 
@@ -61,14 +61,16 @@ def parse_link(link: str) -> str | None:
     return link.strip().lower()
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m taco_notebook.emulate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """``emulate up NODESxSLOTS | status | down``."""
+    parser = subparsers.add_parser("emulate", help="emulated nodes on this machine (network namespaces, each with "
+                                   "sshd): up, status, down", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", type=Path, default=None,
                         help=f"where the nodes' state and keys live (default: {default_state_dir()}; "
                              "TACO_EMULATE_DIR sets it too)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", parents=[common], help="create the nodes and start their sshd")
     up.add_argument("spec", type=parse_spec, metavar="NODESxSLOTS", help="e.g. 2x2: 2 nodes of 2 slots")
     up.add_argument("--link", type=parse_link, default="1gbit",
@@ -82,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     down_cmd = sub.add_parser("down", parents=[common], help="remove the nodes and every file up made")
     down_cmd.add_argument("--when-gone", dest="when_gone", type=int, default=None, metavar="PID",
                           help="first wait until process PID ends (returns at once if the nodes go down before)")
+    parser.set_defaults(run_command=lambda args: command(args, parser))
     return parser
 
 
@@ -102,7 +105,7 @@ def _print_usage_hints(hosts: EmulatedHosts) -> None:
 def _spawn_down_watcher(pid: int, state_dir: Path) -> int:
     """Start ``down --when-gone PID`` in a session of its own (no terminal, no output), so that it outlives
     this command and whatever kills PID's process group; returns its pid."""
-    argv = [sys.executable, "-m", "taco_notebook.emulate", "down", "--state-dir", str(state_dir),
+    argv = [sys.executable, "-m", "taco_notebook", "emulate", "down", "--state-dir", str(state_dir),
             "--when-gone", str(pid)]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True).pid
@@ -174,7 +177,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  {row.host:<5} {row.address:<15} {row.namespace:<18} {row.sshd_pid or '-':>8}  {state}")
     _print_usage_hints(hosts)
     if not healthy:
-        print("some nodes are dead: `python -m taco_notebook.emulate down` removes what is left, then `up` again",
+        print("some nodes are dead: `taco-notebook emulate down` removes what is left, then `up` again",
               file=sys.stderr)
     return 0 if healthy else 1
 
@@ -194,18 +197,13 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (see the module docstring)."""
-    args = _parser().parse_args(argv)
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the parsed ``emulate`` command; returns the exit code (see the module docstring)."""
     try:
-        return {"up": _up, "status": _status, "down": _down}[args.command](args)
+        return {"up": _up, "status": _status, "down": _down}[args.action](args)
     except EmulateError as err:
-        print(f"taco_notebook.emulate {args.command}: {err}", file=sys.stderr)
+        print(f"{parser.prog} {args.action}: {err}", file=sys.stderr)
         return err.exit_code
     except (ValueError, RuntimeError, OSError) as err:
-        print(f"taco_notebook.emulate {args.command}: {err}", file=sys.stderr)
+        print(f"{parser.prog} {args.action}: {err}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

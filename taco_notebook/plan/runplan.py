@@ -1,7 +1,7 @@
 """From ``%%taco_run``'s parsed options to a cluster and the options of one run: the one path shared by the cell
-magic, its line form (``%taco_run -np 4 train.py``) and ``python -m taco_notebook launch`` (:mod:`.launch`).
+magic, its line form (``%taco_run -np 4 train.py``) and ``taco-notebook launch`` (:mod:`taco_notebook.cli.launch`).
 
-Every option is checked before anything starts (a ``UsageError`` naming it); then the cluster is reused,
+Every option is checked before anything starts (an ``OptionError`` naming it); then the cluster is reused,
 repaired, resized or started (:func:`~.clusters.ensure_cluster`) and its huge pages checked.
 """
 
@@ -11,23 +11,22 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from IPython.core.error import UsageError
-
 from ..cluster.cells.run import CellOptions
 from ..cluster.cells.script import Script, load_script
 from ..cluster.session import TacoCluster, clusters
-from .args import (
+from ..errors import OptionError
+from .clusters import check_hugepages, chosen_profile, ensure_cluster, shared_size
+from .output import RankOutput
+from .resolve import (
     DEFAULT_NP,
     cluster_settings,
     cluster_size,
     comm_settings,
     elastic_spec,
+    option_errors,
     parse_targets,
     required_hugepages,
-    usage_errors,
 )
-from .clusters import check_hugepages, chosen_profile, ensure_cluster, shared_size
-from .output import RankOutput
 from .settings import TacoSettings, setting_from_env
 
 __all__ = ["RunPlan", "plan_run", "script_of", "new_size", "dashboard_mode", "link_capacity"]
@@ -51,7 +50,7 @@ def dashboard_mode(config: TacoSettings, option: str | None) -> str:
     """``--dashboard``/``--no-dashboard``, else ``TacoMagics.dashboard``, else ``TACO_DASHBOARD``/auto."""
     if option == "off":  # --no-dashboard: no need to import the widgets (and bokeh) to check it
         return "off"
-    with usage_errors():
+    with option_errors():
         chosen = config.chosen("dashboard", option, "--dashboard")
         if chosen == "off":
             return "off"
@@ -63,7 +62,7 @@ def dashboard_mode(config: TacoSettings, option: str | None) -> str:
 def link_capacity(config: TacoSettings, option: str | None) -> float | None:
     """Bytes/s of a node's network link (``--link-gbits``, ``TacoMagics.link_gbits``, ``TACO_LINK_GBITS``), for
     the heatmaps' scale; None when unknown."""
-    with usage_errors():
+    with option_errors():
         gbits = config.chosen("link_gbits", option, "--link-gbits")
         if gbits is None:
             gbits = setting_from_env("link_gbits")
@@ -71,12 +70,12 @@ def link_capacity(config: TacoSettings, option: str | None) -> float | None:
 
 
 def script_of(args: Any, shown_as: str) -> Script:
-    """The script named by the parsed line (``SCRIPT ARGS…`` after the options), read now: a UsageError before
+    """The script named by the parsed line (``SCRIPT ARGS…`` after the options), read now: a OptionError before
     anything starts when there is none or it cannot be run. ``shown_as`` is how the user calls it."""
     if not args.script:
-        raise UsageError(f"{shown_as} needs a script to run: {shown_as} -np 4 train.py --epochs 1 runs "
+        raise OptionError(f"{shown_as} needs a script to run: {shown_as} -np 4 train.py --epochs 1 runs "
                          f"train.py on every rank ({shown_as} --help lists the options)")
-    with usage_errors():
+    with option_errors():
         return load_script(args.script, args.script_args)
 
 
@@ -91,7 +90,7 @@ def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
     """Check every option of ``args`` (``run_args``), then find or start the cluster; the run's options."""
     size = cluster_size(args.np, "-np", config.max_ranks)
     elastic = elastic_spec(args.elastic, args.targets)
-    with usage_errors():
+    with option_errors():
         timeout = config.chosen("timeout", args.timeout, "--timeout")
         launcher = config.chosen("mpi_launcher", args.mpi_launcher, "--mpi-launcher")
         intra_size = config.chosen("intra_size", args.intra_size, "--intra-size")
@@ -101,7 +100,7 @@ def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
                        or (elastic.max if elastic else new_size(config)))
     targets = parse_targets(args.targets, planned)
     if intra_size is not None and planned % intra_size:
-        raise UsageError(f"--intra-size {intra_size} must divide -np {planned}")
+        raise OptionError(f"--intra-size {intra_size} must divide -np {planned}")
     mode = dashboard_mode(config, args.dashboard)
     capacity = link_capacity(config, args.link_gbits)  # checked before anything starts
     env = cluster_settings(config, args, planned)

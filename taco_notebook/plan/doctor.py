@@ -1,10 +1,10 @@
-"""``%taco_doctor --hosts/--hostfile/--profile``: the report of nodes where no cluster runs, and which report the
-magic shows.
+"""``%taco_doctor --hosts/--hostfile/--profile`` and ``taco-notebook doctor --hosts``: the report of nodes where no
+cluster runs, and which report the magic shows.
 
 :func:`examine_nodes` starts a temporary cluster with one engine per node through the normal start path
-(:func:`~taco_notebook.magics.clusters.start_cluster`: ssh, hydra and emulated hosts work as for ``%%taco_run``),
-reads it with :func:`~taco_notebook.cluster.doctor.engines.cluster_report`, and always stops it. Its own module because
-:mod:`.clusters` reads huge pages through :mod:`.doctor`, and this one starts clusters through :mod:`.clusters`.
+(:func:`~taco_notebook.plan.clusters.start_cluster`: ssh, hydra and emulated hosts work as for ``%%taco_run``),
+reads it with :func:`~taco_notebook.cluster.doctor.engines.cluster_report`, and always stops it. The doctor's
+facts and report live in :mod:`taco_notebook.cluster.doctor`; this module is only its use of the plan's clusters.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ import os
 import uuid
 from typing import Any
 
-from IPython.core.error import UsageError
-
 from ..cluster.doctor.engines import cluster_report, doctor_report
 from ..cluster.doctor.report import DoctorReport, local_report
 from ..cluster.launch.profiles import Profile
 from ..cluster.session import clusters
-from ..errors import ClusterStartError
+from ..errors import ClusterStartError, OptionError
 from .output import RankOutput
 
 __all__ = ["examine_nodes", "one_engine_per_node", "chosen_report"]
@@ -42,7 +40,7 @@ def examine_nodes(profile: Profile, say: RankOutput, mpiexec: str | None = None,
     """The report of every node of ``profile``, read through a temporary cluster of one engine per node that is
     stopped before this returns, also on an error or Ctrl-C (no engines, controller or registry entry left).
     Hosts that ssh cannot reach are named in a :class:`ClusterStartError` before anything starts
-    (:func:`~taco_notebook.magics.clusters.start_cluster` asks them)."""
+    (:func:`~taco_notebook.plan.clusters.start_cluster` asks them)."""
     from .clusters import start_cluster
 
     profile, nodes = one_engine_per_node(profile)
@@ -68,7 +66,7 @@ def chosen_report(config: Any, args: Any, say: RankOutput) -> DoctorReport:
     elsewhere = args.hosts is not None or args.hostfile is not None or args.profile is not None
     if elsewhere:
         if args.cluster is not None:
-            raise UsageError("--cluster reads a running cluster's nodes; --hosts/--hostfile/--profile start a "
+            raise OptionError("--cluster reads a running cluster's nodes; --hosts/--hostfile/--profile start a "
                              "temporary one: give one or the other")
         from .clusters import chosen_profile
 
@@ -81,7 +79,7 @@ def chosen_report(config: Any, args: Any, say: RankOutput) -> DoctorReport:
         cluster = None
     if args.cluster is not None and cluster is None:
         running = sorted(n for n, c in clusters.items() if c.running) or "none"
-        raise UsageError(f"no cluster named {args.cluster!r} is running (running: {running}): start it with "
+        raise OptionError(f"no cluster named {args.cluster!r} is running (running: {running}): start it with "
                          "%taco_cluster start, or leave --cluster out to examine this machine alone")
     if cluster is not None:
         say.notice(f"reading the nodes of cluster {cluster.name!r} through its engines…")
