@@ -14,40 +14,29 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import sys
+import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ..errors import ClusterStartError, RankDiedError
-from ..model import ClusterModel, OwnerKind, PendingModel, RunModel, State
+from ..model import ClusterModel, MembershipModel, OwnerKind, PendingModel, RunModel, State
 from .cells import engine
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
-from .elastic.members import ElasticMembers
+from .launch import engineset
 from .launch.mpi import MPIInfo
 from .launch.profiles import LOCAL, Profile, mpi_for
 from .private import private_ipython_profile
-from .processes.deaths import death_report, engine_output, ranks_text
-from .processes.rankwrap import LAUNCHED_BY_ENV
+from .processes.deaths import death_report, died_error, engine_output
 from .processes.teardown import stop_processes
-from .processes.tree import (
-    CLUSTER_ID_ENV,
-    alive,
-    descendants,
-    kill,
-    marked_processes,
-    process_tree,
-    shared_memory_files,
-)
+from .processes.tree import descendants, kill, marked_processes, process_tree, shared_memory_files
 
-__all__ = ["RankInfo", "Event", "Subscriber", "TacoCluster", "clusters", "stop_all", "exiting"]
+__all__ = ["RankInfo", "Event", "Subscriber", "HeldMembership", "TacoCluster", "clusters", "stop_all", "exiting"]
 
 log = logging.getLogger("taco_notebook")
 
 PROFILE = "taco"  # the IPython profile (directory) ipyparallel keeps its files in; not the launch profile
-
 
 Event = Literal["starting", "running", "stopping", "stopped", "broken", "run"]
 Subscriber = Callable[["TacoCluster", Event], None]
@@ -55,7 +44,19 @@ EXIT_WAIT_S = 30.0  # at exit, how long a stop/scale that the registry's watcher
 NO_ENGINES = "the engines' mpiexec exited; scale or delete the cluster"
 
 
-class TacoCluster(ElasticMembers):
+class HeldMembership(Protocol):
+    """What a cluster asks of the elastic membership it holds (cluster/elastic/membership.py's ``Membership``):
+    a protocol, so that the elastic modules import this one and never the reverse."""
+
+    owns_membership: bool  # True once ranks were renumbered: the group is no longer MPI's world
+
+    def model(self) -> MembershipModel: ...
+    def rebuild(self, cluster: TacoCluster, members: list[RankInfo]) -> None: ...
+    def expect_engines(self, count: int, known: set[int]) -> None: ...
+    def grow(self, cluster: TacoCluster, size: int) -> None: ...
+
+
+class TacoCluster:
     """One named cluster of ``size`` MPI ranks.
 
     >>> c = TacoCluster("default", 4).start()
@@ -69,7 +70,8 @@ class TacoCluster(ElasticMembers):
 
     Model state: ``error`` (why broken, or why its last action failed), ``pending`` (a stop or scale the server
     queued), ``run`` (:meth:`set_run`), ``processes`` (all it started: killed at stop even if orphaned by then)
-    and ``shared_memory`` (the ranks' MPI segments in /dev/shm, removed at stop)."""
+    and ``shared_memory`` (the ranks' MPI segments in /dev/shm, removed at stop). Only this class writes its
+    fields: an elastic membership (``elastic``) changes them through the methods under "membership" below."""
 
     owner_kind: OwnerKind = "kernel"  # the server extension sets "server" on its own clusters
     cluster_id: str | None = None
@@ -104,7 +106,7 @@ class TacoCluster(ElasticMembers):
         self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
         self.busy = threading.RLock()
         self.progress: Callable[[str], None] | None = None  # the slurm profile's queue-state lines go here
-        self.elastic: Any = None  # cluster/elastic/membership.py's Membership once an --elastic cell ran here
+        self.elastic: HeldMembership | None = None  # a Membership once an --elastic cell ran here
 
     # ---------------------------------------------------------------- state
     @property
@@ -164,44 +166,6 @@ class TacoCluster(ElasticMembers):
         self._phase = "starting"
         self._emit("starting")
 
-    def _engine_environment(self) -> dict[str, str]:
-        env = {"TACO_CLUSTER_NAME": self.name, "PYTHONUNBUFFERED": "1"}
-        if "OMP_NUM_THREADS" not in os.environ:
-            # N ranks on one machine share its cores; torch would otherwise start cores-many threads per rank.
-            per_node = self.profile.ranks_per_node(self.size)
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_node))
-        env.update(self.profile.environment)  # hosts: the nodes' interface for gloo and UCX
-        # every rank on this host (local profile): MPI stays off the network unless the user chose
-        if self.mpi is not None and self.profile.single_host:
-            from .launch.mpi import single_host_env
-
-            env.update({k: v for k, v in single_host_env(self.mpi).items() if k not in os.environ})
-            if self.mpi.launcher == "gforker":  # rankwrap gives the ranks what hydra would (see there)
-                env[LAUNCHED_BY_ENV] = "gforker"
-        env.update(self.env)
-        if self.cluster_id:  # the proof that a process is this cluster's (processes.proven_process)
-            env[CLUSTER_ID_ENV] = self.cluster_id
-        return env
-
-    def _ipp_config(self, mpi: MPIInfo) -> Any:
-        from traitlets.config import Config
-
-        config, self._engines = Config(), "mpi"
-        launcher = config.MPIEngineSetLauncher
-        launcher.mpi_cmd = [mpi.mpiexec]
-        launcher.mpi_args = list(mpi.extra_args) + self.profile.mpiexec_args()
-        launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap",
-                               sys.executable, "-m", "ipyparallel.engine"]
-        launcher.environment = {**mpi.environment, **self._engine_environment()}  # mpi4py loads mpiexec's MPI
-        if self.profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
-            from .launch.slurm.engines import engine_config
-
-            self._engines = engine_config(config, self.profile.slurm, launcher.engine_cmd, launcher.environment,
-                                          self.progress)
-        if self.cluster_id:
-            config.LocalControllerLauncher.environment = {CLUSTER_ID_ENV: self.cluster_id}
-        return config
-
     def start(self) -> TacoCluster:
         """Start controller and ``size`` engines, check them, and bring up the process group on every rank.
 
@@ -217,14 +181,16 @@ class TacoCluster(ElasticMembers):
         self._emit("starting")
         try:
             private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
-            config = self._ipp_config(self.mpi)
+            config, self._engines = engineset.ipp_config(self.name, self.size, self.profile, self.mpi, self.env,
+                                                         cluster_id, self.progress)
             self.ipp_cluster = ipp.Cluster(engines=self._engines, n=self.size, profile=PROFILE, config=config,
                                            controller_ip=self.profile.controller_ip, log_level=logging.ERROR,
                                            shutdown_atexit=False, cluster_id=cluster_id)
             self.ipp_cluster.start_cluster_sync()
-            self.refresh_engine_sets()
+            self._refresh_engine_sets()
             self.client = self.ipp_cluster.connect_client_sync()
-            self._wait_for_engines()
+            engineset.wait_for_engines(self.client, self.size, self.start_timeout, self._start_failure,
+                                       self._engine_launchers[0] if self.profile.slurm is not None else None)
             self.check_ranks()
             self.view.apply_sync(engine.setup_namespace)  # `taco`, the process group, the metrics flush
         except BaseException as exc:
@@ -233,47 +199,24 @@ class TacoCluster(ElasticMembers):
             self.stop()
             if isinstance(exc, ClusterStartError | KeyboardInterrupt):
                 raise
-            tail = "\n".join(output.strip().splitlines()[-15:])
-            raise ClusterStartError(f"cluster {self.name!r} failed to start: {exc}\n{tail}") from exc
+            raise ClusterStartError(self._failed(exc, output)) from exc
         self.started_at, self.needs_reinit = time.time(), False
         self.processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
         self.shared_memory, self._phase = shared_memory_files(self.ranks), None
         self._emit("running")
         return self
 
-    def _wait_for_engines(self) -> None:
-        # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
-        # stayed stuck in the notebook; the magic says "ready in … s" itself.
-        if self.profile.slurm is not None:  # as long as the queue holds the job, then start_timeout
-            from .launch.slurm.engines import wait
+    def _start_failure(self) -> str | None:
+        """Once mpiexec exited: why the start failed, with the engines' last lines; None while it runs."""
+        death = self.death()
+        return None if death is None else self._failed(death, self.engine_output())
 
-            return wait(self.client, self._engine_launchers[0], self.size, self.start_timeout)
-        future = self.client.wait_for_engines(self.size, block=False, timeout=self.start_timeout, interactive=False)
-        while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
-            death = self.death()
-            if death is not None:
-                raise ClusterStartError(f"cluster {self.name!r} failed to start: {death}\n"
-                                        + "\n".join(self.engine_output().strip().splitlines()[-15:]))
-            if future.done():
-                break
-            time.sleep(0.1)
-        future.result()
+    def _failed(self, why: object, output: str) -> str:
+        return f"cluster {self.name!r} failed to start: {why}\n" + "\n".join(output.strip().splitlines()[-15:])
 
     def check_ranks(self) -> None:
         """Read every engine's :class:`RankInfo` into :attr:`ranks`; fails unless engine ids are MPI ranks."""
-        try:
-            infos = self.client[:].apply_sync(engine.rank_info)
-        except Exception as exc:  # the ranks' MPI check: say what it said, not "engine ids differ"
-            from ..comm.mpicheck import mismatch_in
-
-            if (mismatch := mismatch_in(exc)) is not None:
-                raise ClusterStartError(f"cluster {self.name!r} failed to start: {mismatch}") from None
-            raise
-        self.ranks = sorted(map(RankInfo.of_engine, self.client.ids, infos), key=lambda r: r.rank)
-        mismatched = [(eid, info["rank"]) for eid, info in zip(self.client.ids, infos, strict=True)
-                      if eid != info["rank"]]
-        if mismatched:
-            raise ClusterStartError(f"engine ids differ from MPI ranks: {mismatched}")
+        self.ranks = engineset.read_ranks(self.client, self.name)
 
     def stop(self, fast: bool = False) -> None:
         """Stop engines and controller; leaves nothing running. Safe to call twice.
@@ -304,7 +247,8 @@ class TacoCluster(ElasticMembers):
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive integer, got {size!r}")
-        if self.grows_elastically(size):  # the new engines join at the next commit, the survivors untouched
+        if self.elastic is not None and self.running and size > len(self.ranks):
+            self.elastic.grow(self, size)  # the new engines join at the next commit, the survivors untouched
             return self
         with self.busy:
             self._stop(final=False)
@@ -322,6 +266,53 @@ class TacoCluster(ElasticMembers):
         stop_processes(cluster, client, tree, shared_memory, fast)
         kill(marked_processes(self.cluster_id or ""))  # orphans the tree missed (a controller stopped mid-fork)
 
+    # ---------------------------------------------------------------- membership
+    def reinit(self) -> None:
+        """Rebuild the process group on every rank (after a failed or interrupted cell): over MPI's world, or
+        over the members the client chose once an elastic change happened (cluster/elastic/recovery.py)."""
+        if self.elastic is not None and self.elastic.owns_membership:
+            self.elastic.rebuild(self, list(self.ranks))
+        else:
+            self.view.apply_sync(engine.reinit)
+        self.needs_reinit = False
+
+    def launch_engines(self, count: int) -> None:
+        """Start ``count`` more engines (a second ``mpiexec`` to the same controller) for an elastic cluster, the
+        running ones untouched (any thread): they join at the next commit of a running ``--elastic`` cell, or at
+        the next such cell. Their processes are this cluster's from now on (killed at stop)."""
+        if self.ipp_cluster is None or self.elastic is None:
+            raise RuntimeError(f"cluster {self.name!r} runs no elastic cell: engines can only be added to an "
+                               "elastic cluster (run a %%taco_run --elastic cell first)")
+        self.elastic.expect_engines(count, set(self.client.ids) if self.client is not None else set())
+        self.ipp_cluster.start_engines_sync(n=count)
+        self._refresh_engine_sets()
+        self.processes = list({p.pid: p for p in self.processes + process_tree(self.ipp_cluster)}.values())
+
+    def kill_ranks(self, ranks: list[int]) -> None:
+        """SIGKILL the engines of ``ranks`` (hung members, cluster/elastic/recovery.py): a local engine only when it
+        is in the process tree of one of this cluster's engine sets (proven ours), any other through ipyparallel's
+        signal request to that engine. Their wrappers' marker lines then report the deaths."""
+        ours = {p.pid: p for p in engineset.set_processes(engineset.engine_sets(self.ipp_cluster))}
+        kill([ours[r.pid] for r in self.ranks if r.rank in ranks and r.pid in ours], wait=False)
+        remote = [r.rank for r in self.ranks if r.rank in ranks and r.pid not in ours]
+        if remote:
+            self.client.send_signal(signal.SIGKILL, targets=self.engine_ids(remote), block=False)
+
+    def hold_membership(self, membership: HeldMembership) -> None:
+        """Keep ``membership`` (an --elastic cell's) until the cluster stops: :meth:`model` shows it."""
+        self.elastic = membership
+
+    def adopt_ranks(self, ranks: list[RankInfo], rebuilt: bool = True) -> None:
+        """``ranks`` (engine ids included) are the members now: a group was just ``rebuilt`` over them (the size
+        follows), or members died and the rest wait for a rebuild (the size stays)."""
+        self.ranks = list(ranks)
+        if rebuilt:
+            self.size, self.needs_reinit = len(ranks), False
+
+    def mark_group_broken(self) -> None:
+        """The ranks' process group cannot be trusted (a failed cell, a lost member): the next cell rebuilds it."""
+        self.needs_reinit = True
+
     # ---------------------------------------------------------------- engines
     @property
     def view(self) -> Any:
@@ -329,27 +320,33 @@ class TacoCluster(ElasticMembers):
             raise RuntimeError(f"cluster {self.name!r} is not running")
         return self.client[self.engine_ids()] if self.elastic is not None else self.client[:]
 
-    def _engine_sets(self, cluster: Any = None) -> list[Any]:
-        cluster = cluster or self.ipp_cluster
-        return list(cluster.engines.values()) if cluster is not None else []
+    def _refresh_engine_sets(self) -> None:
+        """Remember the engine sets and their logs (at start, and when an elastic cluster grows)."""
+        self._engine_launchers = engineset.engine_sets(self.ipp_cluster)
+        self._engine_logs = engineset.log_paths(self._engine_launchers)
+
+    def engine_log_paths(self) -> list[str]:
+        """The engine sets' logs, where mpiexec gathers what the ranks and their wrappers print."""
+        return self._engine_logs or engineset.log_paths(engineset.engine_sets(self.ipp_cluster))
+
+    def engine_ids(self, ranks: list[int] | None = None) -> list[int]:
+        """The ipyparallel engine ids of ``ranks`` (default: every rank), in that order."""
+        by_rank = {r.rank: (r.engine_id if r.engine_id >= 0 else r.rank) for r in self.ranks}
+        return [by_rank[r] for r in (sorted(by_rank) if ranks is None else ranks)]
 
     def kill_engines(self, reason: str) -> None:
         """Kill the engines now (after a hung interrupt); the next run starts a fresh cluster."""
         if self.ipp_cluster is not None:
-            engine_sets = [p for es in self._engine_sets() for p in descendants(getattr(es, "process", None))]
             controller = getattr(self.ipp_cluster.controller, "process", None)
             # No waiting: SIGKILL is certain, and Ctrl-C must return now; stop() reaps them later.
-            kill(engine_sets + [p for p in self.processes if p not in descendants(controller)], wait=False)
+            kill(engineset.set_processes(engineset.engine_sets(self.ipp_cluster))
+                 + [p for p in self.processes if p not in descendants(controller)], wait=False)
         self.error = reason
         self._emit("broken")
 
     def engines_alive(self) -> bool:
-        engine_sets = self._engine_sets()
-        if self.profile.slurm is not None:  # no local process: the job's watcher says whether it ended
-            from .launch.slurm.engines import job_alive
-
-            return bool(engine_sets) and all(job_alive(es) for es in engine_sets)
-        return bool(engine_sets) and all(alive(getattr(es, "process", None)) for es in engine_sets)
+        """Whether every engine set this cluster started still runs."""
+        return engineset.sets_alive(engineset.engine_sets(self.ipp_cluster), self.profile.slurm is not None)
 
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
@@ -362,17 +359,11 @@ class TacoCluster(ElasticMembers):
         return death_report(self.engine_output)[0]
 
     def died_error(self, finished: list[int]) -> RankDiedError:
-        sentence, rank, host, sig = death_report(self.engine_output)
-        others = [r.rank for r in self.ranks if r.rank != rank and r.rank not in finished]
-        detail = f"; MPI stopped the other ranks ({ranks_text(others)})" if others else ""
-        return RankDiedError(
-            f"{sentence}{detail}. Cluster {self.name!r} was shut down; the next %%taco_run starts a fresh one.",
-            rank, host, sig)
+        """The error of a cell whose rank died: which, where, how, and the others MPI stopped."""
+        return died_error(self.name, [r.rank for r in self.ranks if r.rank not in finished], self.engine_output)
 
 
 clusters: dict[str, TacoCluster] = {}
-
-
 _live: dict[str, TacoCluster] = {}  # every cluster this process started and has not stopped, by id
 exiting = threading.Event()  # set first thing at exit: the registry's watcher takes no more requests
 

@@ -15,7 +15,8 @@ import uuid
 from typing import Any
 
 from ..cluster.doctor.engines import cluster_report, doctor_report
-from ..cluster.doctor.report import DoctorReport, local_report
+from ..cluster.doctor.gather import local_report
+from ..cluster.doctor.report import DoctorReport
 from ..cluster.launch.profiles import Profile
 from ..cluster.session import clusters
 from ..errors import ClusterStartError, OptionError

@@ -181,7 +181,7 @@ class _CellRun:
         if not finished or not self.running():
             return
         self.shut_down_pg.update(finished)
-        self.cluster.needs_reinit = True
+        self.cluster.mark_group_broken()
         self.cluster.client[self.cluster.engine_ids(finished)].apply_async(engine.abort)
 
     def check_alive(self) -> None:
@@ -229,7 +229,7 @@ class _CellRun:
                 delivered.result(timeout=1.0)
             except Exception:  # a dead or wedged engine: the ladder's kill step deals with it
                 pass
-        self.cluster.needs_reinit = True
+        self.cluster.mark_group_broken()
         self.failure_deadline = float("inf")  # the ladder is climbing: only its own grace counts now
         if self.wait_until(time.monotonic() + self.options.interrupt_grace):
             return []

@@ -4,7 +4,7 @@ The cluster is a running one (``--cluster``), or, for nodes where nothing runs y
 ``--profile``), a temporary one (:mod:`.doctor_nodes`). One engine per node runs
 :func:`taco_notebook.cluster.doctor.nodefacts.node_facts` (``view.apply``), and each node in turn receives a one-second
 stream from the previous one (:func:`taco_notebook.comm.linkspeed.start_receiver` on the receiver's engine,
-:func:`~taco_notebook.comm.linkspeed.send` on the sender's), as :mod:`taco_notebook.cluster.doctor.report` describes.
+:func:`~taco_notebook.comm.linkspeed.send` on the sender's), as :mod:`taco_notebook.cluster.doctor.gather` describes.
 With neither, the report is this machine's alone.
 """
 
@@ -14,7 +14,9 @@ from typing import Any
 
 from ..describe import RankInfo
 from ..session import TacoCluster
-from .report import DoctorReport, NodeReport, local_report, report_from_facts
+from .gather import local_report, report_from_facts
+from .render import ShownReport, shown
+from .report import DoctorReport, NodeReport
 
 __all__ = ["node_engines", "cluster_report", "doctor_report", "hugepage_nodes", "show_report"]
 
@@ -86,14 +88,14 @@ def _links(cluster: TacoCluster, nodes: dict[str, RankInfo], seconds: float) -> 
     return links
 
 
-def cluster_report(cluster: TacoCluster, seconds: float = 1.0) -> DoctorReport:
+def cluster_report(cluster: TacoCluster, seconds: float = 1.0) -> ShownReport:
     """Every node of the running ``cluster``, read by one of its engines, and the links between them."""
     nodes = node_engines(cluster)
     facts = [_node_facts_on(cluster, name, rank) for name, rank in nodes.items()]
     return report_from_facts(facts, _links(cluster, nodes, seconds))
 
 
-def doctor_report(cluster: TacoCluster | None) -> DoctorReport:
+def doctor_report(cluster: TacoCluster | None) -> ShownReport:
     """The running ``cluster``'s nodes, else (None) this machine's."""
     return cluster_report(cluster) if cluster is not None else local_report()
 
@@ -116,6 +118,7 @@ def show_report(report: DoctorReport) -> None:
     from IPython import get_ipython
     from IPython.display import display
 
+    report = shown(report)
     if getattr(get_ipython(), "kernel", None) is None:  # a terminal: its display shows text/plain only
         print(report)
         return

@@ -1,16 +1,19 @@
 """The doctor's table: a row per node, then the problems, each with its remedy and the nodes that have it; text
-for a terminal, HTML for a notebook. Both come from the same cells (:func:`rows`), so they say the same thing."""
+for a terminal, HTML for a notebook. Both come from the same cells (:func:`rows`), so they say the same thing.
+
+This module imports the report (:mod:`.report`), never the reverse: :class:`ShownReport` is the report the
+doctor's entry points (:mod:`.gather`, :mod:`.engines`) hand a user, which shows itself through these functions.
+"""
 
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .findings import Finding
-    from .report import DoctorReport, NodeReport
+from .findings import Finding
+from .report import DoctorReport, NodeReport
 
-__all__ = ["COLUMNS", "rows", "grouped_findings", "render_text", "render_html"]
+__all__ = ["COLUMNS", "rows", "grouped_findings", "render_text", "render_html", "ShownReport", "shown"]
 
 COLUMNS = ("node", "huge pages 2 MB", "huge pages 1 GB", "GPUs", "NICs", "CPUs / NUMA", "MPI", "torch / NCCL",
            "link (1 s TCP)")
@@ -168,3 +171,20 @@ def render_html(report: DoctorReport) -> str:
             parts.append(f"<details><summary>GPU topology of {html.escape(node.name)}</summary>"
                          f"<pre>{html.escape(topology)}</pre></details>")
     return "<div class='taco-doctor-report'>" + "".join(parts) + "</div>"
+
+
+class ShownReport(DoctorReport):
+    """A :class:`DoctorReport` as a user sees it: ``str()`` is the terminal table, ``_repr_html_`` the notebook's."""
+
+    def __str__(self) -> str:
+        return render_text(self)
+
+    def _repr_html_(self) -> str:
+        return render_html(self)
+
+
+def shown(report: DoctorReport) -> ShownReport:
+    """``report`` as a :class:`ShownReport` (the same nodes, links and findings)."""
+    if isinstance(report, ShownReport):
+        return report
+    return ShownReport(report.nodes, report.links, report.cluster_findings)

@@ -1,7 +1,10 @@
 """An elastic cluster's membership as the client knows it: the ``--elastic MIN:MAX`` bounds, the ranks lost (read
 from the wrappers' marker lines by :class:`DeathWatch`), the engines joining, and the blacklist of hosts that
-failed repeatedly; and :func:`rebuild`, which gives chosen engines a new group (cluster/elastic/recovery.py decides
-when; :meth:`TacoCluster.reinit` calls it after a failed cell).
+failed repeatedly; and :meth:`Membership.rebuild`, which gives chosen engines a new group (cluster/elastic/recovery.py
+decides when; :meth:`TacoCluster.reinit` calls it after a failed cell).
+
+The cluster holds its :class:`Membership` (``cluster.elastic``) and never imports this module; a membership
+changes the cluster only through its methods (:meth:`~TacoCluster.adopt_ranks`, :meth:`~TacoCluster.launch_engines`).
 """
 
 from __future__ import annotations
@@ -9,19 +12,16 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ...model import MembershipModel
 from ..cells import engine
 from ..describe import RankInfo
 from ..processes.deaths import signal_name
 from ..processes.rankwrap import MARKER
+from ..session import TacoCluster
 
-if TYPE_CHECKING:
-    from ..session import TacoCluster
-
-__all__ = ["ElasticSpec", "Death", "Membership", "DeathWatch", "parse_elastic", "membership_text", "rebuild",
-           "launch_engines", "grow", "BLACKLIST_AFTER", "BLACKLIST_WINDOW_S", "COOLDOWN_S"]
+__all__ = ["ElasticSpec", "Death", "Membership", "DeathWatch", "parse_elastic", "membership_text",
+           "BLACKLIST_AFTER", "BLACKLIST_WINDOW_S", "COOLDOWN_S"]
 
 BLACKLIST_AFTER = 2  # failures of one host ...
 BLACKLIST_WINDOW_S = 600.0  # ... within this window blacklist it ...
@@ -74,6 +74,37 @@ class Membership:
     launching: list[tuple[int, set[int]]] = field(default_factory=list)  # (engines started, engine ids before)
     pending: list[RankInfo] = field(default_factory=list)  # registered joiners, admitted at the next commit
     parked: list[RankInfo] = field(default_factory=list)  # live ranks of blacklisted hosts: pending after cooldown
+
+    @staticmethod
+    def of(cluster: TacoCluster) -> Membership | None:
+        """The membership ``cluster`` holds (None before its first --elastic cell)."""
+        return cluster.elastic if isinstance(cluster.elastic, Membership) else None
+
+    def rebuild(self, cluster: TacoCluster, members: list[RankInfo]) -> None:
+        """Give ``members`` (in this order) ranks 0..n-1 and a new process group, all through engine calls; from
+        then on the client owns the membership (the group is no longer MPI's world)."""
+        ids = [m.engine_id if m.engine_id >= 0 else m.rank for m in members]
+        view = cluster.client[ids]
+        facts = view.apply_sync(engine.placement)
+        one_host = len({tuple(f["where"]) for f in facts}) == 1 and not any(f["tcp"] for f in facts)
+        kind = "file" if one_host else "tcp"
+        address = cluster.client[ids[0]].apply_sync(engine.open_group, kind, len(ids))
+        ranks_by_key = {f["key"]: rank for rank, f in enumerate(facts)}
+        view.apply_sync(engine.join_group, ranks_by_key, [f["node"] for f in facts], kind, address)
+        infos = view.apply_sync(engine.rank_info)
+        cluster.adopt_ranks([RankInfo(**info, engine_id=eid) for eid, info in zip(ids, infos, strict=True)])
+        self.owns_membership = True
+
+    def expect_engines(self, count: int, known: set[int]) -> None:
+        """``count`` engines are being launched (:meth:`TacoCluster.launch_engines`): the ids beyond ``known``
+        that register are theirs, admitted at the next commit (cluster/elastic/recovery.py)."""
+        self.launching.append((count, known))
+
+    def grow(self, cluster: TacoCluster, size: int) -> None:
+        """Launch what ``size`` ranks need beyond the members, the pending joiners and engines still starting."""
+        waiting = len(self.pending) + sum(count for count, _ in self.launching)
+        if size - len(cluster.ranks) - waiting > 0:
+            cluster.launch_engines(size - len(cluster.ranks) - waiting)
 
     def record(self, deaths: list[Death], now: float | None = None) -> list[str]:
         """Count one failure against each host of ``deaths`` (a node's ranks dying together fail it once); the
@@ -144,45 +175,3 @@ class DeathWatch:
                 how = signal_name(int(value)) if kind == "signal" else f"exit code {value}"
                 found.append(Death(members[key].rank, host, int(pid), how))
         return found
-
-
-def rebuild(cluster: TacoCluster, members: list[RankInfo]) -> None:
-    """Give ``members`` (in this order) ranks 0..n-1 and a new process group, all through engine calls."""
-    ids = [m.engine_id if m.engine_id >= 0 else m.rank for m in members]
-    view = cluster.client[ids]
-    facts = view.apply_sync(engine.placement)
-    one_host = len({tuple(f["where"]) for f in facts}) == 1 and not any(f["tcp"] for f in facts)
-    kind = "file" if one_host else "tcp"
-    address = cluster.client[ids[0]].apply_sync(engine.open_group, kind, len(ids))
-    ranks_by_key = {f["key"]: rank for rank, f in enumerate(facts)}
-    view.apply_sync(engine.join_group, ranks_by_key, [f["node"] for f in facts], kind, address)
-    infos = view.apply_sync(engine.rank_info)
-    cluster.ranks = [RankInfo(**info, engine_id=eid) for eid, info in zip(ids, infos, strict=True)]
-    cluster.size = len(members)
-    cluster.needs_reinit = False
-    if cluster.elastic is not None:
-        cluster.elastic.owns_membership = True
-
-
-def launch_engines(cluster: TacoCluster, count: int) -> None:
-    """Start ``count`` more engines (a second ``mpiexec`` connecting to the same controller) without touching
-    the running ones; an elastic cell admits them at its next commit (cluster/elastic/recovery.py). Any thread."""
-    from ..processes.tree import process_tree
-
-    if cluster.ipp_cluster is None or cluster.elastic is None:
-        raise RuntimeError(f"cluster {cluster.name!r} runs no elastic cell: engines can only be added to an "
-                           "elastic cluster (run a %%taco_run --elastic cell first)")
-    known = set(cluster.client.ids) if cluster.client is not None else set()
-    cluster.elastic.launching.append((count, known))
-    cluster.ipp_cluster.start_engines_sync(n=count)
-    cluster.refresh_engine_sets()
-    cluster.processes = list({p.pid: p for p in cluster.processes + process_tree(cluster.ipp_cluster)}.values())
-
-
-def grow(cluster: TacoCluster, size: int) -> None:
-    """Launch what ``size`` ranks need beyond the members, the pending joiners and engines still starting."""
-    membership = cluster.elastic
-    assert membership is not None
-    waiting = len(membership.pending) + sum(count for count, _ in membership.launching)
-    if size - len(cluster.ranks) - waiting > 0:
-        launch_engines(cluster, size - len(cluster.ranks) - waiting)

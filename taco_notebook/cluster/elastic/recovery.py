@@ -8,7 +8,7 @@ the engine set's log, which :class:`DeathWatch` reads while the cell runs. On a 
    releases peers blocked on them; any still running after :data:`SETTLE_S` get SIGINT;
 2. hosts that failed :data:`BLACKLIST_AFTER` times within :data:`BLACKLIST_WINDOW_S` are blacklisted for
    :data:`COOLDOWN_S` (their live engines sit out); with fewer than MIN members left the cell fails, naming them;
-3. :func:`rebuild`: the members get contiguous ranks in their old order, the new rank 0 opens a store, every
+3. :meth:`Membership.rebuild`: the members get contiguous ranks in their old order, the new rank 0 opens a store, every
    member joins it (comm/membership.py: a new topology, hence a new 2D layout), all through ``view.apply`` of
    functions in cluster/cells/engine.py;
 4. every ``taco.elastic.State`` is restored to its last commit and synced from the new rank 0, and the cell
@@ -39,12 +39,10 @@ from .membership import (
     Membership,
     membership_text,
     parse_elastic,
-    rebuild,
 )
 
 __all__ = ["ElasticSpec", "ElasticError", "Membership", "Death", "DeathWatch", "parse_elastic", "run_elastic",
-           "rebuild", "membership_text", "collect_joiners", "wait_for_joiners", "admit", "SETTLE_S",
-           "INTERRUPT_S"]
+           "membership_text", "collect_joiners", "wait_for_joiners", "admit", "SETTLE_S", "INTERRUPT_S"]
 
 SETTLE_S = 0.3  # how long survivors get to fail on their own (a reset peer's neighbours do at once) before SIGINT
 INTERRUPT_S = 3.0  # ...and to honour SIGINT, before the cluster is given up on
@@ -94,7 +92,7 @@ class _ElasticCellRun(_CellRun):
 
     def end_stalled(self, outcomes: dict[int, Any]) -> None:
         """Ranks that the others' StallErrors name as never having arrived (``--stall-timeout``) are hung members:
-        SIGKILL their engines (:meth:`~.members.ElasticMembers.kill_ranks`), so their wrappers' marker lines start
+        SIGKILL their engines (:meth:`TacoCluster.kill_ranks`), so their wrappers' marker lines start
         the same recovery as any death. Without --elastic a stall fails the cell instead (cluster/cells/run.py)."""
         stalled = [r for r in stalled_ranks(outcomes) if r not in outcomes and r not in self.stall_killed]
         if not stalled:
@@ -118,14 +116,14 @@ class _ElasticCellRun(_CellRun):
 
 
 def _room(cluster: TacoCluster) -> int:
-    membership = cluster.elastic
+    membership = Membership.of(cluster)
     return max(0, membership.spec.max - len(cluster.ranks)) if membership is not None else 0
 
 
 def collect_joiners(cluster: TacoCluster) -> list[RankInfo]:
     """Engines of :meth:`TacoCluster.launch_engines` that registered: set up (no group yet), added to
     ``membership.pending``, which is returned. Kernel thread only (it drives the ipyparallel client)."""
-    membership = cluster.elastic
+    membership = Membership.of(cluster)
     if membership is None:
         return []
     banned = set(membership.blacklisted())
@@ -148,26 +146,27 @@ def collect_joiners(cluster: TacoCluster) -> list[RankInfo]:
 def wait_for_joiners(cluster: TacoCluster, timeout: float = 120.0) -> list[RankInfo]:
     """Wait until every engine launched so far registered (``%taco_cluster scale``); the pending joiners."""
     deadline = time.monotonic() + timeout
-    while cluster.elastic is not None and cluster.elastic.launching and time.monotonic() < deadline:
+    while (membership := Membership.of(cluster)) is not None and membership.launching \
+            and time.monotonic() < deadline:
         collect_joiners(cluster)
         time.sleep(0.1)
-    if cluster.elastic is not None and cluster.elastic.launching:
+    if membership is not None and membership.launching:
         raise ElasticError(f"engines added to cluster {cluster.name!r} did not register within {timeout:g} s; "
                            "see %taco_cluster status, or stop and restart the cluster")
-    return cluster.elastic.pending if cluster.elastic is not None else []
+    return membership.pending if membership is not None else []
 
 
 def admit(cluster: TacoCluster, sink: OutputSink, monitors: Any = ()) -> bool:
     """Give pending joiners (up to MAX) rank 0's variables, rebuild the group with them, restore every State to
     its last commit from rank 0. False when nobody waits or there is no room."""
-    membership = cluster.elastic
+    membership = Membership.of(cluster)
     if membership is None or not membership.pending or not _room(cluster):
         return False
     joining = membership.pending[: _room(cluster)]
     started = time.monotonic()
     payload, left = cluster.client[cluster.engine_ids([0])[0]].apply_sync(engine.export_namespace)
     cluster.client[[j.engine_id for j in joining]].apply_sync(engine.import_namespace, payload)
-    rebuild(cluster, [*cluster.ranks, *joining])
+    membership.rebuild(cluster, [*cluster.ranks, *joining])
     membership.pending = membership.pending[len(joining):]
     membership.joined += len(joining)
     counters = cluster.view.apply_sync(engine.elastic_restore)[0]
@@ -250,21 +249,22 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
         members = survivors[: membership.spec.max]
         what += " (its ranks stay: without them fewer than MIN would be left)" if blacklisted else ""
     membership.parked += [r for r in survivors if r not in members and r.host in blacklisted]
-    cluster.needs_reinit = membership.owns_membership = True  # MPI's world has a dead rank from now on
+    membership.owns_membership = True  # MPI's world has a dead rank from now on
+    cluster.mark_group_broken()
     if len(members) < membership.spec.min:
-        cluster.ranks = survivors
+        cluster.adopt_ranks(survivors, rebuilt=False)
         raise ElasticError(f"{what}; {len(members)} rank{'s' if len(members) != 1 else ''} left, fewer than "
                            f"--elastic's MIN {membership.spec.min}: the cell stops here. The survivors keep their "
                            "variables; run it with a lower MIN, or %taco_cluster restart for a full cluster")
     started = time.monotonic()
-    rebuild(cluster, members)
+    membership.rebuild(cluster, members)
     counters = cluster.view.apply_sync(engine.elastic_restore)[0]
     sink.notice(f"{what}; continuing on {len(members)} ranks {_committed(counters)} "
                 f"(group rebuilt in {time.monotonic() - started:.1f} s)")
-    lost = ", ".join(f"rank {d.rank} ({d.host}) lost" for d in deaths)
+    gone = ", ".join(f"rank {d.rank} ({d.host}) lost" for d in deaths)
     for monitor in run.options.monitors:  # the dashboard's status line; the sidebar reads cluster.model()
         if hasattr(monitor, "membership_changed"):
-            monitor.membership_changed(f"{lost}: {len(members)} ranks {_committed(counters)}",
+            monitor.membership_changed(f"{gone}: {len(members)} ranks {_committed(counters)}",
                                        {r.rank: r.node for r in cluster.ranks})
     cluster.set_run(cluster.run)  # publishes the model (its membership) to the registry, hence the sidebar
 
@@ -273,7 +273,10 @@ def run_elastic(cluster: TacoCluster, submit: Callable[[Any], Any], captured: bo
                 sink: OutputSink, origin: str | None = None, *, spec: ElasticSpec) -> Any:
     """Run a cell (or a script) as an elastic one (``CellOptions.runner``, with ``spec`` bound): on a rank's
     death recover (module docstring) and ``submit`` it again (see :meth:`.run._CellRun.run`)."""
-    membership = cluster.elastic = cluster.elastic or Membership(spec)
+    membership = Membership.of(cluster)
+    if membership is None:
+        membership = Membership(spec)
+        cluster.hold_membership(membership)
     membership.spec = spec
     if len(cluster.ranks) < spec.min:
         raise ElasticError(f"cluster {cluster.name!r} has {len(cluster.ranks)} ranks, fewer than --elastic's MIN "

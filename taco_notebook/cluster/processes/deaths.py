@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...errors import RankDiedError
 from .rankwrap import MARKER
 
-__all__ = ["engine_output", "death_report", "signal_name", "ranks_text"]
+__all__ = ["engine_output", "death_report", "died_error", "signal_name", "ranks_text"]
 
 # a death an elastic cell survived (the marker ends in " elastic") is not what ended the job
 _PATTERN = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)\b(?! elastic)")
@@ -64,3 +65,14 @@ def death_report(read_output: Callable[[], str],
         how += " (killed from outside, or out of memory)"
     return (f"rank {rank_text} (host {host}, pid {pid}) {how}", rank, host,
             signal_name(int(value)) if kind == "signal" else None)
+
+
+def died_error(cluster: str, unfinished: Sequence[int], read_output: Callable[[], str]) -> RankDiedError:
+    """The error of a cell on ``cluster`` whose rank died (:func:`death_report`), naming the ``unfinished`` ranks
+    that MPI stopped with it."""
+    sentence, rank, host, sig = death_report(read_output)
+    others = [r for r in unfinished if r != rank]
+    detail = f"; MPI stopped the other ranks ({ranks_text(others)})" if others else ""
+    return RankDiedError(
+        f"{sentence}{detail}. Cluster {cluster!r} was shut down; the next %%taco_run starts a fresh one.",
+        rank, host, sig)

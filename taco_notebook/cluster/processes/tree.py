@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..session import RankInfo
+    from ..describe import RankInfo
 
 __all__ = ["shared_memory_files", "mapped_shared_memory", "alive", "descendants", "process_tree", "stop_at_exit",
            "kill", "CLUSTER_ID_ENV", "proven_process", "proven_processes", "marked_processes"]

@@ -22,16 +22,9 @@ from typing import Any
 import psutil
 import pytest
 
+from taco_notebook.cluster.doctor.gather import diagnose_nodes, measure_links, report_from_facts
 from taco_notebook.cluster.doctor.nodefacts import _parse_gpu_csv, library_identity, node_facts
-from taco_notebook.cluster.doctor.report import (
-    DoctorReport,
-    HugePagesError,
-    diagnose,
-    diagnose_nodes,
-    measure_links,
-    report_from_facts,
-    require_hugepages,
-)
+from taco_notebook.cluster.doctor.report import DoctorReport, HugePagesError, diagnose, require_hugepages
 from taco_notebook.cluster.launch.mpi import find_mpi
 from taco_notebook.comm import hardware
 from taco_notebook.comm.linkspeed import measure_link, receive, send, start_receiver

@@ -1,0 +1,130 @@
+"""How a :class:`~taco_notebook.cluster.session.TacoCluster` launches its engines and reads their sets: the
+environment every rank gets, ipyparallel's config for the MPI engine set (or the slurm profile's launcher), the
+wait for them to register, and the sets' logs, processes and liveness. Functions of what they are handed, so
+session.py keeps only the cluster's state and lifecycle.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...errors import ClusterStartError
+from ..cells import engine
+from ..describe import RankInfo
+from ..processes.rankwrap import LAUNCHED_BY_ENV
+from ..processes.tree import CLUSTER_ID_ENV, alive, descendants
+from .mpi import MPIInfo, single_host_env
+from .profiles import Profile
+
+__all__ = ["engine_environment", "ipp_config", "wait_for_engines", "read_ranks", "engine_sets", "log_paths",
+           "set_processes", "sets_alive"]
+
+
+def engine_environment(name: str, size: int, profile: Profile, mpi: MPIInfo | None, env: Mapping[str, str],
+                       cluster_id: str | None) -> dict[str, str]:
+    """What every engine of cluster ``name`` finds in its environment, the user's ``env`` last (it wins)."""
+    environment = {"TACO_CLUSTER_NAME": name, "PYTHONUNBUFFERED": "1"}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # N ranks on one machine share its cores; torch would otherwise start cores-many threads per rank.
+        per_node = profile.ranks_per_node(size)
+        environment["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_node))
+    environment.update(profile.environment)  # hosts: the nodes' interface for gloo and UCX
+    # every rank on this host (local profile): MPI stays off the network unless the user chose
+    if mpi is not None and profile.single_host:
+        environment.update({k: v for k, v in single_host_env(mpi).items() if k not in os.environ})
+        if mpi.launcher == "gforker":  # rankwrap gives the ranks what hydra would (see there)
+            environment[LAUNCHED_BY_ENV] = "gforker"
+    environment.update(env)
+    if cluster_id:  # the proof that a process is this cluster's (processes.proven_process)
+        environment[CLUSTER_ID_ENV] = cluster_id
+    return environment
+
+
+def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mapping[str, str], cluster_id: str | None,
+               progress: Callable[[str], None] | None) -> tuple[Any, Any]:
+    """``(config, engines)`` for ``ipp.Cluster`` to start cluster ``name``'s ``size`` engines with
+    :func:`engine_environment`: engines is ``"mpi"``, or the slurm profile's launcher class."""
+    from traitlets.config import Config
+
+    config = Config()
+    engines: Any = "mpi"
+    launcher = config.MPIEngineSetLauncher
+    launcher.mpi_cmd = [mpi.mpiexec]
+    launcher.mpi_args = list(mpi.extra_args) + profile.mpiexec_args()
+    launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap",
+                           sys.executable, "-m", "ipyparallel.engine"]
+    environment = engine_environment(name, size, profile, mpi, env, cluster_id)
+    launcher.environment = {**mpi.environment, **environment}  # mpi4py loads mpiexec's MPI
+    if profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
+        from .slurm.engines import engine_config
+
+        engines = engine_config(config, profile.slurm, launcher.engine_cmd, launcher.environment, progress)
+    if cluster_id:
+        config.LocalControllerLauncher.environment = {CLUSTER_ID_ENV: cluster_id}
+    return config, engines
+
+
+def wait_for_engines(client: Any, n: int, timeout: float, failure: Callable[[], str | None],
+                     slurm_launcher: Any = None) -> None:
+    """Until ``n`` engines registered, or a :class:`ClusterStartError` saying ``failure()`` (None while mpiexec
+    runs) as soon as it says something. A Slurm job's engines: as long as the queue holds the job, then timeout."""
+    if slurm_launcher is not None:
+        from .slurm.engines import wait
+
+        return wait(client, slurm_launcher, n, timeout)
+    # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
+    # stayed stuck in the notebook; the magic says "ready in … s" itself.
+    future = client.wait_for_engines(n, block=False, timeout=timeout, interactive=False)
+    while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
+        why = failure()
+        if why is not None:
+            raise ClusterStartError(why)
+        if future.done():
+            break
+        time.sleep(0.1)
+    future.result()
+
+
+def read_ranks(client: Any, name: str) -> list[RankInfo]:
+    """Every engine's :class:`RankInfo` in rank order, as cluster ``name`` starts: a ClusterStartError unless each
+    engine id is its MPI rank, or when the ranks' MPI check failed (saying what it said)."""
+    try:
+        infos = client[:].apply_sync(engine.rank_info)
+    except Exception as exc:  # the ranks' MPI check: say what it said, not "engine ids differ"
+        from ...comm.mpicheck import mismatch_in
+
+        if (mismatch := mismatch_in(exc)) is not None:
+            raise ClusterStartError(f"cluster {name!r} failed to start: {mismatch}") from None
+        raise
+    mismatched = [(eid, info["rank"]) for eid, info in zip(client.ids, infos, strict=True) if eid != info["rank"]]
+    if mismatched:
+        raise ClusterStartError(f"engine ids differ from MPI ranks: {mismatched}")
+    return sorted(map(RankInfo.of_engine, client.ids, infos), key=lambda r: r.rank)
+
+
+def engine_sets(ipp_cluster: Any) -> list[Any]:
+    """The engine set launchers of a started ``ipp.Cluster`` (none for None)."""
+    return list(ipp_cluster.engines.values()) if ipp_cluster is not None else []
+
+
+def log_paths(sets: list[Any]) -> list[str]:
+    """The sets' logs, where mpiexec gathers what the ranks and their wrappers print."""
+    return [es.output_file for es in sets if getattr(es, "output_file", None)]
+
+
+def set_processes(sets: list[Any]) -> list[Any]:
+    """The local processes of the sets (mpiexec, wrappers, engines): proven ours, as psutil.Process."""
+    return [p for es in sets for p in descendants(getattr(es, "process", None))]
+
+
+def sets_alive(sets: list[Any], slurm: bool) -> bool:
+    """Whether every set still runs: its mpiexec lives, or (``slurm``: no local process) its job's watcher says so."""
+    if slurm:
+        from .slurm.engines import job_alive
+
+        return bool(sets) and all(job_alive(es) for es in sets)
+    return bool(sets) and all(alive(getattr(es, "process", None)) for es in sets)
