@@ -74,10 +74,12 @@ def _algorithm(value: Any, what: str) -> str:
     return check_algorithm(value.strip().lower() if isinstance(value, str) else value)
 
 
-def _compression(value: Any, what: str) -> str:
-    from ..comm.compression.compressors import parse_compression
+def _compression(value: Any, what: str) -> Any:
+    """The spec value (a CompressionSpec, sent to the ranks as it is); its message names the spec and what is
+    accepted."""
+    from ..comm.compression.spec import CompressionSpec
 
-    return parse_compression(value).name  # its message names the spec and what is accepted
+    return CompressionSpec.parse(value)
 
 
 def _fusion_mb(value: Any, what: str) -> float:

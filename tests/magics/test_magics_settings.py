@@ -14,6 +14,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from taco_notebook.cluster.session import clusters
+from taco_notebook.comm.compression.spec import CompressionSpec
 from taco_notebook.magics.settings import TacoSettings
 
 from ..conftest import assert_trait_refused, session_processes
@@ -57,7 +58,7 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
     config(ip, 'TacoMagics.dashboard = "Text"')
     config(ip, "TacoMagics.fusion_mb = 8")
     config(ip, "TacoMagics.shm = False")
-    assert (magics.compression, magics.algorithm, magics.dashboard) == ("topk:0.01", "2d", "text")
+    assert (magics.compression, magics.algorithm, magics.dashboard) == (CompressionSpec("topk", 0.01), "2d", "text")
     assert magics.fusion_mb == 8.0 and magics.shm is False
     assert magics.link_gbits is None  # unset: the environment decides when a cell runs
 
@@ -100,8 +101,9 @@ def test_rank_settings_env_then_trait_then_option_on_real_ranks(ip, magics, shar
     defaults = ip.run_cell_magic("taco_run", "", cell)  # the ranks' own environment
     config(ip, 'TacoMagics.compression = "fp16"')
     config(ip, "TacoMagics.fusion_mb = 8")
-    assert ip.run_cell_magic("taco_run", "", cell) == ("fp16", defaults[1], 8.0)
-    assert ip.run_cell_magic("taco_run", "--compression bf16 --fusion-mb 2", cell) == ("bf16", defaults[1], 2.0)
+    assert ip.run_cell_magic("taco_run", "", cell) == (CompressionSpec("fp16"), defaults[1], 8.0)
+    assert ip.run_cell_magic("taco_run", "--compression bf16 --fusion-mb 2", cell) == (CompressionSpec("bf16"),
+                                                                                       defaults[1], 2.0)
     config(ip, "TacoMagics.compression = None")
     config(ip, "TacoMagics.fusion_mb = None")
     assert ip.run_cell_magic("taco_run", "", cell) == defaults
