@@ -180,3 +180,14 @@ def test_optimizer_and_hook_hold_the_value(defaults: None) -> None:
     with pytest.raises(ValueError, match="unknown compression 'gzip'"):
         TacoHookState(compression="gzip")
 
+
+def test_horovod_compression_carries_the_value() -> None:
+    import taco_notebook.horovod as hvd
+    from taco_notebook.horovod.compression import spec_of
+
+    assert hvd.Compression.fp16.spec == CompressionSpec("fp16")
+    assert hvd.Compression.topk(0.05, threshold=0).spec == CompressionSpec("topk", 0.05, 0)
+    assert hvd.Compression.from_spec(CompressionSpec("powersgd", rank=2)).spec.name == "powersgd:2"
+    assert spec_of(None) == CompressionSpec() and spec_of("TopK:0.01") == CompressionSpec.parse("topk:0.01")
+    assert spec_of(CompressionSpec("bf16")) == hvd.Compression.bf16.spec
+    assert repr(hvd.Compression.topk) == "<hvd.Compression 'topk:0.01'>"
