@@ -248,7 +248,7 @@ def _reduce_in_place(tensor: torch.Tensor, op: str, compressor: Compressor, reso
     return tensor
 
 
-def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
                     algorithm: str | None = None, name: Hashable | None = None, *, prescale: float = 1.0,
                     postscale: float = 1.0) -> Future[torch.Tensor]:
     """Start an in-place allreduce on the communication thread; the future yields ``tensor`` when done.
@@ -260,7 +260,7 @@ def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | No
     return comm_thread.submit(*_job(tensor, op, compression, algorithm, name, prescale, postscale))
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+def allreduce(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
               algorithm: str | None = None, name: Hashable | None = None, *, prescale: float = 1.0,
               postscale: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over every rank in place with the accelerated allreduce; returns it.
