@@ -74,12 +74,12 @@ def _algorithm(value: Any, what: str) -> str:
     return check_algorithm(value.strip().lower() if isinstance(value, str) else value)
 
 
-def _compression(value: Any, what: str) -> Any:
-    """The spec value (a CompressionSpec, sent to the ranks as it is); its message names the spec and what is
-    accepted."""
+def _compression(value: Any, what: str) -> str:
+    """The spec's canonical text (a trait holds text), checked by parsing it; its message names the spec and
+    what is accepted. :func:`.args.comm_settings` sends the ranks the parsed value."""
     from ..comm.compression.spec import CompressionSpec
 
-    return CompressionSpec.parse(value)
+    return CompressionSpec.parse(value).name
 
 
 def _fusion_mb(value: Any, what: str) -> float:

@@ -58,7 +58,7 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
     config(ip, 'TacoMagics.dashboard = "Text"')
     config(ip, "TacoMagics.fusion_mb = 8")
     config(ip, "TacoMagics.shm = False")
-    assert (magics.compression, magics.algorithm, magics.dashboard) == (CompressionSpec("topk", 0.01), "2d", "text")
+    assert (magics.compression, magics.algorithm, magics.dashboard) == ("topk:0.01", "2d", "text")
     assert magics.fusion_mb == 8.0 and magics.shm is False
     assert magics.link_gbits is None  # unset: the environment decides when a cell runs
 
@@ -94,6 +94,21 @@ def test_kernel_side_settings_env_then_trait_then_option(ip, magics, monkeypatch
     assert magics._link_capacity("40") == 40e9 / 8 and magics._dashboard_mode("widget") == "widget"
     monkeypatch.setenv("TACO_LINK_GBITS", "slow")  # a set trait does not read the environment at all
     assert magics._link_capacity(None) == 10e9 / 8
+
+
+def test_the_ranks_get_the_compression_spec_as_a_value():
+    """The trait holds the spec's canonical text; what ``%%taco_run`` sends the ranks is the parsed value."""
+    from types import SimpleNamespace
+
+    from taco_notebook.magics.args import comm_settings
+
+    config = TacoSettings()
+    config.compression = " TopK:0.01"
+    args = SimpleNamespace(algorithm=None, compression=None, fusion_mb=None, stall_timeout=None)
+    assert config.compression == "topk:0.01"
+    assert comm_settings(config, args)["compression"] == CompressionSpec("topk", 0.01)
+    args.compression = "powersgd:2:warmup=0"
+    assert comm_settings(config, args)["compression"] == CompressionSpec("powersgd", rank=2, warmup=0)
 
 
 def test_rank_settings_env_then_trait_then_option_on_real_ranks(ip, magics, shared_cluster, monkeypatch):
