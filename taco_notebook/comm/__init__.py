@@ -17,6 +17,7 @@ from .algorithms import allreduce_async
 from .bootstrap import device, init, is_initialized, reinit, shutdown
 from .collectives import REDUCE_OPS, allgather, allreduce, alltoall, barrier, broadcast, broadcast_parameters
 from .compression.compressors import parse_compression
+from .compression.spec import CompressionSpec
 from .config import configure, settings
 from .progress import progress
 from .topology import Topology
@@ -43,6 +44,7 @@ __all__ = [
     "configure",
     "settings",
     "parse_compression",
+    "CompressionSpec",
     "metrics",
     "progress",
     "DistributedOptimizer",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import bootstrap, metrics
 from .compression.compressors import Compressor, NoneCompressor
+from .compression.spec import CompressionSpec
 from .config import check_algorithm, compressor_for, settings
 from .stall import tracked
 from .state import state
@@ -196,7 +197,7 @@ def _check(tensor: Any, op: str) -> None:
         raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
 
 
-def _job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str | None,
+def _job(tensor: torch.Tensor, op: str, compression: CompressionSpec | str | None, algorithm: str | None,
          name: Hashable | None, prescale: float = 1.0,
          postscale: float = 1.0) -> tuple[Callable[[], torch.Tensor], streams.StreamFuture]:
     """Validate now (errors surface in the caller), reduce later on the communication thread.
@@ -247,7 +248,7 @@ def _reduce_in_place(tensor: torch.Tensor, op: str, compressor: Compressor, reso
     return tensor
 
 
-def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
                     algorithm: str | None = None, name: Hashable | None = None, *, prescale: float = 1.0,
                     postscale: float = 1.0) -> Future[torch.Tensor]:
     """Start an in-place allreduce on the communication thread; the future yields ``tensor`` when done.
@@ -259,7 +260,7 @@ def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | No
     return comm_thread.submit(*_job(tensor, op, compression, algorithm, name, prescale, postscale))
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+def allreduce(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
               algorithm: str | None = None, name: Hashable | None = None, *, prescale: float = 1.0,
               postscale: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over every rank in place with the accelerated allreduce; returns it.

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from . import bootstrap
+from .compression.spec import CompressionSpec
 from .stall import tracked
 from .state import state
 from .transport import streams
@@ -52,7 +53,7 @@ def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
     return tensor
 
 
-def _allreduce_job(tensor: torch.Tensor, op: str, compression: str | None, algorithm: str | None,
+def _allreduce_job(tensor: torch.Tensor, op: str, compression: CompressionSpec | str | None, algorithm: str | None,
                    name: Any, prescale: float, postscale: float) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     """Validate now (errors surface in the caller); the returned work runs on the communication thread."""
     import torch.distributed as dist
@@ -64,7 +65,7 @@ def _allreduce_job(tensor: torch.Tensor, op: str, compression: str | None, algor
         raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
     if op in ("sum", "avg"):
         return _job(tensor, op, compression, algorithm, name, prescale, postscale)
-    if compression not in (None, "none"):
+    if CompressionSpec.parse(compression).kind != "none":
         raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
     reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
 
@@ -80,7 +81,7 @@ def _allreduce_job(tensor: torch.Tensor, op: str, compression: str | None, algor
     return streams.on_comm_stream(tensor, tracked("allreduce", name, work))
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+def allreduce(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
               algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
               postscale: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
@@ -94,7 +95,7 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", compression: str | None = N
     return state.comm_thread.run(*_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale))
 
 
-def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: str | None = None,
+def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
                     algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
                     postscale: float = 1.0) -> Future[torch.Tensor]:
     """:func:`allreduce` started on the communication thread; the future yields ``tensor`` when done."""

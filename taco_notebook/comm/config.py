@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .compression.compressors import Compressor, compression_from_env, parse_compression
+from .compression.compressors import Compressor, build
+from .compression.spec import CompressionSpec
 from .specs import (
     ALGORITHMS,
     DEFAULT_FUSION_MB,
@@ -42,7 +43,7 @@ __all__ = ["ALGORITHMS", "DEFAULT_FUSION_MB", "Settings", "settings", "configure
 @dataclass(frozen=True)
 class Settings:
     algorithm: str  # "auto" picks 2d when the job spans several nodes of several ranks each
-    compression: str  # a parse_compression spec: "none", "fp16", "bf16", "topk:0.01[:threshold=N]"
+    compression: CompressionSpec  # what crosses the network; str(compression) is its text, e.g. "topk:0.01"
     fusion_mb: float  # gradients are packed into buckets up to this size before each allreduce
     shm: bool = True  # 2D's intra-node steps through a shared-memory segment (CPU tensors), not the group
     collective_timeout: float = 1800.0  # seconds a collective (and the rendezvous) of the next init() waits
@@ -53,13 +54,12 @@ class Settings:
 
 
 def _from_env() -> Settings:
-    return Settings(algorithm_from_env(), compression_from_env().name, fusion_mb_from_env(), shm_from_env(),
+    return Settings(algorithm_from_env(), CompressionSpec.from_env(), fusion_mb_from_env(), shm_from_env(),
                     timeout_from_env(), stall_timeout_from_env(), chunk_mb_from_env())
 
 
 _current: Settings | None = None
-_compressors: dict[str, Compressor] = {}  # canonical name -> the one instance
-_by_spec: dict[str, Compressor] = {}  # any spelling seen ("TopK:0.01 ", "topk:0.01") -> that instance
+_compressors: dict[CompressionSpec, Compressor] = {}  # a spec -> its one instance on this rank
 
 
 def settings() -> Settings:
@@ -70,11 +70,15 @@ def settings() -> Settings:
     return _current
 
 
-def configure(algorithm: str | None = None, compression: str | None = None, fusion_mb: float | None = None,
+def configure(algorithm: str | None = None, compression: CompressionSpec | str | None = None,
+              fusion_mb: float | None = None,
               reset: bool = False, *, shm: bool | None = None,
               collective_timeout: float | None = None, stall_timeout: float | str | None = None,
               chunk_mb: float | str | None = None) -> Settings:
     """Change this rank's defaults (``reset=True`` goes back to the environment's). Returns the new ones.
+
+    ``compression`` is a :class:`.compression.spec.CompressionSpec` or its text (``"topk:0.01"``), parsed
+    here once; ``settings().compression`` is then the spec value.
 
     ``shm`` applies to the 2D groups built next (after ``reinit()``), ``collective_timeout`` to the next
     ``init()``/``reinit()``: both are fixed when the groups are made. ``stall_timeout`` (seconds, 0 or
@@ -88,7 +92,7 @@ def configure(algorithm: str | None = None, compression: str | None = None, fusi
     if algorithm is not None:
         changes["algorithm"] = check_algorithm(algorithm)
     if compression is not None:
-        changes["compression"] = parse_compression(compression).name
+        changes["compression"] = CompressionSpec.parse(compression)
     if fusion_mb is not None:
         changes["fusion_mb"] = check_fusion_mb(fusion_mb)
     if shm is not None:
@@ -105,14 +109,13 @@ def configure(algorithm: str | None = None, compression: str | None = None, fusi
     return _current
 
 
-def compressor_for(spec: str | None) -> Compressor:
-    """The compressor for ``spec`` (None = the default), one instance per canonical spec so TopK residuals
-    persist. Called for every allreduce: a spec is parsed once, then looked up."""
-    key = settings().compression if spec is None else spec
-    found = _by_spec.get(key)
+def compressor_for(spec: CompressionSpec | str | None) -> Compressor:
+    """This rank's one compressor for ``spec`` (None: the default, ``settings().compression``), built by
+    :func:`.compression.compressors.build` the first time, so TopK's and PowerSGD's residuals persist across
+    steps. Called for every allreduce: a spec value is a dict lookup; text (a user's ``compression="fp16"``)
+    goes through :meth:`~.compression.spec.CompressionSpec.parse`, which caches what it parsed."""
+    chosen = settings().compression if spec is None else CompressionSpec.parse(spec)
+    found = _compressors.get(chosen)
     if found is None:
-        name = parse_compression(key).name
-        if name not in _compressors:
-            _compressors[name] = parse_compression(name)
-        found = _by_spec[key] = _compressors[name]
+        found = _compressors[chosen] = build(chosen)
     return found

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .algorithms import allreduce_async
+from .compression.spec import CompressionSpec
 from .config import check_algorithm, compressor_for
 
 __all__ = ["TacoHookState", "allreduce_hook"]
@@ -45,7 +46,8 @@ _names = itertools.count()  # allreduce names, unique in the process: two models
 class TacoHookState:
     """What the hook does with each bucket; validated when built, not at the first backward."""
 
-    compression: str | None = None  # None = the rank's default (configure(), LIGHT_TOPK_ALLREDUCE)
+    # None = the rank's default (configure(), LIGHT_TOPK_ALLREDUCE); text such as "fp16" is parsed when built
+    compression: CompressionSpec | str | None = None
     algorithm: str | None = None  # None = the rank's default ("auto": 2d across several nodes)
     # allreduce name -> the compressor it was described to and the parameters' shapes (what is live now)
     layouts: dict[Any, tuple[Any, tuple[torch.Size, ...]]] = field(default_factory=dict, init=False, repr=False)
@@ -56,7 +58,7 @@ class TacoHookState:
 
     def __post_init__(self) -> None:
         if self.compression is not None:
-            self.compression = compressor_for(self.compression).name
+            self.compression = CompressionSpec.parse(self.compression)
         if self.algorithm is not None:
             check_algorithm(self.algorithm)
 

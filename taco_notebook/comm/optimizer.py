@@ -24,6 +24,7 @@ import torch
 
 from . import metrics
 from .algorithms import allreduce_async
+from .compression.spec import CompressionSpec
 from .config import check_algorithm, compressor_for, settings
 from .fusion import Bucket, bucket_of, build_buckets
 
@@ -69,7 +70,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                 compression: str | None = None, algorithm: str | None = None,
+                 compression: CompressionSpec | str | None = None, algorithm: str | None = None,
                  backward_passes_per_step: int = 1, fusion_mb: float | None = None, op: str = "avg",
                  samples_per_step: int = 0, *, prescale_factor: float = 1.0,
                  postscale_factor: float = 1.0) -> None:
@@ -80,7 +81,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         self.optimizer = optimizer
-        self.compression = compressor_for(compression).name  # validates now, not at the first step
+        # parsed now (a bad spec fails here, not at the first step); None: the rank's default at this moment
+        self.compression = settings().compression if compression is None else CompressionSpec.parse(compression)
         self.algorithm = check_algorithm(algorithm) if algorithm is not None else None
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -136,7 +138,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, {len(self.buckets)} buckets, "
-                f"compression={self.compression!r}, algorithm={self.algorithm or settings().algorithm!r})")
+                f"compression={self.compression.name!r}, algorithm={self.algorithm or settings().algorithm!r})")
 
     # ------------------------------------------------------------ overlap
     def _on_grad(self, param: torch.nn.Parameter) -> None:

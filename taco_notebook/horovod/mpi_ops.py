@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives
+from ..comm.compression.spec import CompressionSpec
 from .basics import Average, ReduceOp, check_initialized, check_process_set, comm_op, reduce_op, size
 from .compression import Compression, spec_of
 
@@ -28,6 +29,8 @@ __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "gr
            "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
            "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
            "alltoall_async", "poll", "synchronize", "join", "barrier"]
+
+UNCOMPRESSED = CompressionSpec("none")  # what crosses for ops other than sum/avg, and for a custom Compressor
 
 _handles: dict[int, tuple[Future[Any], Callable[[Any], Any]]] = {}
 _next_handle = itertools.count(1)
@@ -62,7 +65,8 @@ def _check_tensor(tensor: Any, what: str) -> None:
 
 
 def _start_allreduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: Any, prescale: float,
-                     postscale: float, spec: str, process_set: Any) -> tuple[Future[Any], Callable[[Any], Any]]:
+                     postscale: float, spec: CompressionSpec,
+                     process_set: Any) -> tuple[Future[Any], Callable[[Any], Any]]:
     """Reduce ``output`` (``tensor`` itself, or a copy of it) in place with the engine."""
     check_process_set(process_set)
     integer_mean = op is Average and not (output.is_floating_point() or output.is_complex())
@@ -84,7 +88,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     _check_tensor(tensor, "allreduce_async")
     found = reduce_op(op, average)
     output = tensor.detach().clone()
-    return _handle(*_start_allreduce(tensor, output, found, name, prescale_factor, postscale_factor, "none",
+    return _handle(*_start_allreduce(tensor, output, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
                                      process_set))
 
 
@@ -94,12 +98,12 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """Start reducing ``tensor`` in place; returns a handle for :func:`synchronize`."""
     _check_tensor(tensor, "allreduce_async_")
     found = reduce_op(op, average)
-    return _handle(*_start_allreduce(tensor, tensor, found, name, prescale_factor, postscale_factor, "none",
+    return _handle(*_start_allreduce(tensor, tensor, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
                                      process_set))
 
 
 def _reduce_now(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: Any, prescale: float,
-                postscale: float, spec: str, process_set: Any) -> torch.Tensor:
+                postscale: float, spec: CompressionSpec, process_set: Any) -> torch.Tensor:
     future, finish = _start_allreduce(tensor, output, op, name, prescale, postscale, spec, process_set)
     return finish(future.result())  # type: ignore[no-any-return]
 
@@ -110,13 +114,13 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: Any, prescale: float, postscale: float,
-                spec: str, process_set: Any) -> torch.Tensor:
+                spec: CompressionSpec, process_set: Any) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
         return _reduce_now(tensor, tensor.detach().clone(), op, name, prescale, postscale, spec, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _reduce_now(grad, grad.detach().clone(), ctx.op, None, ctx.prescale, ctx.postscale, "none",
+        reduced = _reduce_now(grad, grad.detach().clone(), ctx.op, None, ctx.prescale, ctx.postscale, UNCOMPRESSED,
                               ctx.process_set)
         return reduced, None, None, None, None, None, None
 
@@ -135,11 +139,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     payload, cctx = (tensor, None) if spec is not None else compression.compress(tensor)
     differentiable = found in (Average, ReduceOp.SUM) and payload.requires_grad and torch.is_grad_enabled()
     if differentiable:
-        out = _Allreduce.apply(payload, found, name, prescale_factor, postscale_factor, spec or "none",
+        out = _Allreduce.apply(payload, found, name, prescale_factor, postscale_factor, spec or UNCOMPRESSED,
                                process_set)
     else:
         out = _reduce_now(payload, payload.detach().clone(), found, name, prescale_factor, postscale_factor,
-                          spec or "none", process_set)
+                          spec or UNCOMPRESSED, process_set)
     return out if spec is not None else compression.decompress(out, cctx)
 
 
@@ -208,7 +212,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = _reduce_now(grad, grad.detach().clone(), ReduceOp.SUM, None, 1.0, 1.0, "none", None)
+        summed = _reduce_now(grad, grad.detach().clone(), ReduceOp.SUM, None, 1.0, 1.0, UNCOMPRESSED, None)
         rows = collectives.allgather(torch.tensor([ctx.rows], dtype=torch.int64))
         from .basics import rank
 
@@ -248,7 +252,7 @@ class _Broadcast(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         from .basics import rank
 
-        summed = _reduce_now(grad, grad.detach().clone(), ReduceOp.SUM, None, 1.0, 1.0, "none", None)
+        summed = _reduce_now(grad, grad.detach().clone(), ReduceOp.SUM, None, 1.0, 1.0, UNCOMPRESSED, None)
         return (summed if rank() == ctx.root_rank else summed.zero_()), None, None, None
 
 

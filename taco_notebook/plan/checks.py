@@ -24,9 +24,9 @@ def algorithm(value: Any, what: str) -> str:
 
 def compression(value: Any, what: str) -> str:
     """A compression spec in its canonical form (``TopK:0.01`` → ``topk:0.01``)."""
-    from ..comm.compression.compressors import parse_compression
+    from ..comm.compression.spec import CompressionSpec
 
-    return parse_compression(value).name  # its message names the spec and what is accepted
+    return CompressionSpec.parse(value).name  # its message names the spec and what is accepted
 
 
 def fusion_mb(value: Any, what: str) -> float:

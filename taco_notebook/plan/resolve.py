@@ -50,21 +50,17 @@ def comm_settings(config: TacoSettings, args: Any) -> dict[str, object]:
     """The ranks' ``taco.configure()`` for this cell: each of ``--algorithm/--compression/--fusion-mb/
     --stall-timeout`` given, else its trait when set (the ranks read the environment themselves), checked so
     that a typo starts nothing."""
-    from ..comm.specs import (
-        algorithm_from_env,
-        compression_spec_from_env,
-        fusion_mb_from_env,
-        stall_timeout_from_env,
-    )
+    from ..comm.compression.spec import CompressionSpec
+    from ..comm.specs import algorithm_from_env, fusion_mb_from_env, stall_timeout_from_env
 
-    from_env = {"algorithm": algorithm_from_env, "compression": compression_spec_from_env,
+    from_env = {"algorithm": algorithm_from_env, "compression": CompressionSpec.from_env,
                 "fusion_mb": fusion_mb_from_env, "stall_timeout": stall_timeout_from_env}  # fmt: skip
     chosen: dict[str, object] = {}
     with option_errors():
         for name in RANK_SETTINGS:
             value = config.chosen(name, getattr(args, name), _flag_of(name))
-            if value is not None:
-                chosen[name] = value
+            if value is not None:  # the compression spec goes as its value (parsed once more: a cache hit)
+                chosen[name] = CompressionSpec.parse(value) if name == "compression" else value
             else:  # the ranks will read it: a bad value fails here, naming the variable, before anything starts
                 from_env[name]()
     return chosen

@@ -16,15 +16,14 @@ from taco_notebook.comm.compression.compressors import (
     NoneCompressor,
     TopKCompressor,
     TopKContext,
-    compression_from_env,
+    build,
     parse_compression,
 )
+from taco_notebook.comm.compression.spec import CompressionSpec
 from taco_notebook.comm.config import configure, settings
 from taco_notebook.comm.specs import (
-    CompressionSpec,
     algorithm_from_env,
     fusion_mb_from_env,
-    parse_compression_spec,
     parse_flag,
     shm_from_env,
     timeout_from_env,
@@ -303,7 +302,7 @@ def test_topk_merge_rejects_mismatched_input() -> None:
         TopKCompressor.merge([_randn(10)], ctx)
 
 
-# --- parse_compression and the LightCC environment --------------------------------------------------------
+# --- parse_compression (taco.parse_compression) and the LightCC environment ----------------------------------
 
 
 @pytest.mark.parametrize(("spec", "cls", "name"), [
@@ -357,12 +356,12 @@ def test_env_topk_disabled(flag: str | None) -> None:
     env = {"LIGHT_TOPK_RATIO": "garbage"}  # not read when TopK is off
     if flag is not None:
         env["LIGHT_TOPK_ALLREDUCE"] = flag
-    assert type(compression_from_env(env)) is NoneCompressor
+    assert type(build(CompressionSpec.from_env(env))) is NoneCompressor
 
 
 @pytest.mark.parametrize("flag", ["1", "true", "True", "yes"])
 def test_env_topk_enabled_with_defaults(flag: str) -> None:
-    c = compression_from_env({"LIGHT_TOPK_ALLREDUCE": flag})
+    c = build(CompressionSpec.from_env({"LIGHT_TOPK_ALLREDUCE": flag}))
     assert isinstance(c, TopKCompressor)
     assert (c.state.ratio, c.state.threshold) == (0.01, 2_097_152)
 
@@ -371,7 +370,7 @@ def test_env_topk_values_from_os_environ(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("LIGHT_TOPK_ALLREDUCE", "1")
     monkeypatch.setenv("LIGHT_TOPK_RATIO", "0.1")
     monkeypatch.setenv("LIGHT_TOPK_THRESHOLD", "4096")
-    c = compression_from_env()
+    c = build(CompressionSpec.from_env())
     assert isinstance(c, TopKCompressor)
     assert (c.state.ratio, c.state.threshold) == (0.1, 4096)
 
@@ -390,7 +389,7 @@ def test_env_topk_values_from_os_environ(monkeypatch: pytest.MonkeyPatch) -> Non
 ])
 def test_env_bad_values(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError) as info:
-        compression_from_env(env)
+        CompressionSpec.from_env(env)
     assert message in str(info.value)
 
 
@@ -500,7 +499,8 @@ def test_configure_shm_and_timeout_default_to_the_environment(monkeypatch: pytes
         configure(reset=True)
 
 
-def test_compression_spec_parses_without_torch_objects() -> None:
-    assert parse_compression_spec("TopK:0.05:threshold=7") == CompressionSpec("topk", 0.05, 7)
-    assert parse_compression_spec(None) == CompressionSpec("none")
-    assert parse_compression("topk:0.05:threshold=7").name == "topk:0.05:threshold=7"
+def test_parse_compression_builds_through_the_spec() -> None:
+    """``taco.parse_compression`` (public) gives a new compressor of the spec it parsed, or of a spec value."""
+    spec = CompressionSpec.parse("TopK:0.05:threshold=7")
+    assert parse_compression("topk:0.05:threshold=7").name == spec.name == "topk:0.05:threshold=7"
+    assert parse_compression(spec).name == spec.name and parse_compression(spec) is not parse_compression(spec)

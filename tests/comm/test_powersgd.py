@@ -14,6 +14,7 @@ from taco_notebook.comm.compression.powersgd import (
     PowerSGDContext,
     matrix_shape,
 )
+from taco_notebook.comm.compression.spec import CompressionSpec
 from taco_notebook.comm.config import compressor_for
 
 from ..support.mpirun import run_mpi
@@ -188,6 +189,7 @@ def test_spec_round_trip(spec: str, name: str, state: tuple[int, int, int]) -> N
     assert (c.state.rank, c.state.warmup, c.state.min_size) == state
     assert parse_compression(c.name).name == name
     assert compressor_for(spec) is compressor_for(name)  # one instance, so residuals persist
+    assert compressor_for(CompressionSpec.parse(spec)) is compressor_for(name)  # for the text and the value
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -235,7 +237,7 @@ def test_taco_run_compression_powersgd(ip):
             "(taco.settings().compression, round(taco.metrics.snapshot()['compression_ratio']), "
             "float((g - want).abs().max()))")
     value = ip.run_cell_magic("taco_run", "-np 2 --cluster powersgd --compression powersgd:4:warmup=0", cell)
-    assert value[0] == "powersgd:4:warmup=0"
+    assert value[0] == CompressionSpec.parse("powersgd:4:warmup=0")  # the ranks' setting, a value both ways
     assert value[1] == 256 * 256 // ((256 + 256) * 4)  # 32x fewer bytes crossed
     assert value[2] < 1e-4
 

@@ -11,6 +11,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from taco_notebook.cluster.session import clusters
+from taco_notebook.comm.compression.spec import CompressionSpec
 from taco_notebook.errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 
 from ..conftest import session_processes
@@ -263,9 +264,9 @@ def test_cell_options_choose_the_allreduce_for_that_cell_only(ip):
     value = ip.run_cell_magic(
         "taco_run", "-np 4 --cluster layout --intra-size 2 --algorithm 2d --compression topk:0.01:threshold=0 "
         "--fusion-mb 8", cell)
-    assert value[:4] == (2, "2d", "topk:0.01:threshold=0", 8.0)
+    assert value[:4] == (2, "2d", CompressionSpec.parse("topk:0.01:threshold=0"), 8.0)  # the value, both ways
     assert value[4] >= 40 and value[5]  # 1% of the values plus their indices crossed the nodes
-    assert ip.run_cell_magic("taco_run", "--cluster layout", "taco.settings().compression") == "none"
+    assert ip.run_cell_magic("taco_run", "--cluster layout", "taco.settings().compression.name") == "none"
 
 
 # ---------------------------------------------------------------- cluster lifecycle

@@ -14,6 +14,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from taco_notebook.cluster.session import clusters
+from taco_notebook.comm.compression.spec import CompressionSpec
 from taco_notebook.plan.settings import TacoSettings
 
 from ..conftest import assert_trait_refused, session_processes
@@ -95,13 +96,29 @@ def test_kernel_side_settings_env_then_trait_then_option(ip, magics, monkeypatch
     assert magics._link_capacity(None) == 10e9 / 8
 
 
+def test_the_ranks_get_the_compression_spec_as_a_value():
+    """The trait holds the spec's canonical text; what ``%%taco_run`` sends the ranks is the parsed value."""
+    from types import SimpleNamespace
+
+    from taco_notebook.magics.args import comm_settings
+
+    config = TacoSettings()
+    config.compression = " TopK:0.01"
+    args = SimpleNamespace(algorithm=None, compression=None, fusion_mb=None, stall_timeout=None)
+    assert config.compression == "topk:0.01"
+    assert comm_settings(config, args)["compression"] == CompressionSpec("topk", 0.01)
+    args.compression = "powersgd:2:warmup=0"
+    assert comm_settings(config, args)["compression"] == CompressionSpec("powersgd", rank=2, warmup=0)
+
+
 def test_rank_settings_env_then_trait_then_option_on_real_ranks(ip, magics, shared_cluster, monkeypatch):
     cell = "s = taco.settings()\n(s.compression, s.algorithm, s.fusion_mb)"
     defaults = ip.run_cell_magic("taco_run", "", cell)  # the ranks' own environment
     config(ip, 'TacoMagics.compression = "fp16"')
     config(ip, "TacoMagics.fusion_mb = 8")
-    assert ip.run_cell_magic("taco_run", "", cell) == ("fp16", defaults[1], 8.0)
-    assert ip.run_cell_magic("taco_run", "--compression bf16 --fusion-mb 2", cell) == ("bf16", defaults[1], 2.0)
+    assert ip.run_cell_magic("taco_run", "", cell) == (CompressionSpec("fp16"), defaults[1], 8.0)
+    assert ip.run_cell_magic("taco_run", "--compression bf16 --fusion-mb 2", cell) == (CompressionSpec("bf16"),
+                                                                                       defaults[1], 2.0)
     config(ip, "TacoMagics.compression = None")
     config(ip, "TacoMagics.fusion_mb = None")
     assert ip.run_cell_magic("taco_run", "", cell) == defaults

@@ -7,10 +7,11 @@ steps so that TopK can keep a residual per tensor (error feedback), in a slotted
 ``PowerSGDState`` does. Every compressor counts raw and wire bytes in :class:`CompressionStats`.
 
 Imports only torch and the standard library: this module runs on every rank. Specs (``topk:RATIO``,
-``powersgd:RANK``, …) are parsed in :mod:`.specs`; each compressor also owns how its payload is reduced
-across ranks (:meth:`Compressor.reduce`). The interface itself lives in :mod:`.compressor`.
+``powersgd:RANK``, …) are values, :class:`.spec.CompressionSpec`; :func:`build` is the one place a spec becomes
+a compressor. Each compressor also owns how its payload is reduced across ranks (:meth:`Compressor.reduce`).
+The interface itself lives in :mod:`.base`.
 
->>> c = parse_compression("topk:0.01:threshold=0")
+>>> c = build(CompressionSpec.parse("topk:0.01:threshold=0"))
 >>> payload, ctx = c.compress(grad, key="fc.weight")   # payload = [values, int32/int64 indices]
 >>> grad_hat = c.decompress(payload, ctx)               # dense, zeros where nothing was sent
 """
@@ -18,27 +19,20 @@ across ranks (:meth:`Compressor.reduce`). The interface itself lives in :mod:`.c
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..specs import (
-    DEFAULT_TOPK_RATIO,
-    DEFAULT_TOPK_THRESHOLD,
-    TOPK,
-    CompressionSpec,
-    compression_spec_from_env,
-    parse_compression_spec,
-)
 from ..transport.reduction import Reduced, all_gather, pack, spread, unpack
 from .base import CompressionStats, Compressor, Payload
 from .powersgd import PowerSGDCompressor
+from .spec import DEFAULT_TOPK_RATIO, DEFAULT_TOPK_THRESHOLD, TOPK, CompressionSpec
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor", "TopKState",
            "TopKContext", "PowerSGDCompressor", "CompressionStats", "Payload", "DEFAULT_TOPK_THRESHOLD",
-           "DEFAULT_TOPK_RATIO", "parse_compression", "compression_from_env", "build"]
+           "DEFAULT_TOPK_RATIO", "parse_compression", "build"]
 
 # Entries sampled to estimate the top-k threshold of a large tensor (see _top_indices): one in 64, within
 # these bounds. Ranking the sample is ~1 ms at the upper bound, a sixth of the whole selection at 2M elements.
@@ -192,7 +186,7 @@ class TopKCompressor(Compressor):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        """A spec :func:`parse_compression` accepts back, e.g. ``topk:0.01``."""
+        """Its spec's canonical text (:attr:`.spec.CompressionSpec.name`), e.g. ``topk:0.01``."""
         return TOPK.format(self.state.ratio, threshold=self.state.threshold)
 
     def num_selected(self, numel: int) -> int:
@@ -353,7 +347,8 @@ def _exact_top(candidates: torch.Tensor, magnitude: torch.Tensor, k: int) -> tor
 
 
 def build(spec: CompressionSpec) -> Compressor:
-    """The compressor a parsed spec names (the one place that maps spec kinds to classes)."""
+    """A new compressor for ``spec``: the one place that maps a spec's kind to a class. Each call gives a fresh
+    one (its own residuals); :func:`.config.compressor_for` keeps one per spec for the allreduce."""
     if spec.kind == "topk":
         assert spec.ratio is not None and spec.threshold is not None
         return TopKCompressor(spec.ratio, spec.threshold)
@@ -365,18 +360,12 @@ def build(spec: CompressionSpec) -> Compressor:
     return simple[spec.kind]()
 
 
-def parse_compression(spec: str | None) -> Compressor:
-    """Build a compressor from a spec: ``None``/``"none"``, ``"fp16"``, ``"bf16"``, ``"topk:RATIO"``,
-    ``"topk:RATIO:threshold=N"`` or ``"powersgd:RANK[:warmup=N][:min_size=N]"`` (grammars in :mod:`.specs`):
-    the ``--compression`` option of ``%%taco_run``.
+def parse_compression(spec: CompressionSpec | str | None) -> Compressor:
+    """A new compressor from a spec (``taco.parse_compression``, kept for users): ``None``/``"none"``,
+    ``"fp16"``, ``"bf16"``, ``"topk:RATIO[:threshold=N]"``, ``"powersgd:RANK[:warmup=N][:min_size=N]"`` or a
+    :class:`.spec.CompressionSpec`, parsed by :meth:`.spec.CompressionSpec.parse`.
 
     >>> parse_compression("topk:0.01:threshold=1000").name
     'topk:0.01:threshold=1000'
     """
-    return build(parse_compression_spec(spec))
-
-
-def compression_from_env(environ: Mapping[str, str] | None = None) -> Compressor:
-    """The compressor TACO-Training's LightCC flags ask for (``environ`` defaults to ``os.environ``;
-    see :func:`.specs.compression_spec_from_env`)."""
-    return build(compression_spec_from_env(environ))
+    return build(CompressionSpec.parse(spec))

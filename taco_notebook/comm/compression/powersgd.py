@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..specs import DEFAULT_POWERSGD_MIN_SIZE, DEFAULT_POWERSGD_WARMUP, POWERSGD
 from ..transport.reduction import Reduced, ring_accounted
 from .base import Compressor, Payload
 from .layout import packed_numel, pieces, row_cuts
+from .spec import DEFAULT_POWERSGD_MIN_SIZE, DEFAULT_POWERSGD_WARMUP, POWERSGD
 
 __all__ = ["PowerSGDCompressor", "PowerSGDState", "PowerSGDContext", "DEFAULT_POWERSGD_WARMUP",
            "DEFAULT_POWERSGD_MIN_SIZE"]
@@ -75,7 +75,7 @@ class PowerSGDState:
         # Rank r of the approximation: the wire carries (n + m) r numbers per n x m matrix. 1-4 is usual;
         # higher keeps more of each step's gradient (less left to the residual) at more bytes and compute.
         self.rank = rank
-        # Calls per key reduced dense before compressing (see specs.DEFAULT_POWERSGD_WARMUP).
+        # Calls per key reduced dense before compressing (see spec.DEFAULT_POWERSGD_WARMUP).
         self.warmup = warmup
         # Tensors with fewer elements travel dense (see specs.DEFAULT_POWERSGD_MIN_SIZE).
         self.min_size = min_size
@@ -149,7 +149,7 @@ class PowerSGDCompressor(Compressor):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        """A spec :func:`.compression.parse_compression` accepts back, e.g. ``powersgd:4:warmup=0``."""
+        """Its spec's canonical text (:attr:`.spec.CompressionSpec.name`), e.g. ``powersgd:4:warmup=0``."""
         return POWERSGD.format(self.state.rank, warmup=self.state.warmup, min_size=self.state.min_size)
 
     def compresses(self, tensor: torch.Tensor, key: Hashable | None) -> bool:
