@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -124,6 +126,39 @@ def test_stale_entry_with_nothing_left_is_removed(manager: ClusterManager,
     make_entry(manager.directory, "gone", owner, created, processes=[(unrelated.pid, unrelated.create_time())])
     assert manager.list() == {"clusters": []}
     assert not (manager.directory / "gone.json").exists() and unrelated.is_running()
+
+
+def test_async_twins_answer_as_the_methods_do_from_a_worker_thread(manager: ClusterManager,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23: each ``*_async`` twin returns what its method returns and raises what it raises, having run in
+    a thread other than the awaiting event loop's."""
+    threads = set()
+    read_models = registry.read_models
+
+    def noting(*args: object, **kwargs: object) -> object:
+        threads.add(threading.get_ident())
+        return read_models(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "read_models", noting)
+    make_entry(manager.directory, "k1", *me())
+
+    async def twins() -> None:
+        assert await manager.list_async() == manager.list()
+        assert await manager.get_async("k1") == manager.get("k1")
+        assert await manager.version_async() == manager.version()
+        assert (await manager.scale_async("k1", {"size": 3}))["pending"] == manager.get("k1")["pending"]
+        with pytest.raises(NotFound, match="No such cluster: nope"):
+            await manager.stop_async("nope")
+        with pytest.raises(BadRequest, match="'size' is required"):
+            await manager.start_async({})
+        await manager.shutdown_async()
+        with pytest.raises(Conflict, match="shutting down"):
+            await manager.start_async({"size": 1})
+
+    asyncio.run(twins())
+    assert threading.get_ident() in threads and len(threads) >= 2  # the sync calls here, the twins elsewhere
+    assert [ClusterManager.list_async.__name__, ClusterManager.list_async.__qualname__] == [
+        "list_async", "ClusterManager.list_async"]
 
 
 def test_no_start_after_shutdown(manager: ClusterManager) -> None:
