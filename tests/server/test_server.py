@@ -264,8 +264,10 @@ def test_a_jupyter_server_stopped_by_sigterm_stops_its_cluster(tmp_path: Path) -
         wait_for(answers, 60, "the server to answer")
         cluster_id = call("POST", base, {"size": 1, "name": "sigterm"})["id"]
         wait_for(lambda: call("GET", f"{base}/{cluster_id}")["state"] == "running", 120, "the start")
-        entry = registry.read_entry(directory, cluster_id)
-        assert entry is not None and entry["model"]["owner"]["pid"] == server.pid
+        # the entry is written on the "running" event, a moment after the cluster says it runs
+        entry = wait_for(lambda: (e := registry.read_entry(directory, cluster_id)) and e["model"]["state"]
+                         == "running" and e, 10, "the running entry")
+        assert entry["model"]["owner"]["pid"] == server.pid
         pids = [pid for pid, _ in entry["processes"]]
         assert len(pids) >= 3
         server.send_signal(signal.SIGTERM)
