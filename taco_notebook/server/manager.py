@@ -98,6 +98,9 @@ class ClusterManager:
         self.directory: Path = registry_files.registry_dir(registry_dir)
         self._clusters: dict[str, TacoCluster] = {}  # the clusters this server started, by id
         self._lock = threading.Lock()
+        # a request to a kernel's cluster is checked, then written: one at a time, now that the handlers call in
+        # from several threads, so that of two at once the second sees the first's pending request (409)
+        self._request_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="taco-cluster")
         self._closed = False
 
@@ -166,13 +169,14 @@ class ClusterManager:
             owned = self._clusters.get(check_cluster_id(cluster_id))
             if owned is not None:
                 return self._act(owned, "stop", None)
-        model = self.get(cluster_id)
-        if model["state"] == "stale":
-            killed = self._read(registry_files.discard_stale, cluster_id)
-            log.info("removed stale cluster %s; killed the processes it left: %s", cluster_id, killed or "none")
-            return {**model, "state": "stopped", "engines_up": 0}
-        self._check_requestable(model, "stop")
-        return {**model, "pending": self._read(registry_files.write_request, cluster_id, "stop", None)}
+        with self._request_lock:
+            model = self.get(cluster_id)
+            if model["state"] == "stale":
+                killed = self._read(registry_files.discard_stale, cluster_id)
+                log.info("removed stale cluster %s; killed the processes it left: %s", cluster_id, killed or "none")
+                return {**model, "state": "stopped", "engines_up": 0}
+            self._check_requestable(model, "stop")
+            return {**model, "pending": self._read(registry_files.write_request, cluster_id, "stop", None)}
 
     def scale(self, cluster_id: str, body: Body) -> ClusterModel:
         """Restart a cluster with another number of ranks (a new MPI job: MPI fixes the world size at launch)."""
@@ -182,12 +186,13 @@ class ClusterManager:
             if owned is not None:
                 self._check_size(self._owned_model(owned), size)
                 return self._act(owned, "scale", size)
-        model = self.get(cluster_id)
-        if model["state"] == "stale":
-            raise Conflict(f"cluster {cluster_id} is stale (its owner is gone) and cannot be scaled; delete it")
-        self._check_requestable(model, "scale")
-        self._check_size(model, size)
-        return {**model, "pending": self._read(registry_files.write_request, cluster_id, "scale", size)}
+        with self._request_lock:
+            model = self.get(cluster_id)
+            if model["state"] == "stale":
+                raise Conflict(f"cluster {cluster_id} is stale (its owner is gone) and cannot be scaled; delete it")
+            self._check_requestable(model, "scale")
+            self._check_size(model, size)
+            return {**model, "pending": self._read(registry_files.write_request, cluster_id, "scale", size)}
 
     @staticmethod
     def _check_size(model: ClusterModel, size: int) -> None:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -159,6 +160,30 @@ def test_async_twins_answer_as_the_methods_do_from_a_worker_thread(manager: Clus
     assert threading.get_ident() in threads and len(threads) >= 2  # the sync calls here, the twins elsewhere
     assert [ClusterManager.list_async.__name__, ClusterManager.list_async.__qualname__] == [
         "list_async", "ClusterManager.list_async"]
+
+
+def test_requests_at_once_to_a_kernel_cluster_leave_one_pending(manager: ClusterManager,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23: the handlers call in from several threads; of stop and scale requests that arrive together (a
+    slow registry read widens the window), one is written and every other is a 409, as on one event loop."""
+    make_entry(manager.directory, "k1", *me())
+    read_model = registry.read_model
+
+    def slow(*args: object, **kwargs: object) -> object:
+        model = read_model(*args, **kwargs)
+        time.sleep(0.05)  # what was read is what the check sees: the window between check and write
+        return model
+
+    monkeypatch.setattr(registry, "read_model", slow)
+
+    async def together() -> list[object]:
+        calls = [manager.stop_async("k1") if i % 2 else manager.scale_async("k1", {"size": 2}) for i in range(6)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    answers = asyncio.run(together())
+    written = [a for a in answers if isinstance(a, dict)]
+    assert len(written) == 1 and all(isinstance(a, Conflict) for a in answers if a not in written), answers
+    assert manager.get("k1")["pending"] == written[0]["pending"]
 
 
 def test_no_start_after_shutdown(manager: ClusterManager) -> None:
