@@ -1,9 +1,16 @@
-"""Thin, authenticated REST handlers over :class:`~taco_notebook.server.manager.ClusterManager`, and the server
-extension app (:class:`TacoServerExtension`) that routes them and stops the manager's clusters at shutdown.
+"""Thin REST handlers over :class:`~taco_notebook.server.manager.ClusterManager`, authenticated and authorized
+as jupyter_server's own are, and the server extension app (:class:`TacoServerExtension`) that routes them and
+stops the manager's clusters at shutdown.
 
 ``GET  clusters``             → ClusterList             ``GET    clusters/{id}`` → ClusterModel
 ``POST clusters`` {size,name?} → 202 ClusterModel        ``PATCH  clusters/{id}`` {size} → 202 ClusterModel
 ``GET  version``   → {"version", "max_ranks"}           ``DELETE clusters/{id}`` → 202 ClusterModel
+
+Every verb is ``async`` and awaits the manager's ``*_async`` twins, which run in worker threads: reading and
+pruning the registry, killing a stale cluster's processes or starting one never blocks the event loop.
+Every verb is ``@tornado.web.authenticated`` then ``@authorized`` on :data:`AUTH_RESOURCE`, with the action
+jupyter_server derives from the HTTP method as it does for kernels (GET "read"; POST, PATCH, DELETE "write"),
+so a deployment's ``ServerApp.authorizer_class`` decides who may start, stop and scale clusters (403 otherwise).
 
 Errors are ``{"message", "reason"}`` (APIHandler.write_error) with 400, 404 or 409 from the manager's errors,
 and 413 for a body over :data:`~taco_notebook.server.requests.MAX_BODY_BYTES`: the handlers stream the body
@@ -13,29 +20,39 @@ a chunked body is cut off by tornado as soon as it passes the cap.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import tornado.web
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.extension.handler import ExtensionHandlerMixin
 from jupyter_server.utils import url_path_join
 
 from . import API_PATH, MANAGER_SETTING
 from .manager import ClusterManager
 from .requests import MAX_BODY_BYTES, ManagerError, TooLarge
 
-__all__ = ["VersionHandler", "ClustersHandler", "ClusterHandler", "setup_handlers", "TacoServerExtension"]
+__all__ = ["AUTH_RESOURCE", "VersionHandler", "ClustersHandler", "ClusterHandler", "routes", "TacoServerExtension"]
+
+AUTH_RESOURCE = "taco_notebook.clusters"  # the resource an Authorizer is asked about, as "kernels" for kernels
 
 T = TypeVar("T")
 
 
+def _http_error(exc: ManagerError) -> tornado.web.HTTPError:
+    """The HTTP error a manager's refusal stands for, its message kept (a 4xx stays a 4xx that says why)."""
+    message = str(exc)
+    return tornado.web.HTTPError(exc.status, message, reason=message.splitlines()[0][:200])
+
+
 @tornado.web.stream_request_body
-class _ManagerHandler(APIHandler):
+class _ManagerHandler(ExtensionHandlerMixin, APIHandler):
     """Base of the handlers: the manager, its errors as HTTP errors, and a body capped at MAX_BODY_BYTES."""
 
+    auth_resource = AUTH_RESOURCE
     _body: bytearray
 
     async def prepare(self) -> None:  # type: ignore[override]
@@ -43,12 +60,9 @@ class _ManagerHandler(APIHandler):
         self._body = bytearray()
         declared = self.request.headers.get("Content-Length", "0")
         if self.current_user and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            self.call(self._refuse, int(declared))
+            refusal = TooLarge(f"request body of {declared} bytes is over the limit of {MAX_BODY_BYTES} bytes")
+            raise _http_error(refusal)
         self.request.connection.set_max_body_size(MAX_BODY_BYTES)  # type: ignore[union-attr]
-
-    @staticmethod
-    def _refuse(size: int) -> None:
-        raise TooLarge(f"request body of {size} bytes is over the limit of {MAX_BODY_BYTES} bytes")
 
     def data_received(self, chunk: bytes) -> None:
         self._body += chunk
@@ -62,13 +76,13 @@ class _ManagerHandler(APIHandler):
         manager: ClusterManager = self.settings[MANAGER_SETTING]
         return manager
 
-    def call(self, method: Callable[..., T], *args: Any) -> T:
-        """``method(*args)``, its refusal turned into the HTTP error it stands for."""
+    async def call(self, method: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await method(*args)`` (a manager's ``*_async`` twin), its refusal turned into the HTTP error it
+        stands for; any other exception is a bug and stays tornado's 500."""
         try:
-            return method(*args)
+            return await method(*args)
         except ManagerError as exc:
-            message = str(exc)
-            raise tornado.web.HTTPError(exc.status, message, reason=message.splitlines()[0][:200]) from None
+            raise _http_error(exc) from None
 
     def reply(self, model: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -77,46 +91,48 @@ class _ManagerHandler(APIHandler):
 
 class VersionHandler(_ManagerHandler):
     @tornado.web.authenticated
-    def get(self) -> None:
-        self.reply(self.call(self.manager.version))
+    @authorized
+    async def get(self) -> None:
+        self.reply(await self.call(self.manager.version_async))
 
 
 class ClustersHandler(_ManagerHandler):
     @tornado.web.authenticated
-    def get(self) -> None:
-        self.reply(self.call(self.manager.list))
+    @authorized
+    async def get(self) -> None:
+        self.reply(await self.call(self.manager.list_async))
 
     @tornado.web.authenticated
-    def post(self) -> None:
-        self.reply(self.call(self.manager.start, self.body), 202)
+    @authorized
+    async def post(self) -> None:
+        self.reply(await self.call(self.manager.start_async, self.body), 202)
 
 
 class ClusterHandler(_ManagerHandler):
     @tornado.web.authenticated
-    def get(self, cluster_id: str) -> None:
-        self.reply(self.call(self.manager.get, cluster_id))
+    @authorized
+    async def get(self, cluster_id: str) -> None:
+        self.reply(await self.call(self.manager.get_async, cluster_id))
 
     @tornado.web.authenticated
-    def delete(self, cluster_id: str) -> None:
-        self.reply(self.call(self.manager.stop, cluster_id), 202)
+    @authorized
+    async def delete(self, cluster_id: str) -> None:
+        self.reply(await self.call(self.manager.stop_async, cluster_id), 202)
 
     @tornado.web.authenticated
-    def patch(self, cluster_id: str) -> None:
-        self.reply(self.call(self.manager.scale, cluster_id, self.body), 202)
+    @authorized
+    async def patch(self, cluster_id: str) -> None:
+        self.reply(await self.call(self.manager.scale_async, cluster_id, self.body), 202)
 
 
-def setup_handlers(web_app: Any, manager: ClusterManager | None = None) -> ClusterManager:
-    """Route ``/taco-notebook/api/…`` to the handlers, over ``manager`` (a new one by default); the caller stops
-    it (:class:`TacoServerExtension` does when the server shuts down)."""
-    manager = manager or ClusterManager()
-    web_app.settings[MANAGER_SETTING] = manager
-    base = url_path_join(web_app.settings["base_url"], API_PATH)
-    web_app.add_handlers(".*$", [
-        (url_path_join(base, "version"), VersionHandler),
-        (url_path_join(base, "clusters"), ClustersHandler),
-        (url_path_join(base, "clusters", "([^/]+)"), ClusterHandler),
-    ])
-    return manager
+def routes() -> list[tuple[str, type[_ManagerHandler]]]:
+    """The API's routes, relative to the server's base URL (the extension app prepends it and passes each
+    handler the extension's name, as :class:`ExtensionHandlerMixin` expects)."""
+    return [
+        (url_path_join(API_PATH, "version"), VersionHandler),
+        (url_path_join(API_PATH, "clusters"), ClustersHandler),
+        (url_path_join(API_PATH, "clusters", "([^/]+)"), ClusterHandler),
+    ]
 
 
 class TacoServerExtension(ExtensionApp):
@@ -132,12 +148,17 @@ class TacoServerExtension(ExtensionApp):
     load_other_extensions = True
     manager: ClusterManager | None = None
 
+    def initialize_settings(self) -> None:
+        """Make the manager; it reaches the handlers through the web app's settings (:data:`MANAGER_SETTING`)."""
+        self.manager = ClusterManager()
+        self.settings[MANAGER_SETTING] = self.manager
+
     def initialize_handlers(self) -> None:
+        self.handlers.extend(routes())
         assert self.serverapp is not None  # linked by jupyter_server before it initializes the handlers
-        self.manager = setup_handlers(self.serverapp.web_app)
         self.log.info("taco_notebook server extension: REST API at %s%s/", self.serverapp.base_url, API_PATH)
 
     async def stop_extension(self) -> None:
         """Stop every cluster this server started (each stop takes a second or two: off the event loop)."""
         if self.manager is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.manager.shutdown)
+            await self.manager.shutdown_async()

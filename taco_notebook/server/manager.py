@@ -14,6 +14,12 @@ Two kinds of cluster, one list:
   (the extension's shutdown hook, :class:`~taco_notebook.server.handlers.TacoServerExtension`). Their state
   (pending action, last error) lives on the cluster; the manager keeps only a dict of them by id.
 
+Every blocking method (each reads or writes registry files, or starts, stops or kills processes) has an async
+twin named ``<method>_async`` that runs it in a worker thread (:func:`asyncio.to_thread`): the REST handlers
+await the twins, so a slow disk or a stale entry's processes being killed never hold up the server's event loop,
+while tests, kernels and scripts call the plain methods. The logic is written once, synchronously, because
+the registry and :class:`TacoCluster` are synchronous; the twins only move it off the loop.
+
 Every method returns models and raises :class:`BadRequest`, :class:`NotFound` or :class:`Conflict` (or
 :class:`UnsafeRegistry` when the registry directory could be controlled by another user). Each model served says
 whether it belongs to this server (``this_server``): its own clusters and those of its kernels.
@@ -21,14 +27,16 @@ whether it belongs to this server (``this_server``): its own clusters and those 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .._version import __version__
 from ..cluster.describe import new_cluster_id
@@ -57,9 +65,29 @@ class UnsafeRegistry(ManagerError):
 
     status = 500
 
+
 log = logging.getLogger("taco_notebook")
 
 Body = bytes | str | Mapping[str, Any]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _off_loop(
+    method: Callable[Concatenate[ClusterManager, P], R],
+) -> Callable[Concatenate[ClusterManager, P], Coroutine[Any, Any, R]]:
+    """The async twin of a blocking manager method: the same call, run in a worker thread so that the awaiting
+    event loop goes on serving other requests meanwhile; the method's errors propagate unchanged."""
+
+    @functools.wraps(method)
+    async def twin(self: ClusterManager, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(method, self, *args, **kwargs)
+
+    twin.__name__ = f"{method.__name__}_async"
+    twin.__qualname__ = f"{method.__qualname__}_async"
+    twin.__doc__ = f"Awaitable :meth:`{method.__name__}`, run in a worker thread (off the event loop)."
+    return twin
 
 
 class ClusterManager:
@@ -70,6 +98,9 @@ class ClusterManager:
         self.directory: Path = registry_files.registry_dir(registry_dir)
         self._clusters: dict[str, TacoCluster] = {}  # the clusters this server started, by id
         self._lock = threading.Lock()
+        # a request to a kernel's cluster is checked, then written: one at a time, now that the handlers call in
+        # from several threads, so that of two at once the second sees the first's pending request (409)
+        self._request_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="taco-cluster")
         self._closed = False
 
@@ -138,13 +169,14 @@ class ClusterManager:
             owned = self._clusters.get(check_cluster_id(cluster_id))
             if owned is not None:
                 return self._act(owned, "stop", None)
-        model = self.get(cluster_id)
-        if model["state"] == "stale":
-            killed = self._read(registry_files.discard_stale, cluster_id)
-            log.info("removed stale cluster %s; killed the processes it left: %s", cluster_id, killed or "none")
-            return {**model, "state": "stopped", "engines_up": 0}
-        self._check_requestable(model, "stop")
-        return {**model, "pending": self._read(registry_files.write_request, cluster_id, "stop", None)}
+        with self._request_lock:
+            model = self.get(cluster_id)
+            if model["state"] == "stale":
+                killed = self._read(registry_files.discard_stale, cluster_id)
+                log.info("removed stale cluster %s; killed the processes it left: %s", cluster_id, killed or "none")
+                return {**model, "state": "stopped", "engines_up": 0}
+            self._check_requestable(model, "stop")
+            return {**model, "pending": self._read(registry_files.write_request, cluster_id, "stop", None)}
 
     def scale(self, cluster_id: str, body: Body) -> ClusterModel:
         """Restart a cluster with another number of ranks (a new MPI job: MPI fixes the world size at launch)."""
@@ -154,12 +186,13 @@ class ClusterManager:
             if owned is not None:
                 self._check_size(self._owned_model(owned), size)
                 return self._act(owned, "scale", size)
-        model = self.get(cluster_id)
-        if model["state"] == "stale":
-            raise Conflict(f"cluster {cluster_id} is stale (its owner is gone) and cannot be scaled; delete it")
-        self._check_requestable(model, "scale")
-        self._check_size(model, size)
-        return {**model, "pending": self._read(registry_files.write_request, cluster_id, "scale", size)}
+        with self._request_lock:
+            model = self.get(cluster_id)
+            if model["state"] == "stale":
+                raise Conflict(f"cluster {cluster_id} is stale (its owner is gone) and cannot be scaled; delete it")
+            self._check_requestable(model, "scale")
+            self._check_size(model, size)
+            return {**model, "pending": self._read(registry_files.write_request, cluster_id, "scale", size)}
 
     @staticmethod
     def _check_size(model: ClusterModel, size: int) -> None:
@@ -220,3 +253,12 @@ class ClusterManager:
             self._clusters.clear()
         for cluster in owned:
             cluster.stop()
+
+    # ------------------------------------------------ async twins, for the event loop
+    version_async = _off_loop(version)
+    list_async = _off_loop(list)
+    get_async = _off_loop(get)
+    start_async = _off_loop(start)
+    stop_async = _off_loop(stop)
+    scale_async = _off_loop(scale)
+    shutdown_async = _off_loop(shutdown)

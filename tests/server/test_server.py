@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 import tornado.web
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures: jp_fetch, jp_serverapp, ...)
@@ -120,9 +121,11 @@ def test_unauthenticated_requests_are_rejected(jp_asyncio_loop: Any, http_server
     assert api("GET", "clusters") == (200, {"clusters": []})
 
 
-def test_every_handler_verb_is_authenticated() -> None:
-    """Walk the handler classes: each HTTP verb they define must be wrapped by tornado.web.authenticated."""
+def test_every_handler_verb_is_authenticated_authorized_and_async() -> None:
+    """Walk the handler classes: each HTTP verb they define must be wrapped by tornado.web.authenticated, then by
+    jupyter_server's ``authorized`` (issue 23: the action from the HTTP method, as for kernels), over a coroutine."""
     wrapper_code = tornado.web.authenticated(lambda self: None).__code__
+    authorized_code = authorized(lambda self: None).__code__
     classes = [c for _, c in inspect.getmembers(handlers, inspect.isclass)
                if issubclass(c, APIHandler) and c.__module__ == handlers.__name__]
     verbs = [(c.__name__, verb) for c in classes for verb in ("get", "post", "put", "patch", "delete", "head")
@@ -131,6 +134,9 @@ def test_every_handler_verb_is_authenticated() -> None:
     for name, verb in verbs:
         method = getattr(getattr(handlers, name), verb)
         assert method.__code__ is wrapper_code, f"{name}.{verb} lacks @tornado.web.authenticated"
+        assert method.__wrapped__.__code__ is authorized_code, f"{name}.{verb} lacks @authorized under it"
+        assert inspect.iscoroutinefunction(inspect.unwrap(method)), f"{name}.{verb} is not async"
+        assert getattr(handlers, name).auth_resource == handlers.AUTH_RESOURCE
 
 
 @pytest.mark.cluster
@@ -258,8 +264,10 @@ def test_a_jupyter_server_stopped_by_sigterm_stops_its_cluster(tmp_path: Path) -
         wait_for(answers, 60, "the server to answer")
         cluster_id = call("POST", base, {"size": 1, "name": "sigterm"})["id"]
         wait_for(lambda: call("GET", f"{base}/{cluster_id}")["state"] == "running", 120, "the start")
-        entry = registry.read_entry(directory, cluster_id)
-        assert entry is not None and entry["model"]["owner"]["pid"] == server.pid
+        # the entry is written on the "running" event, a moment after the cluster says it runs
+        entry = wait_for(lambda: (e := registry.read_entry(directory, cluster_id)) and e["model"]["state"]
+                         == "running" and e, 10, "the running entry")
+        assert entry["model"]["owner"]["pid"] == server.pid
         pids = [pid for pid, _ in entry["processes"]]
         assert len(pids) >= 3
         server.send_signal(signal.SIGTERM)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -124,6 +127,63 @@ def test_stale_entry_with_nothing_left_is_removed(manager: ClusterManager,
     make_entry(manager.directory, "gone", owner, created, processes=[(unrelated.pid, unrelated.create_time())])
     assert manager.list() == {"clusters": []}
     assert not (manager.directory / "gone.json").exists() and unrelated.is_running()
+
+
+def test_async_twins_answer_as_the_methods_do_from_a_worker_thread(manager: ClusterManager,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23: each ``*_async`` twin returns what its method returns and raises what it raises, having run in
+    a thread other than the awaiting event loop's."""
+    threads = set()
+    read_models = registry.read_models
+
+    def noting(*args: object, **kwargs: object) -> object:
+        threads.add(threading.get_ident())
+        return read_models(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "read_models", noting)
+    make_entry(manager.directory, "k1", *me())
+
+    async def twins() -> None:
+        assert await manager.list_async() == manager.list()
+        assert await manager.get_async("k1") == manager.get("k1")
+        assert await manager.version_async() == manager.version()
+        assert (await manager.scale_async("k1", {"size": 3}))["pending"] == manager.get("k1")["pending"]
+        with pytest.raises(NotFound, match="No such cluster: nope"):
+            await manager.stop_async("nope")
+        with pytest.raises(BadRequest, match="'size' is required"):
+            await manager.start_async({})
+        await manager.shutdown_async()
+        with pytest.raises(Conflict, match="shutting down"):
+            await manager.start_async({"size": 1})
+
+    asyncio.run(twins())
+    assert threading.get_ident() in threads and len(threads) >= 2  # the sync calls here, the twins elsewhere
+    assert [ClusterManager.list_async.__name__, ClusterManager.list_async.__qualname__] == [
+        "list_async", "ClusterManager.list_async"]
+
+
+def test_requests_at_once_to_a_kernel_cluster_leave_one_pending(manager: ClusterManager,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23: the handlers call in from several threads; of stop and scale requests that arrive together (a
+    slow registry read widens the window), one is written and every other is a 409, as on one event loop."""
+    make_entry(manager.directory, "k1", *me())
+    read_model = registry.read_model
+
+    def slow(*args: object, **kwargs: object) -> object:
+        model = read_model(*args, **kwargs)
+        time.sleep(0.05)  # what was read is what the check sees: the window between check and write
+        return model
+
+    monkeypatch.setattr(registry, "read_model", slow)
+
+    async def together() -> list[object]:
+        calls = [manager.stop_async("k1") if i % 2 else manager.scale_async("k1", {"size": 2}) for i in range(6)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    answers = asyncio.run(together())
+    written = [a for a in answers if isinstance(a, dict)]
+    assert len(written) == 1 and all(isinstance(a, Conflict) for a in answers if a not in written), answers
+    assert manager.get("k1")["pending"] == written[0]["pending"]
 
 
 def test_no_start_after_shutdown(manager: ClusterManager) -> None:
