@@ -140,3 +140,26 @@ def test_no_module_over_400_lines() -> None:
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if "labextension" not in p.parts and (n := len(p.read_text().splitlines())) > 400}
     assert not long, f"modules over 400 lines (split them): {long}"
+
+
+EMULATOR = "taco_notebook.cluster.emulated"
+COMMAND_LINES = ("taco_notebook.emulate", "taco_notebook.cli")  # the CLI that drives the emulator, old and new name
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_production_module_imports_the_emulator(graph: dict[str, set[str]]) -> None:
+    """Emulated nodes are a tool beside production (DESIGN.md): only the emulator itself and the command line
+    that drives it import it. A profile learns about emulated hosts from the launch overlay they publish as data
+    (:mod:`taco_notebook.cluster.launch.overlay`), so production code runs where the emulator is not shipped."""
+    def command_line(module: str) -> bool:
+        return any(_within(module, cli) for cli in COMMAND_LINES)
+
+    assert any(_within(t, EMULATOR) for m, ts in graph.items() if command_line(m) for t in ts), \
+        "the reader sees no command line importing the emulator"
+    wrong = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                   if _within(target, EMULATOR) and not _within(module, EMULATOR)
+                   and not command_line(module))
+    assert not wrong, "production imports the emulator:\n" + "\n".join(wrong)
