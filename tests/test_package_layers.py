@@ -187,3 +187,26 @@ def test_layers_that_run_without_ipython_never_import_it(layer: str) -> None:
     wrong = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / layer).rglob("*.py")
                    if "IPython" in _third_party_imports(p))
     assert not wrong, f"{layer} modules importing IPython: {wrong}"
+
+
+EMULATOR = "taco_notebook.cluster.emulated"
+COMMAND_LINES = ("taco_notebook.cli",)  # the command line that drives the emulator
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_production_module_imports_the_emulator(graph: dict[str, set[str]]) -> None:
+    """Emulated nodes are a tool beside production (DESIGN.md): only the emulator itself and the command line
+    that drives it import it. A profile learns about emulated hosts from the launch overlay they publish as data
+    (:mod:`taco_notebook.cluster.launch.overlay`), so production code runs where the emulator is not shipped."""
+    def command_line(module: str) -> bool:
+        return any(_within(module, cli) for cli in COMMAND_LINES)
+
+    assert any(_within(t, EMULATOR) for m, ts in graph.items() if command_line(m) for t in ts), \
+        "the reader sees no command line importing the emulator"
+    wrong = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                   if _within(target, EMULATOR) and not _within(module, EMULATOR)
+                   and not command_line(module))
+    assert not wrong, "production imports the emulator:\n" + "\n".join(wrong)

@@ -87,14 +87,15 @@ def _describe(info: os.stat_result) -> str:
     return f"owner {owner}, mode {stat.filemode(info.st_mode)}"
 
 
-def check_private_dir(path: str | os.PathLike[str], what: str = "directory") -> os.stat_result:
+def check_private_dir(path: str | os.PathLike[str], what: str = "directory",
+                      fix: str | None = None) -> os.stat_result:
     """``path``'s ``lstat`` if it is a real directory of this user that no one else may write; else
-    :class:`UnsafeDirectoryError` naming the directory, what is wrong and the fix."""
+    :class:`UnsafeDirectoryError` naming the directory, what is wrong and ``fix`` (default: the registry's)."""
     path = Path(path)
     info = os.lstat(path)
     me = os.geteuid()
-    fix = (f"remove it (rm -r {path}) so it is created again, private, or point TACO_REGISTRY_DIR "
-           "at a directory of your own with mode 0700")
+    fix = fix or (f"remove it (rm -r {path}) so it is created again, private, or point TACO_REGISTRY_DIR "
+                  "at a directory of your own with mode 0700")
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise UnsafeDirectoryError(f"refusing the {what} {path}: it is not a directory but "
                                    f"{'a symlink' if stat.S_ISLNK(info.st_mode) else 'a file'}; {fix}")
@@ -143,7 +144,7 @@ def read_private_json(path: Path, owner: int, max_bytes: int) -> Any:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{path}: not a regular file")
         if info.st_uid != owner:
-            raise ValueError(f"{path}: owned by uid {info.st_uid}, not by uid {owner} who owns the registry")
+            raise ValueError(f"{path}: owned by uid {info.st_uid}, not by uid {owner} who should own it")
         if info.st_size > max_bytes:
             raise ValueError(f"{path}: {info.st_size} bytes, over the limit of {max_bytes}")
         raw = f.read(max_bytes + 1)

@@ -20,9 +20,11 @@ import re
 import time
 import urllib.error
 import uuid
+from collections.abc import Callable
 
 import pytest
 
+from ..support.waiting import wait_until
 from .conftest import (
     ARTIFACTS,
     cell_output,
@@ -106,6 +108,15 @@ def _open_sidebar(page) -> None:
     expect(panel.locator(".taco-server-missing")).to_have_count(0)
 
 
+def _actions_sent(page) -> list[str]:
+    """A list that fills with ``METHOD URL`` of every request the page sends that changes a cluster (POST, PATCH,
+    DELETE to the REST API), from now on."""
+    sent: list[str] = []
+    page.on("request", lambda r: sent.append(f"{r.method} {r.url}")
+            if API in r.url and r.method in ("POST", "PATCH", "DELETE") else None)
+    return sent
+
+
 def _fill_size_dialog(page, size: int) -> None:
     from playwright.sync_api import expect
 
@@ -118,14 +129,23 @@ def _fill_size_dialog(page, size: int) -> None:
     expect(field).to_have_count(0, timeout=30_000)
 
 
-def _answer_size_dialog(page, size: int) -> None:
-    """Fill the size dialog and accept it; no confirmation may follow (a new cluster, or a scale up)."""
+def _answer_size_dialog(page, lab, size: int, reached: Callable[[list[dict]], bool], what: str) -> None:
+    """Fill the size dialog and accept it; no confirmation may follow (a new cluster, or a scale up).
+
+    The panel asks for a confirmation before it sends the request: once the server lists the action
+    (``reached(clusters)``), none can follow. A dialog seen first fails the test with its text.
+    """
     from playwright.sync_api import expect
 
     _fill_size_dialog(page, size)
-    expect(page.locator(".jp-Dialog")).to_have_count(0, timeout=30_000)
-    time.sleep(1)  # a confirmation would open right after the size dialog closes
-    if page.locator(".jp-Dialog").count():
+    expect(page.locator(DIALOG_INPUT)).to_have_count(0, timeout=30_000)
+
+    def reached_or_dialog() -> str | None:
+        if page.locator(".jp-Dialog").count():
+            return "dialog"
+        return "reached" if reached(_clusters(lab)) else None
+
+    if wait_until(reached_or_dialog, 30, f"{what} reaching the server; clusters {_describe(lab)}") == "dialog":
         pytest.fail(f"a dialog followed the size dialog: {page.locator('.jp-Dialog').first.inner_text()!r}")
 
 
@@ -250,13 +270,15 @@ def test_sidebar_shows_scales_and_stops_a_notebook_cluster(lab, page):
         scale = row.locator(".taco-cluster-scale")
         expect(scale).to_be_enabled(timeout=10_000)
         scale.click()
-        _answer_size_dialog(page, 3)
+        _answer_size_dialog(page, lab, 3, lambda clusters: any(
+            c["id"] == cluster_id and (c["pending"] is not None or c["size"] == 3) for c in clusters), "Scale to 3")
         timings["row shows 3/3"] = _wait_for_row(page, lab, row, "3/3", "running", 90, "after Scale to 3")
         assert row.get_attribute("data-cluster-id") == cluster_id, "scaling changed the cluster's id"
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "sidebar-scaled.png"), full_page=True)
 
         # A smaller size asks first; Cancel leaves the cluster as it was.
+        sent = _actions_sent(page)
         scale.click()
         _fill_size_dialog(page, 1)
         _confirmation(page, "Scale cluster panel down to 1?", "variables are lost", "sidebar-confirm-scale-down.png")
@@ -265,7 +287,12 @@ def test_sidebar_shows_scales_and_stops_a_notebook_cluster(lab, page):
         row.locator(".taco-cluster-stop").click()
         _confirmation(page, "Stop cluster panel?", "variables are lost", "sidebar-confirm-stop.png")
         _cancel_dialog(page)
-        time.sleep(3)  # more than a poll: a cancelled action would show as pending by now
+        # A confirmed action sends its request as the dialog closes, before the panel's next poll: once a poll has
+        # answered after the cancel, the page has sent all it was going to.
+        with page.expect_response(lambda r: r.url.split("?")[0].endswith(API) and r.request.method == "GET",
+                                  timeout=60_000):
+            pass
+        assert sent == [], f"a cancelled action was sent: {sent}"
         _wait_for_row(page, lab, row, "3/3", "running", 10, "after cancelling the scale-down and the stop")
         model = next(c for c in _clusters(lab) if c["id"] == cluster_id)
         assert model["pending"] is None and model["size"] == 3, f"a cancelled action reached the server: {model}"
@@ -291,7 +318,8 @@ def test_sidebar_starts_a_cluster_from_the_panel(lab, page):
         expect(new).to_be_enabled(timeout=30_000)
         started = time.monotonic()
         new.click()
-        _answer_size_dialog(page, 1)
+        _answer_size_dialog(page, lab, 1, lambda clusters: any(c["id"] not in before for c in clusters),
+                            "New cluster")
 
         deadline = time.monotonic() + 30
         while True:  # the POST answers 202 at once: a new row (state "starting") shows on the next refresh

@@ -11,27 +11,68 @@ import pytest
 from taco_notebook.comm import metrics
 from taco_notebook.comm.progress import progress
 
+from ..support.waiting import wait_until
+
+INTERVAL = 0.05
+
 
 @pytest.fixture
 def published() -> Iterator[list[dict[str, Any]]]:
     sent: list[dict[str, Any]] = []
     metrics.reset()
-    metrics.set_sender(sent.append, interval=0.05)
+    metrics.set_sender(sent.append, interval=INTERVAL)
     yield sent
     metrics.set_sender(None)
     metrics.reset()
 
 
-def test_progress_publishes_throttled_and_once_more_at_the_end(published):
+@pytest.fixture
+def published_at() -> Iterator[list[tuple[float, dict[str, Any]]]]:
+    """Each send with the clock read when it arrived (the same ``perf_counter`` the throttle reads)."""
+    sent: list[tuple[float, dict[str, Any]]] = []
+    metrics.reset()
+    metrics.set_sender(lambda payload: sent.append((time.perf_counter(), payload)), interval=INTERVAL)
+    yield sent
+    metrics.set_sender(None)
+    metrics.reset()
+
+
+def test_progress_within_one_interval_sends_once_at_the_end(published):
+    """Throttled by count, not by the machine's speed: with the interval far longer than the loop, 40 iterations
+    (and 40 ``step()`` calls) send nothing until the loop ends, then exactly once, with the final count."""
+    metrics.set_sender(published.append, interval=3600.0)
+    metrics.send()  # the interval starts now (set_sender's clock starts at 0, the machine's uptime decides)
+    assert len(published) == 1
     for _ in progress(range(40), desc="train"):
-        time.sleep(0.005)  # 40 x 5 ms = 0.2 s: about 4 throttled sends, not 40
         metrics.step(samples=8)
-    assert 2 <= len(published) <= 12, len(published)
+    assert len(published) == 2, [p["progress"] for p in published]
     last = published[-1]
-    assert last["progress"] == {"n": 40, "total": 40, "desc": "train", "elapsed_seconds": pytest.approx(0.2, abs=0.2)}
+    assert {k: last["progress"][k] for k in ("n", "total", "desc")} == {"n": 40, "total": 40, "desc": "train"}
     assert last["metrics"]["steps"] == 40 and last["metrics"]["samples"] == 320
-    counts = [p["progress"]["n"] for p in published if p["progress"]]
-    assert counts == sorted(counts)
+
+
+def test_progress_sends_the_count_once_the_interval_has_passed(published_at):
+    """The throttle lets a send through on the first iteration after an interval has passed since the last one,
+    carrying that iteration's count: the loop waits for that event (the interval elapsed since the last send
+    arrived) at iterations 10 and 25, instead of sleeping a fixed time per iteration and counting sends."""
+
+    def interval_passed() -> bool:
+        return time.perf_counter() - published_at[-1][0] >= INTERVAL
+
+    metrics.send()
+    began = time.perf_counter()
+    for i in progress(range(40), desc="train"):
+        metrics.step(samples=8)  # may send too (step() is throttled by the same clock), with the count so far
+        if i + 1 in (10, 25):
+            wait_until(interval_passed, 10, f"an interval of {INTERVAL} s after the last send")
+    ended = time.perf_counter()
+    counts = [p["progress"]["n"] for _, p in published_at if p["progress"]]
+    assert 10 in counts and 25 in counts, counts
+    assert counts == sorted(counts) and counts[-1] == 40
+    last = published_at[-1][1]
+    assert last["metrics"]["steps"] == 40 and last["metrics"]["samples"] == 320
+    elapsed = [p["progress"]["elapsed_seconds"] for _, p in published_at if p["progress"]]
+    assert elapsed == sorted(elapsed) and 0 < elapsed[-1] <= ended - began, (elapsed, ended - began)
 
 
 def test_progress_without_a_total_and_after_an_exception(published):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
@@ -15,6 +16,7 @@ from taco_notebook.comm.compression.spec import CompressionSpec
 from taco_notebook.errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 
 from ..conftest import session_processes
+from ..support.waiting import gate_code, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -39,11 +41,9 @@ def rank_lines(text: str) -> dict[int, list[str]]:
     return lines
 
 
-def interrupt_after(seconds: float) -> threading.Timer:
-    """Deliver a real SIGINT to this process (what Ctrl-C / the kernel's interrupt does)."""
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    return timer
+# rank 1's wait (in the cell, indented under its ``if``) until the 3 ranks of the doomed cluster have started
+WAIT_FOR_3 = ("    while len([f for f in os.listdir('{MARKERS}') if f.startswith('started-')]) < 3:\n"
+              "        __import__('time').sleep(0.02)")
 
 
 # ---------------------------------------------------------------- results and output
@@ -69,28 +69,34 @@ def test_unpicklable_value_comes_back_as_its_repr(ip, shared_cluster):
     assert "lock" in repr(value)
 
 
-def test_output_streams_while_the_cell_runs(ip, shared_cluster):
-    seen: list[tuple[float, str]] = []
+def test_output_streams_while_the_cell_runs(ip, shared_cluster, tmp_path):
+    """The ranks print 'first', then wait for a gate that only the notebook side opens, once it has shown 'first'
+    from all 4: the cell can only end because its output arrived while it ran (no sleep to outlast)."""
+    gate = tmp_path / "shown"
+    seen: list[str] = []
 
     class Recorder:
         def write(self, text: str) -> None:
-            seen.append((time.monotonic(), text))
+            seen.append(text)
+            if sum("first" in t for t in seen) == 4:
+                gate.touch()
 
         def flush(self) -> None:
             pass
 
     import sys
 
+    cell = gate_code(gate, "the notebook never showed 'first' while the cell ran") + \
+        "print('first', flush=True)\nwait_for_gate()\nprint('last')"
     saved = sys.stdout
     sys.stdout = Recorder()  # type: ignore[assignment]
     try:
-        ip.run_cell_magic("taco_run", "", "import time\nprint('first', flush=True)\ntime.sleep(3)\nprint('last')")
-        finished = time.monotonic()
+        ip.run_cell_magic("taco_run", "", cell)
     finally:
         sys.stdout = saved
-    first = [t for t, text in seen if "first" in text]
-    assert len(first) == 4, seen
-    assert finished - max(first) > 1.5, "output was not shown until the cell ended"
+    first = [i for i, text in enumerate(seen) if "first" in text]
+    last = [i for i, text in enumerate(seen) if "last" in text]
+    assert len(first) == 4 and len(last) == 4 and max(first) < min(last), seen
 
 
 def test_targets_runs_on_a_subset(ip, shared_cluster, capsys):
@@ -132,44 +138,72 @@ def test_exception_on_one_rank_shows_its_traceback(ip, shared_cluster):
 def test_failed_rank_releases_peers_blocked_in_a_collective(ip, shared_cluster):
     pids = engine_pids()
     cell = "if taco.rank() == 1:\n    1 / 0\nx = torch.ones(4)\ntaco.allreduce(x)"
-    began = time.monotonic()
-    # the peers' error is named with its message, not only its class
-    with pytest.raises(RankFailedError, match=r"rank 1 .*ZeroDivisionError.*ranks 0, 2, 3 also failed \(\w+: .+\)"):
+    # the peers' error is named with its message, not only its class; it is the group being shut down under them
+    # (the collective timeout, TACO_COLLECTIVE_TIMEOUT's 1800 s, is far beyond the test's own timeout)
+    with pytest.raises(RankFailedError, match=r"rank 1 .*ZeroDivisionError.*ranks 0, 2, 3 also failed \(\w+: .+\)") \
+            as info:
         ip.run_cell_magic("taco_run", "", cell)
-    assert time.monotonic() - began < 8, "peers waited for the collective timeout"
+    assert "stalled" not in str(info.value) and "timed out" not in str(info.value).lower(), info.value
     # the process group is rebuilt on the same engines before the next cell
     assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
     assert engine_pids() == pids
 
 
-def seconds_to_return_after_ctrl_c(ip, line: str, cell: str, after: float = 2.0) -> float:
-    """Run the cell, press Ctrl-C (a real SIGINT) ``after`` seconds in, expect KeyboardInterrupt; returns how
-    long the magic took to give the notebook back after the interrupt."""
-    timer = interrupt_after(after)
-    began = time.monotonic()
+def interrupt_once_started(run: Callable[[], object], markers: Path, ranks: int) -> None:
+    """Call ``run`` (a magic whose code writes ``markers/started-RANK`` when under way), press Ctrl-C (a real
+    SIGINT, what the kernel's interrupt does) once all ``ranks`` have written theirs, and expect KeyboardInterrupt:
+    the interrupt comes when the ranks are proven to be running, not a fixed time in."""
+    failed: list[BaseException] = []
+
+    def press_ctrl_c() -> None:
+        try:
+            wait_until(lambda: len(list(markers.glob("started-*"))) == ranks, 60, f"{ranks} ranks starting the cell")
+        except AssertionError as exc:
+            failed.append(exc)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
     with pytest.raises(KeyboardInterrupt):
-        ip.run_cell_magic("taco_run", line, cell)
-    timer.join()
-    return time.monotonic() - began - after
+        run()
+    presser.join()
+    assert not failed, failed[0]
 
 
-@pytest.mark.parametrize("cell", [
-    "import time\nfor _ in range(600):\n    time.sleep(0.1)",
+def started(markers: Path) -> str:
+    """A line of a cell or script that writes ``markers/started-RANK``: this rank is under way."""
+    return f"open(f'{markers}/started-{{taco.rank()}}', 'w').close()\n"
+
+
+@pytest.mark.parametrize("body", [
+    "try:\n    wait_for_gate()\nexcept KeyboardInterrupt:\n"
+    "    open(f'{MARKERS}/interrupted-{taco.rank()}', 'w').close()\n    raise\n",
     # rank 0 never joins: the others wait in a collective when the interrupt comes
-    "import time\nif taco.rank() == 0:\n    time.sleep(60)\nx = torch.ones(2)\ntaco.allreduce(x)",
+    "if taco.rank() == 0:\n    wait_for_gate()\nx = torch.ones(2)\ntaco.allreduce(x)\n",
 ], ids=["every-rank-in-python", "peers-waiting-in-a-collective"])
-def test_ctrl_c_interrupts_every_rank_and_keeps_the_cluster(ip, shared_cluster, cell, sigint_as_in_a_kernel):
+def test_ctrl_c_interrupts_every_rank_and_keeps_the_cluster(ip, shared_cluster, body, sigint_as_in_a_kernel,
+                                                            tmp_path):
+    """The ranks wait for a gate nobody opens (for 120 s, then they raise): the cell ends in KeyboardInterrupt
+    only because Ctrl-C stopped them, and the same engines run the next cell (a rank still in the old cell or
+    its collective would hold it up)."""
     pids = engine_pids()
-    assert seconds_to_return_after_ctrl_c(ip, "", cell) < 5.0
+    cell = gate_code(tmp_path / "never", "Ctrl-C never reached this rank") + started(tmp_path) + \
+        body.replace("{MARKERS}", str(tmp_path))
+    interrupt_once_started(lambda: ip.run_cell_magic("taco_run", "", cell), tmp_path, 4)
+    if "interrupted-" in body:
+        wait_until(lambda: len(list(tmp_path.glob("interrupted-*"))) == 4, 30, "KeyboardInterrupt on every rank")
     assert engine_pids() == pids
     assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
 
 
-def test_ctrl_c_on_ranks_that_ignore_sigint_kills_and_restarts(ip, capsys, sigint_as_in_a_kernel):
+def test_ctrl_c_on_ranks_that_ignore_sigint_kills_and_restarts(ip, capsys, sigint_as_in_a_kernel, tmp_path):
     ip.run_cell_magic("taco_run", "-np 2 --cluster stubborn", "pass")
     old = engine_pids("stubborn")
-    cell = "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\ntime.sleep(120)"
-    assert seconds_to_return_after_ctrl_c(ip, "--cluster stubborn", cell) < 5.0
+    # blocked in a sleep with SIGINT masked, the ranks cannot see Ctrl-C (a Python loop would: the flag that
+    # another thread's handler sets is checked between bytecodes); only killing them ends the cell before 120 s
+    cell = ("import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n" + started(tmp_path)
+            + "time.sleep(120)\n")
+    interrupt_once_started(lambda: ip.run_cell_magic("taco_run", "--cluster stubborn", cell), tmp_path, 2)
     assert "ignored SIGINT" in capsys.readouterr().err
     assert not any(pid in session_processes() for pid in old)
     assert ip.run_cell_magic("taco_run", "--cluster stubborn --gather", "taco.rank()") == [0, 1]
@@ -180,14 +214,15 @@ def test_ctrl_c_on_ranks_that_ignore_sigint_kills_and_restarts(ip, capsys, sigin
     ("os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
     ("import ctypes; ctypes.string_at(0)", "SIGSEGV"),
 ])
-def test_dead_rank_is_reported_and_the_next_cell_gets_a_fresh_cluster(ip, how, signame):
+def test_dead_rank_is_reported_and_the_next_cell_gets_a_fresh_cluster(ip, how, signame, tmp_path):
     ip.run_cell_magic("taco_run", "-np 3 --cluster doomed", "pass")
     old = engine_pids("doomed")
-    cell = f"import os, signal, time\nif taco.rank() == 1:\n    time.sleep(0.5)\n    {how}\ntime.sleep(60)"
-    began = time.monotonic()
+    # rank 1 dies once all three are under way; the others wait for a gate nobody opens: the error can only
+    # come from the death, not from the cell ending
+    cell = (gate_code(tmp_path / "never", "nobody reported rank 1's death") + started(tmp_path) +
+            f"import os, signal\nif taco.rank() == 1:\n{WAIT_FOR_3}\n    {how}\nwait_for_gate()")
     with pytest.raises(RankDiedError) as info:
-        ip.run_cell_magic("taco_run", "--cluster doomed", cell)
-    assert time.monotonic() - began < 10
+        ip.run_cell_magic("taco_run", "--cluster doomed", cell.replace("{MARKERS}", str(tmp_path)))
     error = info.value
     assert (error.rank, error.signal_name) == (1, signame)
     assert error.host and f"rank 1 (host {error.host}, pid {old[1]})" in str(error)
@@ -196,14 +231,16 @@ def test_dead_rank_is_reported_and_the_next_cell_gets_a_fresh_cluster(ip, how, s
     assert ip.run_cell_magic("taco_run", "--cluster doomed --gather", "taco.rank()") == [0, 1, 2]
 
 
-def test_timeout_names_the_ranks_still_running(ip, shared_cluster):
+def test_timeout_names_the_ranks_still_running(ip, shared_cluster, tmp_path):
     pids = engine_pids()
-    cell = "import time\nif taco.rank() == 3:\n    time.sleep(60)"
-    began = time.monotonic()
+    # rank 3 waits for a gate nobody opens: the cell ends only by its timeout, which interrupts rank 3
+    cell = (gate_code(tmp_path / "never", "--timeout never stopped rank 3") + "if taco.rank() == 3:\n"
+            f"    try:\n        wait_for_gate()\n    except KeyboardInterrupt:\n"
+            f"        open('{tmp_path}/interrupted-3', 'w').close()\n        raise\n")
     with pytest.raises(CellTimeoutError, match=r"timed out after 2 s .*with rank 3 still running") as info:
         ip.run_cell_magic("taco_run", "--timeout 2", cell)
-    assert info.value.running == [3]
-    assert time.monotonic() - began < 2 + 5
+    assert info.value.running == [3] and "killed" not in str(info.value)
+    wait_until((tmp_path / "interrupted-3").exists, 30, "the timeout's KeyboardInterrupt on rank 3")
     assert engine_pids() == pids
     assert ip.run_cell_magic("taco_run", "--gather", "taco.rank()") == [0, 1, 2, 3]
 

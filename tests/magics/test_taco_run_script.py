@@ -14,7 +14,8 @@ from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import RankFailedError
 
 from ..conftest import session_processes
-from .test_magics import ALLREDUCE_CELL, engine_pids, interrupt_after, rank_lines
+from ..support.waiting import gate_code, wait_until
+from .test_magics import ALLREDUCE_CELL, engine_pids, interrupt_once_started, rank_lines, started
 
 pytestmark = pytest.mark.cluster
 
@@ -94,12 +95,15 @@ def test_a_script_raising_on_one_rank_fails_naming_it_from_the_scripts_frames(ip
 
 
 def test_ctrl_c_interrupts_a_script_on_every_rank(ip, shared_cluster, tmp_path, sigint_as_in_a_kernel):
-    (tmp_path / "slow.py").write_text("import time\nfor _ in range(600):\n    time.sleep(0.1)\n")
+    """The script waits for a gate nobody opens (120 s, then it raises): only Ctrl-C, pressed once every rank
+    is under way, ends it, with KeyboardInterrupt raised in the script on every rank."""
+    (tmp_path / "slow.py").write_text(
+        "import taco_notebook.comm as taco\n" + gate_code(tmp_path / "never", "Ctrl-C never reached the script")
+        + started(tmp_path) + "try:\n    wait_for_gate()\nexcept KeyboardInterrupt:\n"
+        f"    open(f'{tmp_path}/interrupted-{{taco.rank()}}', 'w').close()\n    raise\n")
     pids = engine_pids()
-    timer = interrupt_after(2.0)
-    with pytest.raises(KeyboardInterrupt):
-        ip.run_line_magic("taco_run", f"--quiet {tmp_path / 'slow.py'}")
-    timer.join()
+    interrupt_once_started(lambda: ip.run_line_magic("taco_run", f"--quiet {tmp_path / 'slow.py'}"), tmp_path, 4)
+    wait_until(lambda: len(list(tmp_path.glob("interrupted-*"))) == 4, 30, "KeyboardInterrupt on every rank")
     assert engine_pids() == pids
     assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
 

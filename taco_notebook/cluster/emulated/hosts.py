@@ -7,6 +7,7 @@ other processes::
 
     STATE/nodes.json            the namespaces, links, subnet (emulated_state.save_nodes)
     STATE/hosts.json            slots per node, each sshd's pid and start time
+    STATE/launch-overlay.json   what ``--hosts n0:2,…`` needs, once ssh works (cluster/launch/overlay.py)
     STATE/netns/                EmulatedNodes' work directory
     STATE/ssh/config            ssh -F STATE/ssh/config n0 hostname   (prints n0)
     STATE/ssh/ssh-launcher      `ssh -F STATE/ssh/config "$@"`, for mpich's -launcher-exec
@@ -14,8 +15,9 @@ other processes::
     STATE/nodes/n0/ssh_host_ed25519_key[.pub], sshd_config, sshd.log
 
 The default state directory is ``$TACO_EMULATE_DIR``, else ``$XDG_STATE_HOME/taco-notebook/emulated`` (or
-``~/.local/state/…``). Its parents must be writable only by root or you: sshd's ``StrictModes`` refuses an
-``authorized_keys`` below a world-writable directory such as ``/tmp``.
+``~/.local/state/…``; :func:`~taco_notebook.cluster.launch.overlay.default_state_dir`). Its parents must be
+writable only by root or you: sshd's ``StrictModes`` refuses an ``authorized_keys`` below a world-writable
+directory such as ``/tmp``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..launch.overlay import OVERLAY_FILE, LaunchOverlay, default_state_dir, write_launch_overlay
 from ..private import make_private_dirs, read_private_json, write_private_json
 from .nodes import REQUIRED_TOOLS, EmulatedNodes
 from .sshd import (
@@ -76,14 +79,6 @@ class NodeStatus:
     @property
     def healthy(self) -> bool:
         return self.namespace_exists and self.sshd_alive
-
-
-def default_state_dir() -> Path:
-    """``$TACO_EMULATE_DIR``, else ``$XDG_STATE_HOME`` (default ``~/.local/state``) ``/taco-notebook/emulated``."""
-    if os.environ.get("TACO_EMULATE_DIR"):
-        return Path(os.environ["TACO_EMULATE_DIR"]).absolute()
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base, "taco-notebook", "emulated").absolute()
 
 
 def check_prerequisites() -> str:
@@ -179,6 +174,11 @@ class EmulatedHosts:
         env.update(self._node_env())
         return env
 
+    def launch_overlay(self) -> LaunchOverlay:
+        """What a ``hosts`` profile over these nodes needs, published as data so that production code finds the
+        nodes without importing the emulator: the ssh stand-in, the bridge address and the node environment."""
+        return LaunchOverlay(tuple(self.nodes.nodes), str(self.launcher), self.nodes.bridge_address, self._node_env())
+
     def _node_env(self) -> dict[str, str]:
         """What every session on a node needs so traffic between nodes uses the shaped link."""
         return {"GLOO_SOCKET_IFNAME": self.nodes.interface, "UCX_TLS": "self,tcp",
@@ -212,6 +212,7 @@ class EmulatedHosts:
             for host in nodes.nodes:
                 hosts._start_sshd(sshd, host)
             hosts._check_ssh()
+            write_launch_overlay(state_dir, hosts.launch_overlay())  # profiles find the hosts from here on
         except BaseException:
             hosts.remove()
             raise
@@ -299,6 +300,7 @@ class EmulatedHosts:
         """Stop our sshds (proven by pid and start time), then the nodes (what else runs in them, links,
         namespaces, /etc/netns files), then delete the state directory with its keys."""
         try:
+            (self.state_dir / OVERLAY_FILE).unlink(missing_ok=True)  # first: no new cluster picks the nodes up
             stop_sshd({record: self.sshd_config_of(host) for host, record in self.sshd.items()})
             self.nodes.stop()
         finally:

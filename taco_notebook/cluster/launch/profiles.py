@@ -8,9 +8,9 @@ A :class:`Profile` says how the engines launch (the mpiexec arguments and enviro
 * ``hosts``: ``--hosts n0:2,n1:2`` or ``--hostfile FILE`` (``HOST[:SLOTS]`` per line, ``#`` comments); mpich
   hydra starts the ranks over ssh (``-launcher ssh``, the user's ssh or ``launcher_exec``), ``SLOTS`` ranks per
   node in order, and ``-np`` must fit the slots. The controller listens on the address the hosts reach: the
-  given ``controller_ip``, else for emulated hosts (``python -m taco_notebook emulate up``, found through its
-  state directory) the bridge's address, else this machine's address on the route to the first host. Never
-  0.0.0.0.
+  given ``controller_ip``, else for emulated hosts (``taco-notebook emulate up``, found through the
+  launch overlay they publish, :mod:`.overlay`) the bridge's address, else this machine's address on the route
+  to the first host. Never 0.0.0.0.
 * ``slurm``: the engines are a Slurm job (sbatch outside an allocation, an srun step inside one), through
   :mod:`~taco_notebook.cluster.launch.slurm.launchers`; the controller listens on ``controller_ip``, else on the address
   this machine's name resolves to (where the job's nodes reach it). The job's partition, time limit, nodes, GPUs
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from ...errors import MPINotFoundError
 from .hostfiles import ProfileError, parse_hosts, read_hostfile, read_mpijob_hosts
 from .mpi import MPIInfo, find_mpi, for_one_host
+from .overlay import overlay_for
 from .slurm.options import SlurmOptions
 
 __all__ = ["Profile", "ProfileError", "PROFILES", "LOCAL", "parse_hosts", "read_hostfile", "hosts_profile",
@@ -97,20 +98,6 @@ def route_address(host: str) -> str:
     return source
 
 
-def _emulated(hosts: tuple[tuple[str, int], ...]) -> Profile | None:
-    """The emulated nodes' launcher, bridge address and node environment, when they are up and hold ``hosts``."""
-    from ..emulated.hosts import EmulatedHosts, default_state_dir
-
-    state_dir = default_state_dir()
-    if not (state_dir / "hosts.json").exists():
-        return None
-    emulated = EmulatedHosts.load(state_dir)
-    if emulated is None or not {host for host, _ in hosts} <= set(emulated.nodes.nodes):
-        return None
-    env = emulated.mpiexec_env({})
-    return Profile("hosts", hosts, str(emulated.launcher), emulated.nodes.bridge_address, env)
-
-
 def _checked(controller_ip: str) -> str:
     try:
         if not ipaddress.ip_address(controller_ip).is_unspecified:
@@ -132,13 +119,14 @@ def hosts_profile(hosts: str | None = None, hostfile: str | None = None, launche
 
 def _over_ssh(name: str, hosts: tuple[tuple[str, int], ...], launcher_exec: str | None,
               controller_ip: str | None) -> Profile:
-    """A profile whose ranks hydra starts over ssh on ``hosts`` (emulated nodes bring their ssh and address)."""
-    emulated = _emulated(hosts)
-    if emulated is not None:
-        launcher_exec = launcher_exec or emulated.launcher_exec
-        controller_ip = controller_ip or emulated.controller_ip
+    """A profile whose ranks hydra starts over ssh on ``hosts``; hosts with a published launch overlay (emulated
+    nodes) bring their ssh stand-in, the address they reach us on and their environment."""
+    overlay = overlay_for(host for host, _ in hosts)
+    if overlay is not None:
+        launcher_exec = launcher_exec or overlay.launcher_exec
+        controller_ip = controller_ip or overlay.controller_ip
     controller_ip = _checked(controller_ip or route_address(hosts[0][0]))
-    env = emulated.environment if emulated is not None else {}
+    env = dict(overlay.environment) if overlay is not None else {}
     return Profile(name, hosts, launcher_exec, controller_ip, env)
 
 
