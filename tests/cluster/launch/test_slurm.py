@@ -198,7 +198,7 @@ INSIDE = """
 import json, logging, sys
 import ipyparallel as ipp
 from traitlets.config import Config
-from taco_notebook.cluster import slurm, slurm_launchers
+from taco_notebook.cluster.launch.slurm import launchers as slurm_launchers, options as slurm
 cls = slurm_launchers.engine_launcher()
 config = slurm_launchers.configure(Config(), cls, slurm.SlurmOptions(), json.loads(sys.argv[1]),
                                    json.loads(sys.argv[2]))
