@@ -178,8 +178,9 @@ def main(argv: list[str]) -> int:
     host = os.environ.get("TACO_NODE_NAME") or socket.gethostname()
     how = f"signal={-code}" if code < 0 else f"exitcode={code}"
     elastic = mode.settled()
-    print(f"{MARKER} rank={mpi_rank_from_env()} host={host} pid={child.pid} {how}"
-          + (" elastic" if elastic else ""), file=sys.stderr, flush=True)
+    line = f"{MARKER} rank={mpi_rank_from_env()} host={host} pid={child.pid} {how}" + (" elastic" if elastic else "")
+    sys.stderr.flush()  # one write(2) of the whole line: an append that no other writer of the log can split
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
     if elastic:
         return _stay_for_the_job()
     if gforker:  # after the marker, so the dead rank's line is the first in the log
