@@ -100,17 +100,18 @@ def too_few_message(node: str, gpus: int, local_size: int) -> str:
             f"TACO_GPUS=none), or ask for at most {_plural(gpus, 'rank')} per node.")
 
 
-def sharing_notice(node: str, gpus: int, local_size: int, nodes: int = 1) -> str:
+def sharing_notice(node: str, gpus: int, local_size: int, nodes: int = 1, cluster_nodes: int = 1) -> str:
     """The one line the notebook shows when ``--gpus auto`` shares GPUs: what, what it costs, the alternatives.
 
-    ``node`` names the node (or the first of ``nodes`` alike).
+    ``node`` names the node that shares (the first of ``nodes`` that do); ``cluster_nodes``: the cluster's nodes,
+    all of them (``-np`` alone fixes the ranks per node only on one).
 
     >>> sharing_notice("vm", 1, 4)[:60]
     '--gpus auto: node vm has 1 GPU for 4 ranks, so the ranks sha'
     """
     where = f"node {node} has" if nodes == 1 else f"{nodes} nodes (first: {node}) have"
     it = "it" if gpus == 1 else "them"
-    fewer = f"-np {gpus}" if nodes == 1 else f"at most {_plural(gpus, 'rank')} per node"
+    fewer = f"-np {gpus}" if cluster_nodes == 1 else f"at most {_plural(gpus, 'rank')} per node"
     return (f"--gpus auto: {where} {_plural(gpus, 'GPU')} for {local_size} ranks, so the ranks share {it}. "
             f"NCCL cannot run two ranks on one GPU, so CUDA tensors go over gloo through host memory (slower "
             f"than NCCL). Instead: {fewer} (a GPU per rank, NCCL), --gpus none (CPU only), or --gpus exclusive "

@@ -33,4 +33,4 @@ def sharing_line(mode: str, ranks: Iterable[RankInfo]) -> str | None:
         return None
     host, gpus, count = sharing[0]
     fewest = min(gpus for _, gpus, _ in sharing)  # "at most N ranks per node" must fit every node named
-    return sharing_notice(host, fewest if len(sharing) > 1 else gpus, count, nodes=len(sharing))
+    return sharing_notice(host, fewest, count, nodes=len(sharing), cluster_nodes=len(per_node))

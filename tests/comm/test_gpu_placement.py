@@ -98,7 +98,7 @@ def test_the_sharing_notice_names_what_it_costs_and_every_alternative():
     for part in ("node vm has 1 GPU for 4 ranks", "share it", "NCCL cannot run two ranks on one GPU",
                  "gloo through host memory", "-np 1", "--gpus none", "--gpus exclusive"):
         assert part in text, (part, text)
-    several = placement.sharing_notice("n0", 2, 8, nodes=3)
+    several = placement.sharing_notice("n0", 2, 8, nodes=3, cluster_nodes=4)
     for part in ("3 nodes (first: n0) have 2 GPUs for 8 ranks", "share them", "at most 2 ranks per node",
                  "--gpus none", "--gpus exclusive"):
         assert part in several, (part, several)

@@ -72,6 +72,7 @@ def test_exclusive_from_the_environment_is_refused_too(gpus_here, monkeypatch):
     ("shared", [("vm", 1, 4)], None),                 # asked for: nothing to tell
     ("none", [("vm", 1, 4)], None),
     ("auto", [("n0", 8, 8), ("n1", 2, 8), ("n2", 1, 8)], "--gpus auto: 2 nodes (first: n1) have 1 GPU for 8 ranks"),
+    ("auto", [("n0", 8, 8), ("n1", 2, 8)], "--gpus auto: node n1 has 2 GPUs for 8 ranks, so the ranks share them."),
 ])
 def test_the_sharing_line_of_a_started_cluster(mode, nodes, expected):
     line = sharing_line(mode, _ranks(nodes))
@@ -80,6 +81,10 @@ def test_the_sharing_line_of_a_started_cluster(mode, nodes, expected):
     else:
         assert line is not None and line.startswith(expected), line
         assert "gloo through host memory" in line and "--gpus exclusive" in line and "--gpus none" in line
+        # -np alone gives a GPU per rank only where the cluster is one node
+        fewest = min(gpus for _, gpus, count in nodes if 0 < gpus < count)
+        advice = f"-np {fewest} (" if len(nodes) == 1 else f"at most {fewest} rank{'s' if fewest > 1 else ''} per node"
+        assert advice in line, (advice, line)
 
 
 def test_a_start_prints_the_line_once_after_ready(monkeypatch):
