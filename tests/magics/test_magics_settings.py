@@ -100,7 +100,7 @@ def test_the_ranks_get_the_compression_spec_as_a_value():
     """The trait holds the spec's canonical text; what ``%%taco_run`` sends the ranks is the parsed value."""
     from types import SimpleNamespace
 
-    from taco_notebook.magics.args import comm_settings
+    from taco_notebook.plan.resolve import comm_settings
 
     config = TacoSettings()
     config.compression = " TopK:0.01"
