@@ -11,8 +11,9 @@ Sections:
   2 emulated nodes); CPU and CUDA tensors in the same process group; broadcast, max, barrier.
 * ``training``: ``DistributedOptimizer`` and the DDP hook with every compression on CUDA parameters, 2 ranks
   with different data; the replicas must end identical.
-* ``placement``: ``--gpus auto`` with more ranks than GPUs must fail at the first cell with the clear message.
-* ``notebooks``: every example notebook executed (nbclient) with CUDA visible and ``TACO_GPUS=shared``.
+* ``placement``: ``--gpus exclusive`` with more ranks than GPUs must fail at the first cell with the clear
+  message; ``--gpus auto`` with as many ranks must share the GPUs over gloo, exactly.
+* ``notebooks``: every example notebook executed (nbclient) with CUDA visible and the default ``--gpus auto``.
 * ``overhead``: ms per step, 1 rank, 25.2M-parameter MLP (2048-4096-4096-10), batch 256: plain SGD, DDP,
   DDP + torch's fp16 hook, DDP + taco's fp16 hook, taco, taco fp16, taco topk 1%.
 """
@@ -221,6 +222,18 @@ def results_of(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
     return _results(done.stdout)
 
 
+def last_line(text: object, default: str = "no message", limit: int = 160) -> str:
+    """The last non-blank line of ``text`` (an exception's message, a process's stderr), at most ``limit``
+    characters; ``default`` when there is none: an exception may carry an empty message, and the table must
+    still say which check failed rather than fail itself (an IndexError on ``splitlines()[-1]``, seen on a GPU).
+
+    >>> last_line("Traceback\\n  ...\\nValueError: bad\\n\\n"), last_line(""), last_line(KeyError())
+    ('ValueError: bad', 'no message', 'no message')
+    """
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    return lines[-1].strip()[:limit] if lines else default
+
+
 def table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
@@ -234,7 +247,7 @@ def check_rows(title: str, runs: list[tuple[str, int, dict[str, str], str]], dev
         got = results_of(done)
         if done.returncode != 0 or len(got) != n:
             ok = False
-            rows.append((label, "-", "FAILED", done.stderr.strip().splitlines()[-1:] or ["no output"]))
+            rows.append((label, "-", "FAILED", last_line(done.stderr, "no output")))
             continue
         for row in got[0]["rows"]:
             same = all(any(r == row for r in other["rows"]) for other in got)
@@ -248,20 +261,27 @@ def section_placement() -> tuple[str, bool]:
     import torch
 
     gpus = torch.cuda.device_count()
-    done = launch(gpus + 1, ["--worker", "collectives"], {"TACO_GPUS": "auto"}, timeout=300)
+    done = launch(gpus + 1, ["--worker", "collectives"], {"TACO_GPUS": "exclusive"}, timeout=300)
     text = done.stdout + done.stderr
     found = re.search(r"node \S+ has \d+ GPUs? but \d+ ranks[^\n]*", text)
-    ok = done.returncode != 0 and found is not None and "--gpus shared" in text and "--gpus none" in text
-    message = found.group(0)[:160] if found else text.strip().splitlines()[-1:]
-    return "### --gpus auto with too many ranks\n\n" + table(("ranks", "GPUs", "result", "message"), [
-        (gpus + 1, gpus, "ok" if ok else "FAILED", message)]), ok
+    refused = done.returncode != 0 and found is not None and "--gpus auto" in text and "--gpus none" in text
+    rows = [("exclusive", gpus + 1, gpus, "ok" if refused else "FAILED",
+             found.group(0)[:160] if found else last_line(text, "no output"))]
+    done = launch(gpus + 1, ["--worker", "collectives"], {"TACO_GPUS": "auto"}, timeout=300)
+    got = results_of(done)
+    shared = (done.returncode == 0 and len(got) == gpus + 1 and all(r["exact"] for g in got for r in g["rows"])
+              and got[0]["backend"] == "cpu:gloo,cuda:gloo")
+    rows.append(("auto", gpus + 1, gpus, "ok" if shared else "FAILED",
+                 got[0]["backend"] if got else last_line(done.stderr, "no output")))
+    return "### More ranks than GPUs: exclusive refuses, auto shares\n\n" + table(
+        ("--gpus", "ranks", "GPUs", "result", "message or backend"), rows), refused and shared
 
 
 def section_notebooks() -> tuple[str, bool]:
     import nbformat
     from nbclient import NotebookClient
 
-    os.environ["TACO_GPUS"] = "shared"  # the examples ask for 4 ranks; a 1-GPU machine shares it
+    os.environ.pop("TACO_GPUS", None)  # the examples ask for 4 ranks: the default (auto) shares a 1-GPU machine
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     rows, ok = [], True
     for path in sorted((ROOT / "examples").glob("*.ipynb")):
@@ -273,8 +293,8 @@ def section_notebooks() -> tuple[str, bool]:
             rows.append((path.name, "ok", f"{time.perf_counter() - began:.0f} s"))
         except Exception as exc:  # noqa: BLE001 - reported in the table, the next notebook still runs
             ok = False
-            rows.append((path.name, "FAILED", str(exc).strip().splitlines()[-1][:160]))
-    return "### Example notebooks with CUDA visible (TACO_GPUS=shared)\n\n" + table(
+            rows.append((path.name, "FAILED", last_line(exc, type(exc).__name__)))
+    return "### Example notebooks with CUDA visible (--gpus auto)\n\n" + table(
         ("notebook", "result", "time"), rows), ok
 
 
@@ -282,7 +302,7 @@ def section_overhead(steps: int) -> tuple[str, bool]:
     done = launch(1, ["--worker", "overhead", "--steps", str(steps)], {"TACO_GPUS": "auto"}, timeout=900)
     got = results_of(done)
     if done.returncode != 0 or not got:
-        return "### Overhead\n\nFAILED: " + "\n".join(done.stderr.strip().splitlines()[-5:]), False
+        return "### Overhead\n\nFAILED: " + ("\n".join(done.stderr.strip().splitlines()[-5:]) or "no output"), False
     ms = got[0]["ms"]
     plain, ddp, ddp_fp16 = ms["plain SGD"], ms["DDP"], ms["DDP + torch fp16 hook"]
     rows = [(v, f"{t:.2f}", f"{t - plain:+.2f}") for v, t in ms.items()]

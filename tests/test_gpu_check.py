@@ -29,3 +29,17 @@ def test_gpu_check_self_test_on_cpu_runs_every_rank_side_check():
     assert "all checks passed" in result.stdout and "FAILED" not in result.stdout, result.stdout
     for check in ("allreduce 2d cpu", "broadcast+max on cpu", "optimizer topk:0.01 on cpu", "ddp-hook fp16 on cpu"):
         assert check in result.stdout, (check, result.stdout)
+
+
+def test_a_failure_is_named_by_its_last_line_even_when_its_message_is_empty(monkeypatch):
+    """The notebooks section indexed an empty exception message (``splitlines()[-1]``) and died with an
+    IndexError on the GPU machine instead of reporting the notebook that failed."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check
+
+    assert gpu_check.last_line("Traceback (most recent call last):\n  ...\nValueError: bad\n\n") == "ValueError: bad"
+    assert gpu_check.last_line("") == "no message"
+    assert gpu_check.last_line(KeyError()) == "no message"  # str() of an exception without a message is ""
+    assert gpu_check.last_line(" \n\t\n", "no output") == "no output"
+    assert gpu_check.last_line(RuntimeError("x" * 500)) == "x" * 160
+    assert gpu_check.last_line(TimeoutError(), type(TimeoutError()).__name__) == "TimeoutError"

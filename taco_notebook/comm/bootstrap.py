@@ -32,12 +32,16 @@ _PEERS_CLOSE_S = 2.0
 
 
 def default_backend() -> str:
-    """gloo without CUDA; with CUDA one backend per device type: ``cpu:gloo,cuda:nccl`` (``--gpus auto``)
-    or ``cpu:gloo,cuda:gloo`` (``--gpus shared``), so CPU and CUDA tensors share one process group."""
+    """gloo without CUDA; with CUDA one backend per device type: ``cpu:gloo,cuda:nccl`` (a GPU per rank)
+    or ``cpu:gloo,cuda:gloo`` (``--gpus shared``, or ``auto`` sharing a node's GPUs), so CPU and CUDA tensors
+    share one process group. The rank's placement decides once it is made: only it knows whether ``auto`` shares."""
     import torch
 
-    from .placement import backend_for, gpu_mode
+    from .placement import backend_for, current, gpu_mode
 
+    placed = current()
+    if placed is not None:
+        return placed.backend
     mode = gpu_mode()
     return backend_for(mode, mode != "none" and torch.cuda.is_available())
 

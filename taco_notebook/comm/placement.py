@@ -1,10 +1,14 @@
 """Which GPU each rank uses, decided per node before anything initialises CUDA, and the backend that follows.
 
-Three modes (``--gpus`` of ``%%taco_run`` / ``%taco_cluster start``, ``TACO_GPUS`` under plain ``mpiexec``):
+Four modes (``--gpus`` of ``%%taco_run`` / ``%taco_cluster start``, ``TACO_GPUS`` under plain ``mpiexec``):
 
 ``auto`` (default)
-    one GPU per local rank, pinned; CUDA tensors over NCCL. A node without GPUs runs on CPU. A node with fewer
-    GPUs than ranks is an error, because NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
+    one GPU per local rank, pinned, CUDA tensors over NCCL, where the node has as many GPUs as ranks; where it
+    has fewer (but some), the ranks share them as ``shared`` does, and the notebook says so once
+    (:func:`sharing_notice`). A node without GPUs runs on CPU. So every box runs the same notebook.
+``exclusive``
+    ``auto`` without the sharing: a node with fewer GPUs than ranks is an error (:func:`too_few_message`),
+    because NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). For who would rather be told.
 ``shared``
     several ranks may share a GPU (local rank modulo GPU count); CUDA tensors then go over gloo, which handles
     them correctly where NCCL cannot.
@@ -24,16 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GPU_MODES", "Placement", "PlacementError", "check_gpus", "decide", "backend_for", "gpu_mode",
-           "launcher_local", "apply_from_env", "resolve", "current", "node_gpu_count"]
+           "launcher_local", "apply_from_env", "resolve", "current", "node_gpu_count", "shares_gpus",
+           "sharing_notice", "too_few_message"]
 
-GPU_MODES = ("auto", "shared", "none")
+GPU_MODES = ("auto", "exclusive", "shared", "none")
 _LOCAL_ENV = (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # mpich/hydra
               ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI
               ("SLURM_LOCALID", None))  # srun: the local size is derived from SLURM_TASKS_PER_NODE
 
 
 class PlacementError(RuntimeError):
-    """``--gpus auto`` on a node with fewer GPUs than ranks (and what to do instead)."""
+    """``--gpus exclusive`` on a node with fewer GPUs than ranks (and what to do instead)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ def gpu_mode() -> str:
 def backend_for(mode: str, cuda: bool) -> str:
     """The process-group backend: gloo alone without CUDA, else one backend per device type.
 
+    ``mode`` is the one in effect: ``shared`` also for ``auto`` on a node it shares (:func:`shares_gpus`).
+
     >>> backend_for("auto", True)
     'cpu:gloo,cuda:nccl'
     """
@@ -76,11 +83,39 @@ def backend_for(mode: str, cuda: bool) -> str:
     return "cpu:gloo,cuda:gloo" if mode == "shared" else "cpu:gloo,cuda:nccl"
 
 
+def shares_gpus(mode: str, node_gpus: int, local_size: int) -> bool:
+    """True where ``auto`` puts several of a node's ranks on one GPU: some GPUs, but fewer than ranks."""
+    return mode == "auto" and 0 < node_gpus < local_size
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'s' if count != 1 else ''}"
+
+
 def too_few_message(node: str, gpus: int, local_size: int) -> str:
-    return (f"node {node} has {gpus} GPU{'s' if gpus != 1 else ''} but {local_size} ranks were asked for on it, "
-            f"and --gpus auto gives each rank a GPU of its own (NCCL cannot share one). Either pass --gpus shared "
-            f"(ranks share the GPUs, CUDA tensors go over gloo; TACO_GPUS=shared under mpiexec), --gpus none "
-            f"(train on CPU; TACO_GPUS=none), or ask for at most {gpus} rank{'s' if gpus != 1 else ''} per node.")
+    """Why ``--gpus exclusive`` refuses a node, and the ways out."""
+    return (f"node {node} has {_plural(gpus, 'GPU')} but {local_size} ranks were asked for on it, and --gpus "
+            f"exclusive gives each rank a GPU of its own (NCCL cannot share one). Either pass --gpus auto (ranks "
+            f"share the GPUs, CUDA tensors go over gloo; TACO_GPUS=auto under mpiexec), --gpus none (train on CPU; "
+            f"TACO_GPUS=none), or ask for at most {_plural(gpus, 'rank')} per node.")
+
+
+def sharing_notice(node: str, gpus: int, local_size: int, nodes: int = 1, cluster_nodes: int = 1) -> str:
+    """The one line the notebook shows when ``--gpus auto`` shares GPUs: what, what it costs, the alternatives.
+
+    ``node`` names the node that shares (the first of ``nodes`` that do); ``cluster_nodes``: the cluster's nodes,
+    all of them (``-np`` alone fixes the ranks per node only on one).
+
+    >>> sharing_notice("vm", 1, 4)[:60]
+    '--gpus auto: node vm has 1 GPU for 4 ranks, so the ranks sha'
+    """
+    where = f"node {node} has" if nodes == 1 else f"{nodes} nodes (first: {node}) have"
+    it = "it" if gpus == 1 else "them"
+    fewer = f"-np {gpus}" if cluster_nodes == 1 else f"at most {_plural(gpus, 'rank')} per node"
+    return (f"--gpus auto: {where} {_plural(gpus, 'GPU')} for {local_size} ranks, so the ranks share {it}. "
+            f"NCCL cannot run two ranks on one GPU, so CUDA tensors go over gloo through host memory (slower "
+            f"than NCCL). Instead: {fewer} (a GPU per rank, NCCL), --gpus none (CPU only), or --gpus exclusive "
+            f"(refuse rather than share).")
 
 
 def decide(mode: str, local_rank: int, local_size: int, node_gpus: int, node: str = "this node") -> Placement:
@@ -88,6 +123,8 @@ def decide(mode: str, local_rank: int, local_size: int, node_gpus: int, node: st
 
     >>> decide("auto", 1, 2, 4).device
     'cuda:1'
+    >>> decide("auto", 3, 4, 1).backend  # fewer GPUs than ranks: shared, so gloo carries CUDA tensors
+    'cpu:gloo,cuda:gloo'
     """
     mode = check_gpus(mode)
     if not 0 <= local_rank < local_size:
@@ -96,9 +133,10 @@ def decide(mode: str, local_rank: int, local_size: int, node_gpus: int, node: st
         return Placement(mode, None, "gloo", hide_gpus=True)
     if node_gpus <= 0:
         return Placement(mode, None, "gloo")
-    if mode == "auto" and node_gpus < local_size:
+    if mode == "exclusive" and node_gpus < local_size:
         raise PlacementError(too_few_message(node, node_gpus, local_size))
-    return Placement(mode, local_rank % node_gpus, backend_for(mode, True))
+    effective = "shared" if shares_gpus(mode, node_gpus, local_size) else mode
+    return Placement(mode, local_rank % node_gpus, backend_for(effective, True))
 
 
 def launcher_local(env: dict[str, str] | os._Environ[str] | None = None) -> tuple[int, int] | None:
@@ -161,7 +199,7 @@ def apply_from_env() -> Placement | None:
     """Decide and pin from the launcher's local rank at import, before user code touches CUDA.
 
     Does nothing when the launcher gives no local rank (``resolve`` decides later from MPI). A node with too
-    few GPUs for ``auto`` is remembered and raised by ``resolve`` (at ``taco.init()``), not at import.
+    few GPUs for ``exclusive`` is remembered and raised by ``resolve`` (at ``taco.init()``), not at import.
     """
     global _deferred_error
     if _current is not None:

@@ -18,13 +18,14 @@ from ..cluster.registry.writer import track
 from ..cluster.session import TacoCluster, clusters
 from ..comm.specs import shm_from_env, timeout_from_env
 from ..errors import ClusterStartError, MPINotFoundError, OptionError
+from .gpus import sharing_line
 from .output import RankOutput
 from .resolve import DEFAULT_NP, cluster_size, option_errors
 from .settings import CLUSTER_ENV, SLURM_SETTINGS, TacoSettings
 
 __all__ = ["LOST", "chosen_profile", "slurm_options", "profile_change", "check_reachable",
            "start_cluster", "ensure_cluster", "restart_reason", "check_hugepages",
-           "format_status", "shared_size"]
+           "format_status", "shared_size", "cluster_gpu_mode"]
 
 START_WAIT_S = 150.0  # how long a cell waits for a cluster the sidebar is starting (its start timeout is 120 s)
 LOST = "the engines' variables are lost"  # said whenever a cluster is restarted under the user's feet
@@ -105,7 +106,16 @@ def start_cluster(name: str, size: int, mpiexec: str | None, say: RankOutput, en
     clusters[name] = cluster
     hosts = ", ".join(sorted({r.host for r in cluster.ranks}))
     say.notice(f"cluster {name!r} ready in {time.monotonic() - began:.1f} s: {size} ranks on {hosts}")
+    sharing = sharing_line(cluster_gpu_mode(cluster), cluster.ranks)  # once per start: the ranks cannot say it
+    if sharing is not None:
+        say.notice(sharing)
     return cluster
+
+
+def cluster_gpu_mode(cluster: TacoCluster) -> str:
+    """The ``--gpus`` mode ``cluster``'s engines placed themselves with: its environment's, else the kernel's."""
+    key = CLUSTER_ENV["gpus"]
+    return (cluster.env.get(key) or "").strip().lower() or environment_default(key) or "auto"
 
 
 def environment_default(key: str) -> str | None:

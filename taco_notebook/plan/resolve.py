@@ -157,8 +157,9 @@ def parse_targets(spec: str | None, size: int) -> list[int] | None:
 def gpu_option(value: str | None, size: int) -> str | None:
     """``--gpus`` checked before anything starts: the mode (None when not given), or an ``OptionError``.
 
-    Local clusters run every rank on this machine, so ``auto`` with fewer GPUs than ranks is refused here,
-    with the ways out; the GPUs are counted from /proc, without initialising CUDA in the kernel.
+    Local clusters run every rank on this machine, so ``exclusive`` with fewer GPUs than ranks is refused here,
+    with the ways out (``auto`` shares them instead, and :func:`~.gpus.sharing_line` says so once the cluster is
+    up); the GPUs are counted from /proc, without initialising CUDA in the kernel.
     """
     from ..comm.hardware import visible_gpus
     from ..comm.placement import PlacementError, check_gpus, decide, too_few_message

@@ -54,6 +54,10 @@ def node_with(tmp_path, monkeypatch):
     ("shared", 3, 4, 2, "cuda:1", "cpu:gloo,cuda:gloo"),
     ("shared", 0, 2, 0, "cpu", "gloo"),
     ("none", 0, 2, 8, "cpu", "gloo"),
+    ("auto", 3, 4, 1, "cuda:0", "cpu:gloo,cuda:gloo"),   # fewer GPUs than ranks: auto shares, over gloo
+    ("auto", 5, 8, 2, "cuda:1", "cpu:gloo,cuda:gloo"),
+    ("exclusive", 1, 2, 4, "cuda:1", "cpu:gloo,cuda:nccl"),  # enough GPUs: exclusive is auto
+    ("exclusive", 1, 2, 0, "cpu", "gloo"),                # a CPU node is no error
 ])
 def test_placement_decision_table(mode, local_rank, local_size, gpus, device, backend):
     placed = decide(mode, local_rank, local_size, gpus)
@@ -61,12 +65,56 @@ def test_placement_decision_table(mode, local_rank, local_size, gpus, device, ba
     assert placed.hide_gpus == (mode == "none")
 
 
-def test_auto_with_fewer_gpus_than_ranks_names_node_count_ranks_and_the_ways_out():
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
+@pytest.mark.parametrize("local_size", [1, 2, 4, 8])
+def test_auto_gives_every_rank_a_gpu_of_its_own_or_shares_them_round_robin(gpus, local_size):
+    """Never an error: CPU without GPUs, a GPU each over NCCL where there are enough, else shared over gloo."""
+    placed = [decide("auto", rank, local_size, gpus) for rank in range(local_size)]
+    if gpus == 0:
+        assert {(p.device, p.backend) for p in placed} == {("cpu", "gloo")}
+    elif gpus >= local_size:
+        assert [p.gpu for p in placed] == list(range(local_size))
+        assert {p.backend for p in placed} == {"cpu:gloo,cuda:nccl"}
+    else:
+        assert [p.gpu for p in placed] == [rank % gpus for rank in range(local_size)]
+        assert {p.backend for p in placed} == {"cpu:gloo,cuda:gloo"}  # NCCL refuses two ranks on one GPU
+    assert placement.shares_gpus("auto", gpus, local_size) == (0 < gpus < local_size)
+    assert all(p.mode == "auto" and not p.hide_gpus for p in placed)
+
+
+@pytest.mark.parametrize(("gpus", "local_size"), [(1, 2), (1, 4), (2, 4), (4, 8)])
+def test_exclusive_with_fewer_gpus_than_ranks_names_node_count_ranks_and_the_ways_out(gpus, local_size):
     with pytest.raises(PlacementError) as info:
-        decide("auto", 0, 4, 2, node="gpu-node-7")
+        decide("exclusive", 0, local_size, gpus, node="gpu-node-7")
     text = str(info.value)
-    for part in ("gpu-node-7", "2 GPUs", "4 ranks", "--gpus shared", "--gpus none", "at most 2 ranks per node"):
+    for part in ("gpu-node-7", f"{gpus} GPU", f"{local_size} ranks", "--gpus exclusive", "--gpus auto",
+                 "--gpus none", f"at most {gpus} rank"):
         assert part in text, (part, text)
+
+
+def test_the_sharing_notice_names_what_it_costs_and_every_alternative():
+    text = placement.sharing_notice("vm", 1, 4)
+    assert "\n" not in text, text  # one [taco] line
+    for part in ("node vm has 1 GPU for 4 ranks", "share it", "NCCL cannot run two ranks on one GPU",
+                 "gloo through host memory", "-np 1", "--gpus none", "--gpus exclusive"):
+        assert part in text, (part, text)
+    several = placement.sharing_notice("n0", 2, 8, nodes=3, cluster_nodes=4)
+    for part in ("3 nodes (first: n0) have 2 GPUs for 8 ranks", "share them", "at most 2 ranks per node",
+                 "--gpus none", "--gpus exclusive"):
+        assert part in several, (part, several)
+
+
+def test_default_backend_follows_the_placement_made(monkeypatch):
+    """A rebuilt group (elastic) takes the backend the placement chose: gloo where auto shares a GPU."""
+    from taco_notebook.comm import bootstrap
+
+    monkeypatch.delenv("TACO_GPUS", raising=False)
+    placement._reset_for_tests()
+    try:
+        placement._current = decide("auto", 1, 2, 1)
+        assert bootstrap.default_backend() == "cpu:gloo,cuda:gloo"
+    finally:
+        placement._reset_for_tests()
 
 
 def test_backend_string_per_device_type():
@@ -79,12 +127,13 @@ def test_backend_string_per_device_type():
 def test_mode_checked_with_the_choices(monkeypatch):
     monkeypatch.delenv("TACO_GPUS", raising=False)
     assert check_gpus(None) == "auto" and check_gpus(" Shared ") == "shared"
+    assert check_gpus("EXCLUSIVE") == "exclusive"
     monkeypatch.setenv("TACO_GPUS", "none")
     assert check_gpus(None) == "none"
     monkeypatch.setenv("TACO_GPUS", "all")
-    with pytest.raises(ValueError, match=r"auto, shared, none, got 'all' \(from TACO_GPUS\)"):
+    with pytest.raises(ValueError, match=r"auto, exclusive, shared, none, got 'all' \(from TACO_GPUS\)"):
         check_gpus(None)
-    with pytest.raises(ValueError, match="--gpus must be one of auto, shared, none, got 'many'"):
+    with pytest.raises(ValueError, match="--gpus must be one of auto, exclusive, shared, none, got 'many'"):
         check_gpus("many")
 
 
@@ -112,15 +161,17 @@ def test_visible_gpus_and_names_follow_cuda_visible_devices(node_with, monkeypat
     assert hardware.visible_gpus() == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert hardware.visible_gpus() == 0 and hardware.gpu_names() == []
-    # the decision then sees what CUDA_VISIBLE_DEVICES leaves: 1 GPU for 2 ranks is too few for auto
+    # the decision then sees what CUDA_VISIBLE_DEVICES leaves: 1 GPU for 2 ranks is too few for exclusive
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(PlacementError, match="has 1 GPU but 2 ranks"):
-        decide("auto", 0, 2, hardware.visible_gpus())
+        decide("exclusive", 0, 2, hardware.visible_gpus())
 
 
 def test_import_time_placement_defers_a_too_few_gpus_error_to_init(node_with, monkeypatch):
-    """Under a launcher, import decides at once; too few GPUs is raised by resolve() (taco.init), not import."""
+    """Under a launcher, import decides at once; too few GPUs for exclusive is raised by resolve() (taco.init),
+    not import."""
     node_with(1)
+    monkeypatch.setenv("TACO_GPUS", "exclusive")
     monkeypatch.setenv("MPI_LOCALRANKID", "1")
     monkeypatch.setenv("MPI_LOCALNRANKS", "2")
     placement._reset_for_tests()
@@ -148,14 +199,14 @@ def test_gpus_option_refused_before_anything_starts(ip, node_with):
     from taco_notebook.cluster.session import clusters
 
     before = set(clusters)
-    with pytest.raises(UsageError, match="--gpus must be one of auto, shared, none, got 'several'"):
+    with pytest.raises(UsageError, match="--gpus must be one of auto, exclusive, shared, none, got 'several'"):
         ip.run_cell_magic("taco_run", "-np 2 --gpus several --cluster gpu-bad", "print(1)")
     node_with(1)
     with pytest.raises(UsageError) as info:
-        ip.run_cell_magic("taco_run", "-np 2 --cluster gpu-few", "print(1)")
-    assert "has 1 GPU but 2 ranks" in str(info.value) and "--gpus shared" in str(info.value)
+        ip.run_cell_magic("taco_run", "-np 2 --gpus exclusive --cluster gpu-few", "print(1)")
+    assert "has 1 GPU but 2 ranks" in str(info.value) and "--gpus auto" in str(info.value)
     with pytest.raises(UsageError, match="has 1 GPU but 3 ranks"):
-        ip.run_line_magic("taco_cluster", "start -n 3 --gpus auto --cluster gpu-few")
+        ip.run_line_magic("taco_cluster", "start -n 3 --gpus exclusive --cluster gpu-few")
     assert set(clusters) == before  # nothing started (the autouse fixture also checks for processes)
 
 

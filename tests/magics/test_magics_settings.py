@@ -67,7 +67,7 @@ def test_config_sets_traits_in_their_canonical_form(ip, magics):
     ('TacoMagics.compression = "gzip"', "TacoMagics.compression: unknown compression 'gzip'; use none, fp16, bf16"),
     ('TacoMagics.algorithm = "3d"', "TacoMagics.algorithm: unknown algorithm '3d'; use auto, flat, 2d"),
     ('TacoMagics.dashboard = "fancy"', "TacoMagics.dashboard must be one of auto, widget, text, off, got 'fancy'"),
-    ('TacoMagics.gpus = "many"', "TacoMagics.gpus must be one of auto, shared, none, got 'many'"),
+    ('TacoMagics.gpus = "many"', "TacoMagics.gpus must be one of auto, exclusive, shared, none, got 'many'"),
     ('TacoMagics.mpi_launcher = "fork"', "TacoMagics.mpi_launcher must be one of auto, hydra, gforker"),
     ("TacoMagics.np = 0", "TacoMagics.np must be a positive integer (ranks), got 0"),
     ("TacoMagics.intra_size = -2", "TacoMagics.intra_size must be a positive integer (ranks per node), got -2"),
@@ -154,7 +154,7 @@ def test_cluster_settings_trait_then_option_restart_and_reach_the_ranks(ip, magi
     ("--link-gbits fast", "--link-gbits must be a positive number of Gbit/s, got 'fast'"),
     ("--collective-timeout 0", "--collective-timeout must be a positive number of seconds, got '0'"),
     ("--mpi-launcher fork", "--mpi-launcher must be one of auto, hydra, gforker, got 'fork'"),
-    ("--gpus many", "--gpus must be one of auto, shared, none, got 'many'"),
+    ("--gpus many", "--gpus must be one of auto, exclusive, shared, none, got 'many'"),
     ("--timeout soon", "--timeout must be a positive number of seconds, got 'soon'"),
     ("--stall-timeout soon", "--stall-timeout must be a number of seconds >= 0 (0 or 'off' turns the stall "
                              "watchdog off), got 'soon'"),

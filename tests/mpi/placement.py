@@ -22,7 +22,7 @@ taco.init()
 r, n = taco.rank(), taco.size()
 backend = bootstrap.state.backend
 if device.type == "cuda":
-    assert device.index == (taco.local_rank() if mode == "auto" else taco.local_rank() % torch.cuda.device_count())
+    assert device.index == taco.local_rank() % torch.cuda.device_count()  # its own GPU, or shared round-robin
 cpu = torch.full((4,), float(r))
 taco.allreduce(cpu)
 assert cpu.tolist() == [float(sum(range(n)))] * 4, cpu
