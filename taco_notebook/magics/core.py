@@ -30,7 +30,7 @@ from ..plan.resolve import cluster_settings, cluster_size, option_errors, positi
 from ..plan.runplan import dashboard_mode, link_capacity, new_size, plan_run, script_of
 from ..plan.settings import TacoSettings
 from .args import cluster_args, run_args, run_wants_help, usage, usage_errors, wants_help
-from .output import NotebookOutput
+from .output import NotebookOutput, show_report
 
 __all__ = ["TacoMagics"]
 
@@ -213,7 +213,6 @@ class TacoMagics(Magics, TacoSettings):
             return None
         args = parse_argstring(self.taco_doctor, line)
         need = positive_int(args.require_hugepages, "--require-hugepages")
-        from ..cluster.doctor.engines import show_report
         from ..plan.doctor import chosen_report
 
         report = chosen_report(self, args, NotebookOutput(quiet=args.json))  # --json prints nothing

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..cluster.doctor.engines import cluster_report, doctor_report
 from ..cluster.doctor.gather import local_report
-from ..cluster.doctor.report import DoctorReport
+from ..cluster.doctor.render import ShownReport
 from ..cluster.launch.profiles import Profile
 from ..cluster.session import clusters
 from ..errors import ClusterStartError, OptionError
@@ -37,7 +37,7 @@ def one_engine_per_node(profile: Profile) -> tuple[Profile, int]:
 
 
 def examine_nodes(profile: Profile, say: RankOutput, mpiexec: str | None = None,
-                  limit: int | None = None, seconds: float = 1.0) -> DoctorReport:
+                  limit: int | None = None, seconds: float = 1.0) -> ShownReport:
     """The report of every node of ``profile``, read through a temporary cluster of one engine per node that is
     stopped before this returns, also on an error or Ctrl-C (no engines, controller or registry entry left).
     Hosts that ssh cannot reach are named in a :class:`ClusterStartError` before anything starts
@@ -61,7 +61,7 @@ def examine_nodes(profile: Profile, say: RankOutput, mpiexec: str | None = None,
             started.stop()
 
 
-def chosen_report(config: Any, args: Any, say: RankOutput) -> DoctorReport:
+def chosen_report(config: Any, args: Any, say: RankOutput) -> ShownReport:
     """``%taco_doctor``'s report: a running cluster's (``--cluster``, else ``default`` when it runs), the nodes
     of ``--hosts/--hostfile/--profile`` through a temporary cluster, else this machine's alone."""
     elsewhere = args.hosts is not None or args.hostfile is not None or args.profile is not None

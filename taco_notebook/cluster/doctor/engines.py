@@ -15,10 +15,10 @@ from typing import Any
 from ..describe import RankInfo
 from ..session import TacoCluster
 from .gather import local_report, report_from_facts
-from .render import ShownReport, shown
-from .report import DoctorReport, NodeReport
+from .render import ShownReport
+from .report import NodeReport
 
-__all__ = ["node_engines", "cluster_report", "doctor_report", "hugepage_nodes", "show_report"]
+__all__ = ["node_engines", "cluster_report", "doctor_report", "hugepage_nodes"]
 
 
 def _route_address(target: str) -> str:
@@ -111,15 +111,3 @@ def hugepage_nodes(cluster: TacoCluster) -> list[NodeReport]:
         reports.append(NodeReport({"node": name, "hugepages": {"pools": pools,
                                                                "default_kb": pages["page_kb"] if pages else None}}))
     return reports
-
-
-def show_report(report: DoctorReport) -> None:
-    """The report as HTML (with the text table beside it) in a notebook's kernel, else the text table on stdout."""
-    from IPython import get_ipython
-    from IPython.display import display
-
-    report = shown(report)
-    if getattr(get_ipython(), "kernel", None) is None:  # a terminal: its display shows text/plain only
-        print(report)
-        return
-    display({"text/html": report._repr_html_(), "text/plain": str(report)}, raw=True)

@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...comm.linkspeed import LinkSpeedError, measure_link
-from .render import ShownReport, shown
-from .report import DoctorReport
+from .render import ShownReport
 
 __all__ = ["report_from_facts", "local_report", "read_node_facts", "measure_links", "diagnose_nodes"]
 
@@ -29,7 +28,7 @@ _FACTS_TIMEOUT_S = 180.0  # a loaded node imports torch slowly; 2 cores under te
 
 def report_from_facts(facts: Sequence[dict[str, Any]], links: Sequence[dict[str, Any]] = ()) -> ShownReport:
     """A report from facts gathered elsewhere (e.g. ``node_facts`` applied on one engine per node)."""
-    return shown(DoctorReport.from_facts(facts, links))
+    return ShownReport.from_facts(facts, links)
 
 
 def local_report() -> ShownReport:

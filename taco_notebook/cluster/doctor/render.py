@@ -13,7 +13,7 @@ from typing import Any
 from .findings import Finding
 from .report import DoctorReport, NodeReport
 
-__all__ = ["COLUMNS", "rows", "grouped_findings", "render_text", "render_html", "ShownReport", "shown"]
+__all__ = ["COLUMNS", "rows", "grouped_findings", "render_text", "render_html", "ShownReport"]
 
 COLUMNS = ("node", "huge pages 2 MB", "huge pages 1 GB", "GPUs", "NICs", "CPUs / NUMA", "MPI", "torch / NCCL",
            "link (1 s TCP)")
@@ -182,9 +182,3 @@ class ShownReport(DoctorReport):
     def _repr_html_(self) -> str:
         return render_html(self)
 
-
-def shown(report: DoctorReport) -> ShownReport:
-    """``report`` as a :class:`ShownReport` (the same nodes, links and findings)."""
-    if isinstance(report, ShownReport):
-        return report
-    return ShownReport(report.nodes, report.links, report.cluster_findings)

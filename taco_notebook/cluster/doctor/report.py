@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ...errors import TacoError
 from .findings import Finding, diagnose, diagnose_cluster, page_label, parse_page_size
@@ -42,6 +42,9 @@ class NodeReport:
         """``{"total", "free", "reserved"}`` for pages of ``page_kb``; None where the node does not offer them."""
         pool = self.facts.get("hugepages", {}).get("pools", {}).get(str(page_kb))
         return dict(pool) if pool is not None else None
+
+
+R = TypeVar("R", bound="DoctorReport")
 
 
 @dataclass
@@ -75,8 +78,8 @@ class DoctorReport:
                 "links": self.links, "cluster_findings": [asdict(f) for f in self.cluster_findings]}
 
     @classmethod
-    def from_facts(cls, facts: Sequence[dict[str, Any]], links: Sequence[dict[str, Any]] = ()) -> DoctorReport:
-        """Diagnose each node's ``facts`` and what lies between them (``links``)."""
+    def from_facts(cls: type[R], facts: Sequence[dict[str, Any]], links: Sequence[dict[str, Any]] = ()) -> R:
+        """Diagnose each node's ``facts`` and what lies between them (``links``), as a report of this class."""
         facts = [dict(f) for f in facts]
         return cls([NodeReport.from_facts(f) for f in facts], list(links), diagnose_cluster(facts, list(links)))
 
