@@ -9,15 +9,13 @@ changes the cluster only through its methods (:meth:`~TacoCluster.adopt_ranks`, 
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
 from ...model import MembershipModel
 from ..cells import engine
 from ..describe import RankInfo
-from ..processes.deaths import signal_name
-from ..processes.rankwrap import MARKER
+from ..processes.deaths import MARKER_LINE, signal_name
 from ..session import TacoCluster
 
 __all__ = ["ElasticSpec", "Death", "Membership", "DeathWatch", "parse_elastic", "membership_text",
@@ -26,8 +24,6 @@ __all__ = ["ElasticSpec", "Death", "Membership", "DeathWatch", "parse_elastic", 
 BLACKLIST_AFTER = 2  # failures of one host ...
 BLACKLIST_WINDOW_S = 600.0  # ... within this window blacklist it ...
 COOLDOWN_S = 300.0  # ... for this long
-
-_MARK = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)")
 
 
 @dataclass(frozen=True)
@@ -166,8 +162,8 @@ class DeathWatch:
                 continue
             end = text.rfind(b"\n") + 1  # a line still being written is read next time
             self.offsets[path] = self.offsets.get(path, 0) + end
-            for match in _MARK.finditer(text[:end].decode(errors="replace")):
-                _, host, pid, kind, value = match.groups()
+            for match in MARKER_LINE.finditer(text[:end].decode(errors="replace")):
+                _, host, pid, kind, value, _ = match.groups()
                 key = (host, int(pid))
                 if key in self.seen or key not in members:
                     continue

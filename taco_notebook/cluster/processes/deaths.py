@@ -15,10 +15,15 @@ from typing import Any
 from ...errors import RankDiedError
 from .rankwrap import MARKER
 
-__all__ = ["engine_output", "death_report", "died_error", "signal_name", "ranks_text"]
+__all__ = ["MARKER_LINE", "engine_output", "death_report", "died_error", "signal_name", "ranks_text"]
 
-# a death an elastic cell survived (the marker ends in " elastic") is not what ended the job
-_PATTERN = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)\b(?! elastic)")
+# rankwrap's line: rank, host, pid, then signal=N or exitcode=N; " elastic" when an elastic cell survived it
+MARKER_LINE = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)( elastic)?")
+
+
+def _job_ending(output: str) -> re.Match[str] | None:
+    """The first marker of a death that ended the job (one an elastic cell survived did not)."""
+    return next((m for m in MARKER_LINE.finditer(output) if m.group(6) is None), None)
 
 
 def signal_name(number: int) -> str:
@@ -54,11 +59,11 @@ def death_report(read_output: Callable[[], str],
     Waits up to ``wait`` s for the marker: mpiexec flushes the wrapper's line into the log late on a busy machine.
     """
     deadline = time.monotonic() + wait
-    while (match := _PATTERN.search(read_output())) is None and time.monotonic() < deadline:
+    while (match := _job_ending(read_output())) is None and time.monotonic() < deadline:
         time.sleep(0.1)
     if match is None:
         return ("the engines' mpiexec exited unexpectedly", None, None, None)
-    rank_text, host, pid, kind, value = match.groups()
+    rank_text, host, pid, kind, value, _ = match.groups()
     rank = int(rank_text) if rank_text.isdigit() else None
     how = f"killed by {signal_name(int(value))}" if kind == "signal" else f"exited with code {value}"
     if kind == "signal" and int(value) == signal.SIGKILL:
