@@ -16,6 +16,7 @@ from ..cluster.launch.profiles import LOCAL, Profile, profile_for
 from ..cluster.launch.slurm.options import SlurmOptions
 from ..cluster.registry.writer import track
 from ..cluster.session import TacoCluster, clusters
+from ..comm.placement import check_gpus
 from ..comm.specs import shm_from_env, timeout_from_env
 from ..errors import ClusterStartError, MPINotFoundError, OptionError
 from .gpus import sharing_line
@@ -113,9 +114,9 @@ def start_cluster(name: str, size: int, mpiexec: str | None, say: RankOutput, en
 
 
 def cluster_gpu_mode(cluster: TacoCluster) -> str:
-    """The ``--gpus`` mode ``cluster``'s engines placed themselves with: its environment's, else the kernel's."""
-    key = CLUSTER_ENV["gpus"]
-    return (cluster.env.get(key) or "").strip().lower() or environment_default(key) or "auto"
+    """The ``--gpus`` mode ``cluster``'s engines placed themselves with: its environment's, else what they read
+    from the kernel's (``TACO_GPUS``, else auto), as :func:`~taco_notebook.comm.placement.gpu_mode` reads it."""
+    return check_gpus(cluster.env.get(CLUSTER_ENV["gpus"]))
 
 
 def environment_default(key: str) -> str | None:

@@ -1,11 +1,10 @@
 """``--gpus`` in the plan layer: the check before a start (``exclusive`` refuses, ``auto`` shares) and the one
-``[taco]`` line a start prints when ``auto`` shares a node's GPUs. Nothing here starts a process: the node's GPUs
-are a driver directory laid out like ``/proc/driver/nvidia/gpus``, and the started cluster is a stand-in."""
+``[taco]`` line a start prints when ``auto`` shares a node's GPUs. The node's GPUs are a driver directory laid
+out like ``/proc/driver/nvidia/gpus``; the one start is a real cluster's, on this machine's (no) GPUs."""
 
 from __future__ import annotations
 
 import io
-from types import SimpleNamespace
 
 import pytest
 
@@ -87,28 +86,22 @@ def test_the_sharing_line_of_a_started_cluster(mode, nodes, expected):
         assert advice in line, (advice, line)
 
 
-def test_a_start_prints_the_line_once_after_ready(monkeypatch):
-    """start_cluster (every start of the notebook and of `launch` goes through it) hands the line to its output."""
-    started: list[str] = []
-
-    def fake_start(cluster):
-        started.append(cluster.name)
-        cluster.ranks = _ranks([("vm", 1, 4)])
-        return cluster
-
-    mpi = SimpleNamespace(description="a stand-in MPI", mpiexec="mpiexec", launcher="hydra")
-    monkeypatch.setattr(plan_clusters, "mpi_for_launcher", lambda mpiexec, launcher: mpi)
-    monkeypatch.setattr(plan_clusters, "track", lambda cluster: cluster)
-    monkeypatch.setattr(plan_clusters.TacoCluster, "start", fake_start)
+@pytest.mark.cluster
+@pytest.mark.parametrize("mode", ["auto", "exclusive"])
+def test_a_real_start_on_a_node_without_gpus_says_ready_and_nothing_about_sharing(mode):
+    """start_cluster (every start of the notebook and of `launch` goes through it) with real MPI ranks: they
+    report their node's GPUs (none here), so no sharing line follows 'ready'. The line's text for nodes that
+    share is :func:`sharing_line`'s, tested above; no GPU is at hand here to make real ranks report one."""
     out = io.StringIO()
     try:
-        for env in ({}, {"TACO_GPUS": "shared"}):
-            plan_clusters.start_cluster("gpu-share", 4, None, RankOutput(stdout=out), env)
-            plan_clusters.clusters.pop("gpu-share")
+        cluster = plan_clusters.start_cluster("gpu-none", 2, None, RankOutput(stdout=out), {"TACO_GPUS": mode})
+        assert [r.gpus for r in cluster.ranks] == [0, 0]
+        assert plan_clusters.cluster_gpu_mode(cluster) == mode
     finally:
-        plan_clusters.clusters.pop("gpu-share", None)
+        stopped = plan_clusters.clusters.pop("gpu-none", None)
+        if stopped is not None:
+            stopped.stop()
     lines = out.getvalue().splitlines()
-    assert started == ["gpu-share", "gpu-share"]
-    sharing = [line for line in lines if "--gpus auto" in line]
-    assert len(sharing) == 1 and sharing[0].startswith("[taco] --gpus auto: node vm has 1 GPU for 4 ranks"), lines
-    assert lines.index(sharing[0]) == 2, lines  # starting, ready, then the line; the shared start says nothing
+    assert lines[0].startswith("[taco] starting cluster 'gpu-none': 2 ranks with "), lines
+    assert lines[1].startswith("[taco] cluster 'gpu-none' ready in "), lines
+    assert len(lines) == 2, lines
