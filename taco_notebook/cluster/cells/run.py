@@ -95,7 +95,8 @@ class _CellRun:
         self.ar: Any = None
         self.parts: dict[int, Any] = {}  # rank -> its own AsyncResult (ar.split())
         self.reported_at = 0.0
-        self.reported: dict[int, int] = {}  # rank -> id() of the payload last handed to the monitors
+        # what the monitors were last handed: rank -> id() of its payload, and the ranks then still running
+        self.reported: tuple[dict[int, int], list[int]] = ({}, [])
         self.sending = any(m.wants_metrics for m in options.monitors)
         self.origin: str | None = None  # a script's path: its tracebacks are shown from its first frame
 
@@ -127,11 +128,11 @@ class _CellRun:
         self.reported_at = now
         payloads = {rank: md["data"][engine.KEY] for rank, md in zip(self.targets, self.ar.metadata, strict=True)
                     if engine.KEY in md["data"]}  # fmt: skip
-        fresh = {rank: id(payload) for rank, payload in payloads.items()}
-        if fresh == self.reported:
+        running = self.running()
+        fresh = ({rank: id(payload) for rank, payload in payloads.items()}, running)
+        if fresh == self.reported:  # a rank that finished with no new payload is news too (the final picture)
             return
         self.reported = fresh
-        running = self.running()
         for monitor in self.options.monitors:
             monitor.update(payloads, running)
 
