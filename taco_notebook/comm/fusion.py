@@ -8,7 +8,7 @@ are grouped, in the order backward produces them (reverse of registration), into
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,16 +17,35 @@ __all__ = ["Bucket", "build_buckets", "bucket_of"]
 
 @dataclass
 class Bucket:
-    """Parameters reduced together, and the flat buffer their gradients travel in."""
+    """Parameters reduced together, and the flat buffer their gradients travel in.
+
+    The buffer is made at its first use (:attr:`buffer`): a job of one rank reduces nothing, so its
+    optimizer never holds a second copy of the gradients.
+    """
 
     index: int
     params: list[torch.nn.Parameter]
     names: list[str]
-    buffer: torch.Tensor = field(repr=False)
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer of ``numel`` elements (zeros when made), the same tensor at every call."""
+        held: torch.Tensor | None = self.__dict__.get("_buffer")
+        if held is None:
+            held = self.__dict__["_buffer"] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return held
+
+    @property
+    def allocated(self) -> bool:
+        """Whether :attr:`buffer` was made yet."""
+        return "_buffer" in self.__dict__
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def views(self) -> list[torch.Tensor]:
         """Each parameter's slice of the buffer, shaped like it (made once: no per-step slicing)."""
@@ -81,8 +100,7 @@ def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], thresh
 
     def close(kind: tuple[torch.dtype, torch.device]) -> None:
         names, params, numel = open_.pop(kind)
-        buffer = torch.zeros(numel, dtype=kind[0], device=kind[1])
-        buckets.append(Bucket(len(buckets), params, names, buffer))
+        buckets.append(Bucket(len(buckets), params, names, numel, *kind))
 
     for name, param in named_params:
         kind = (param.dtype, param.device)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .algorithms import allreduce_async
+from .algorithms import allreduce_async, single_rank
 from .compression.spec import CompressionSpec
 from .config import check_algorithm, compressor_for
 
@@ -96,6 +96,9 @@ def allreduce_hook(state: TacoHookState | dist.ProcessGroup | None,
     # once the collective ran) and DDP's consumers wait for it on theirs: ordered without a host sync.
     result: torch.futures.Future[torch.Tensor] = (
         torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future())
+    if single_rank():  # the average over one rank is the bucket itself: no thread, no copy, no collective
+        result.set_result(buffer)
+        return result
 
     def done(job: Any) -> None:
         error = job.exception()

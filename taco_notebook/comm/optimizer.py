@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import metrics
-from .algorithms import allreduce_async
+from .algorithms import allreduce_async, single_rank
 from .compression.spec import CompressionSpec
 from .config import check_algorithm, compressor_for, settings
 from .fusion import Bucket, bucket_of, build_buckets
@@ -108,8 +108,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Through a weak reference: a parameter's hooks live where gc cannot see them, so a bound method there
         # (optimizer -> wrapped optimizer -> parameters -> hook -> optimizer) kept every dropped optimizer, its
         # fusion buffers and momentum alive, e.g. each time a notebook cell built a new one.
-        hook = _weakly(self._on_grad)
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._bucket_of]
+        self._hook = _weakly(self._on_grad)
+        self._hooks: list[Any] = []
+        self._detached = False  # remove_hooks() was called: stay off whatever the world does
+        self._follow_world()
+
+    def _alone(self) -> bool:
+        """This rank is the job and nothing is scaled: the reduced gradients are the gradients themselves."""
+        return self.prescale_factor == 1.0 and self.postscale_factor == 1.0 and single_rank()
+
+    def _follow_world(self) -> None:
+        """Hooks on while there are other ranks, off while this rank is the job (checked again after each
+        step: an elastic job can grow). With one rank a step is the wrapped optimizer's and nothing else: no
+        hook call per gradient, no copy into a fusion buffer, no collective (issue 24)."""
+        alone = self._alone()
+        if alone and self._hooks:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+        elif not alone and not self._hooks and not self._detached:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._bucket_of]
 
     # ------------------------------------------------------------ delegation to the wrapped optimizer
     @property
@@ -166,7 +184,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every bucket's allreduce and write the reduced gradients back (buckets that got no
-        gradient travel as zeros, so every rank runs the same collectives)."""
+        gradient travel as zeros, so every rank runs the same collectives). With one rank it does nothing."""
+        if not self._launched and self._alone():
+            self._synchronized = True
+            return
         for bucket in self.buckets[len(self._launched):]:
             self._launch(bucket)
         waited = time.perf_counter()
@@ -199,10 +220,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         result = self.optimizer.step(closure)
         metrics.step(samples=self.samples_per_step)
+        self._follow_world()
         return result
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the wrapped optimizer keeps working on its own)."""
+        self._detached = True
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -17,10 +17,20 @@ import torch.distributed as dist
 
 from ..transport.reduction import Reduced, ring_accounted
 
-__all__ = ["Compressor", "CompressionStats", "Payload", "payload_nbytes"]
+__all__ = ["Compressor", "CompressionStats", "Payload", "payload_nbytes", "alone", "NOTHING_SENT"]
 
 
 Payload = list[torch.Tensor] | torch.Tensor
+
+# What a reduction over a group of one returns: nothing crossed any wire.
+NOTHING_SENT = Reduced(0, 0, {})
+
+
+def alone(peers: tuple[int, ...]) -> bool:
+    """Whether a group of ``peers`` is this rank alone: its sum is the shard itself, exactly, so every
+    compressor's :meth:`Compressor.reduce` returns at once (one rank: the step is plain torch; issue 24)."""
+    return len(peers) == 1
+
 
 def payload_nbytes(payload: Payload) -> int:
     """Bytes a payload (one tensor or several) occupies."""
@@ -97,8 +107,11 @@ class Compressor(ABC):
 
         The default suits dense payloads (none, fp16, bf16): an allreduce of the payload, then decompress.
         A compressor whose payloads cannot be summed on the wire (TopK's values and indices, a low-rank
-        factorisation) overrides it; the allreduce algorithm only ever calls this method.
+        factorisation) overrides it; the allreduce algorithm only ever calls this method. A group of one
+        (:func:`alone`) leaves ``shard`` as it is: no cast, copy or collective, nothing recorded.
         """
+        if alone(peers):
+            return NOTHING_SENT
         payload, ctx = self.compress(shard, key)
         if not isinstance(payload, torch.Tensor):
             raise TypeError(f"{type(self).__name__} makes multi-tensor payloads; it must override reduce()")

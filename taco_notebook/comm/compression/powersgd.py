@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..transport.reduction import Reduced, ring_accounted
-from .base import Compressor, Payload
+from .base import NOTHING_SENT, Compressor, Payload, alone
 from .layout import packed_numel, pieces, row_cuts
 from .spec import DEFAULT_POWERSGD_MIN_SIZE, DEFAULT_POWERSGD_WARMUP, POWERSGD
 
@@ -318,8 +318,11 @@ class PowerSGDCompressor(Compressor):
         """Sum ``shard`` over ``group`` in place: allreduce ``P``, orthogonalise, allreduce ``Q``, rebuild.
 
         On ``2d`` the group is the cross-node one, so only what crosses nodes is compressed. Tensors left
-        dense (small, warming up) take the base class's dense allreduce.
+        dense (small, warming up) take the base class's dense allreduce. A group of one factorises
+        nothing (:func:`.base.alone`): no warm-up step counted, no residual kept.
         """
+        if alone(peers):
+            return NOTHING_SENT
         shapes = self._layout(shard, key)
         if shapes is not None:
             with torch.no_grad():
