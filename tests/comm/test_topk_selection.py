@@ -13,7 +13,15 @@ import math
 import pytest
 import torch
 
-from taco_notebook.comm.compression.compressors import TopKCompressor, TopKState, _sparse_nonzero, _top_indices
+from taco_notebook.comm.compression.compressors import (
+    TopKCompressor,
+    TopKState,
+    _device_top,
+    _sampled_top,
+    _sparse_nonzero,
+    _top_indices,
+    selection_for,
+)
 
 
 def _data(layout: str, n: int, seed: int = 7) -> torch.Tensor:
@@ -96,3 +104,73 @@ def test_error_feedback_on_the_large_path_delivers_every_step_in_full() -> None:
         assert torch.unique(indices).numel() == 12_000
         sent.index_add_(0, indices.long(), values.double())
     torch.testing.assert_close(sent + c.state.residuals["g"].double(), total, rtol=0, atol=1e-5)
+
+
+# --- the selection by device type (issue 24): torch.topk on accelerators, the sampled passes on CPU ----------
+
+
+def test_the_selection_is_chosen_by_the_device_type_alone() -> None:
+    # No GPU needed: the choice looks at the device, never at a tensor's values (which would sync a GPU).
+    assert selection_for(torch.device("cpu")) is _sampled_top
+    for device in ("cuda", "cuda:1", "meta"):
+        assert selection_for(torch.device(device)) is _device_top
+
+
+@pytest.mark.parametrize("layout", ["iid", "boosted_every_4th", "ascending"])
+def test_device_selection_equals_the_sampled_one_on_cpu(layout: str) -> None:
+    # The GPU's path, run on CPU tensors: the same set as the CPU-tuned one (ties-free data, so the set is unique).
+    n = 1_300_007
+    t = _data(layout, n, seed=3)
+    k = math.ceil(0.01 * n)
+    state = TopKState(0.01, 0, True)
+    got = _device_top(t, k, state)
+    assert got.dtype == torch.int64 and got.numel() == k
+    assert torch.equal(got.sort().values, _sampled_top(t, k, TopKState(0.01, 0, True)).sort().values)
+    assert state._mask is None, "the device selection needs no bool mask"
+
+
+def test_device_selection_keeps_the_same_error_feedback(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Five steps of a compressor forced onto the device selection against one on the CPU's: the same entries
+    # sent (as sets), the same values, the same residual left, bit for bit.
+    from taco_notebook.comm.compression import compressors
+
+    n = 900_001
+    sampled = TopKCompressor(0.01, threshold=0)
+    steps = [_data("iid", n, seed=40 + s) for s in range(5)]
+    sent_sampled = [sampled.compress(g, key="w")[0] for g in steps]
+    monkeypatch.setattr(compressors, "selection_for", lambda device: _device_top)
+    device = TopKCompressor(0.01, threshold=0)
+    sent_device = [device.compress(g, key="w")[0] for g in steps]
+    for (v1, i1), (v2, i2) in zip(sent_sampled, sent_device, strict=True):
+        o1, o2 = i1.argsort(), i2.argsort()
+        assert torch.equal(i1[o1], i2[o2]) and torch.equal(v1[o1], v2[o2])
+    assert torch.equal(sampled.state.residuals["w"], device.state.residuals["w"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs the CUDA selection for real)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_compress_and_merge_without_host_syncs(dtype: torch.dtype) -> None:
+    n = 2_000_003
+    g = torch.Generator().manual_seed(9)
+    grads = [torch.randn(n, generator=g).to(dtype) for _ in range(4)]  # continuous values: ties improbable
+    on_gpu = [grad.to("cuda") for grad in grads]
+    c, reference = TopKCompressor(0.01, threshold=0), TopKCompressor(0.01, threshold=0)
+    c.compress(on_gpu[0], key="g")  # the first call allocates the residual and scratch buffers
+    reference.compress(grads[0], key="g")
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call from here on raises
+    try:
+        for grad in on_gpu[1:]:
+            payload, ctx = c.compress(grad, key="g")
+            merged = TopKCompressor.merge([payload, payload], ctx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for grad in grads[1:]:
+        want, _ = reference.compress(grad, key="g")
+    values, indices = payload
+    assert values.device == on_gpu[0].device and merged.device == on_gpu[0].device
+    assert values.numel() == indices.numel() == math.ceil(0.01 * n)
+    assert torch.equal(merged, 2 * c.decompress(payload, ctx))
+    if dtype == torch.float32:  # no ties (half precision has them, and the kernels may break them differently)
+        assert torch.equal(values.abs().cpu().sort().values, want[0].abs().sort().values)
+        assert torch.equal(indices.cpu().sort().values, want[1].sort().values)
+        torch.testing.assert_close(c.state.residuals["g"].cpu(), reference.state.residuals["g"], rtol=0, atol=0)
