@@ -1,4 +1,4 @@
-"""GPU checks of issue 9, as markdown tables: run unchanged on a GPU machine; elsewhere it says it skipped.
+"""GPU checks of issues 9 and 24, as markdown tables: run unchanged on a GPU machine; elsewhere it says it skipped.
 
     python benchmarks/gpu_check.py                      # every section; exits 1 if a check failed
     python benchmarks/gpu_check.py --sections overhead  # one section
@@ -15,7 +15,16 @@ Sections:
   message; ``--gpus auto`` with as many ranks must share the GPUs over gloo, exactly.
 * ``notebooks``: every example notebook executed (nbclient) with CUDA visible and the default ``--gpus auto``.
 * ``overhead``: ms per step, 1 rank, 25.2M-parameter MLP (2048-4096-4096-10), batch 256: plain SGD, DDP,
-  DDP + torch's fp16 hook, DDP + taco's fp16 hook, taco, taco fp16, taco topk 1%.
+  DDP + torch's fp16 hook, DDP + taco's fp16 hook, taco with every compression; and for each path the host
+  synchronisations per step (``torch.cuda.set_sync_debug_mode("warn")``, the warnings counted; goal 0).
+  A second table times each compressor's own kernels on a 25.2M-element gradient (what a step costs once
+  there are ranks to talk to; with one rank taco reduces nothing), with their syncs.
+* ``synthetic``: Horovod's ``pytorch_synthetic_benchmark.py`` shape, 1 rank: ResNet-50 (torchvision) or, without
+  torchvision, a plain-torch conv net of 24.5M parameters; batch 32 of 224x224 images, img/s of plain torch, DDP
+  and taco's DistributedOptimizer (none, fp16, topk:0.01, powersgd:4), with syncs per step.
+
+``overhead`` and ``synthetic`` need CUDA; with ``--device cpu`` they run a tiny model for a few steps (a
+self-test of the script, no figure to read).
 """
 
 from __future__ import annotations
@@ -27,12 +36,15 @@ import re
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("collectives", "training", "placement", "notebooks", "overhead")
+SECTIONS = ("collectives", "training", "placement", "notebooks", "overhead", "synthetic")
 COMPRESSIONS = (None, "fp16", "bf16", "topk:0.01")
+# every compression timed in ``overhead`` (powersgd compresses from the first step: warmup=0)
+TIMED_COMPRESSIONS = ("none", "fp16", "bf16", "topk:0.01", "powersgd:4:warmup=0")
 RESULT = "GPUCHECK "
 
 
@@ -52,7 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: run the same checks on CPU tensors (a self-test of this script)")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per overhead variant")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per overhead/synthetic variant")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -157,50 +169,201 @@ def _close() -> None:
     taco.shutdown()
 
 
-def worker_overhead(steps: int) -> None:
+class SyncCounter:
+    """Counts the host synchronisations CUDA reports while it is entered: ``torch.cuda.set_sync_debug_mode("warn")``
+    makes every synchronising call (``.item()``, ``nonzero``, a blocking copy, a stream sync) warn, and the
+    warnings are caught, from every thread (the comm thread's too), each one counted. On CPU it counts nothing
+    (``count`` stays None)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.count: int | None = None
+
+    def __enter__(self) -> SyncCounter:
+        import warnings
+
+        import torch
+
+        if self.device.type != "cuda":
+            return self
+        self._catch = warnings.catch_warnings(record=True)
+        self._seen = self._catch.__enter__()
+        warnings.simplefilter("always")  # the default filter shows a warning once per place: count them all
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if self.device.type != "cuda":
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        self._catch.__exit__(None, None, None)
+        self.count = sum("synchroniz" in str(w.message) for w in self._seen)
+
+
+def _timed_steps(step: Any, device: Any, warmup: int, steps: int, counted: int = 3) -> tuple[float, float | None]:
+    """ms per ``step()`` over ``steps`` after ``warmup``, then host syncs per step over ``counted`` more."""
     import torch
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # outside the timed loop only
+
+    for _ in range(warmup):
+        step()
+    wait()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    wait()
+    ms = (time.perf_counter() - began) / steps * 1000
+    with SyncCounter(device) as syncs:
+        for _ in range(counted):
+            step()
+    return ms, None if syncs.count is None else syncs.count / counted
+
+
+def _train_step(net: Any, opt: Any, x: Any, y: Any) -> None:
     import torch.nn.functional as F
+
+    opt.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    opt.step()
+
+
+def _wrap(variant: str, model: Any, device: Any, lr: float = 0.01) -> tuple[Any, Any]:
+    """(the module to call, the optimizer to step) for ``variant``: plain, DDP[+hook], or taco [COMPRESSION]."""
+    import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import taco_notebook.comm as taco
     from taco_notebook.comm import hooks
     from taco_notebook.comm.optimizer import DistributedOptimizer
 
+    net: Any = model
+    if variant.startswith("DDP"):
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if "torch fp16" in variant:
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif "taco fp16" in variant:
+            net.register_comm_hook(hooks.TacoHookState(compression="fp16"), hooks.allreduce_hook)
+    opt: Any = torch.optim.SGD(net.parameters(), lr=lr)
+    if variant.startswith("taco"):
+        opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=variant.split(" ")[1] if " " in variant else None)
+    return net, opt
+
+
+def _release(opt: Any) -> None:
+    if hasattr(opt, "remove_hooks"):
+        opt.remove_hooks()
+
+
+def worker_overhead(steps: int, device_kind: str) -> None:
+    import torch
+
+    import taco_notebook.comm as taco
+
     taco.init()
-    device = taco.device()
-    x = torch.randn(256, 2048, device=device)
-    y = torch.randint(0, 10, (256,), device=device)
-    results = {}
-    for variant in ("plain SGD", "DDP", "DDP + torch fp16 hook", "DDP + taco fp16 hook", "taco", "taco fp16",
-                    "taco topk:0.01"):
+    device = taco.device() if device_kind == "cuda" else torch.device("cpu")
+    wide, batch = (4096, 256) if device.type == "cuda" else (64, 8)  # cpu: a self-test, not a measurement
+    x = torch.randn(batch, wide // 2, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    ms, syncs = {}, {}
+    variants = ("plain SGD", "DDP", "DDP + torch fp16 hook", "DDP + taco fp16 hook",
+                *(f"taco {c}" if c != "none" else "taco" for c in TIMED_COMPRESSIONS))
+    for variant in variants:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
-                                    torch.nn.ReLU(), torch.nn.Linear(4096, 10)).to(device)
-        net: Any = model
-        if variant.startswith("DDP"):
-            net = DDP(model, device_ids=[device.index])
-            if "torch fp16" in variant:
-                net.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            elif "taco fp16" in variant:
-                net.register_comm_hook(hooks.TacoHookState(compression="fp16"), hooks.allreduce_hook)
-        opt: Any = torch.optim.SGD(net.parameters(), lr=0.01)
-        if variant.startswith("taco"):
-            opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=variant.split(" ")[1] if " " in variant else None)
-        for i in range(10 + steps):
-            if i == 10:
-                torch.cuda.synchronize()  # outside the timed loop only
-                began = time.perf_counter()
-            opt.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
-        torch.cuda.synchronize()
-        results[variant] = (time.perf_counter() - began) / steps * 1000
-        if hasattr(opt, "remove_hooks"):
-            opt.remove_hooks()
+        model = torch.nn.Sequential(torch.nn.Linear(wide // 2, wide), torch.nn.ReLU(), torch.nn.Linear(wide, wide),
+                                    torch.nn.ReLU(), torch.nn.Linear(wide, 10)).to(device)
+        net, opt = _wrap(variant, model, device)
+        ms[variant], syncs[variant] = _timed_steps(partial(_train_step, net, opt, x, y), device, 10, steps)
+        _release(opt)
     params = sum(p.numel() for p in model.parameters())
-    _emit({"rank": taco.rank(), "params": params, "ms": results, "gpu": torch.cuda.get_device_name(device)})
+    kernels = _compressor_kernels(params, device, steps)
+    _emit({"rank": taco.rank(), "params": params, "ms": ms, "syncs": syncs, "kernels": kernels,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (self-test)"})
+    del net, opt, model
+    _close()
+
+
+def _compressor_kernels(numel: int, device: Any, steps: int) -> dict[str, Any]:
+    """Per compression: ms of ``compress`` and of ``decompress`` of a ``numel``-element float32 gradient (the
+    work a rank does per step once there are peers), and the host syncs of one compress + decompress."""
+    import torch
+
+    from taco_notebook.comm.compression.compressors import build
+    from taco_notebook.comm.compression.spec import CompressionSpec
+
+    grad = torch.randn(numel, device=device)
+    square = int(numel ** 0.5)  # PowerSGD compresses matrices: a (square x square) view of the gradient
+    found: dict[str, Any] = {}
+    for spec in TIMED_COMPRESSIONS:
+        compressor = build(CompressionSpec.parse(spec))
+        tensor = grad[: square * square].view(square, square) if spec.startswith("powersgd") else grad
+        out: dict[str, Any] = {}
+        repeats = max(3, steps // 5)
+        out["compress_ms"], out["compress_syncs"] = _timed_steps(
+            partial(compressor.compress, tensor, key="g"), device, 3, repeats, counted=1)
+        payload, ctx = compressor.compress(tensor, key="g")
+        out["decompress_ms"], out["decompress_syncs"] = _timed_steps(
+            partial(compressor.decompress, payload, ctx), device, 3, repeats, counted=1)
+        out["wire_mb"] = compressor.wire_bytes(payload) / 1e6
+        found[spec] = out
+    return found
+
+
+def synthetic_model(torchvision_ok: bool, tiny: bool) -> tuple[Any, str]:
+    """ResNet-50 from torchvision when importable, else a plain-torch conv net of 24.5M parameters (a conv
+    stem of 1.55M and an MLP head of 23.0M: about ResNet-50's 25.6M, with fewer, larger tensors)."""
+    from torch import nn
+
+    if tiny:
+        return nn.Sequential(nn.Conv2d(3, 8, 3, stride=4), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                             nn.Linear(32, 10)), "tiny conv net (self-test)"
+    if torchvision_ok:
+        import torchvision
+
+        return torchvision.models.resnet50(), "ResNet-50 (torchvision)"
+    layers: list[nn.Module] = []
+    for cin, cout in ((3, 64), (64, 128), (128, 256), (256, 512)):
+        layers += [nn.Conv2d(cin, cout, 3, stride=2, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+    head = [nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(8192, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+            nn.Linear(2048, 1000)]
+    return nn.Sequential(*layers, *head), "plain-torch conv net (no torchvision)"
+
+
+def worker_synthetic(steps: int, device_kind: str) -> None:
+    """Horovod's synthetic benchmark, one rank: SGD(lr=0.01) on random 224x224 images and random labels, img/s
+    over ``steps`` batches after 10 warm-up batches (Horovod: 10 warm-up, then 10 iterations of 10 batches)."""
+    import importlib.util
+
+    import torch
+
+    import taco_notebook.comm as taco
+
+    taco.init()
+    device = taco.device() if device_kind == "cuda" else torch.device("cpu")
+    tiny = device.type != "cuda"
+    batch, side = (32, 224) if not tiny else (4, 32)
+    data = torch.rand(batch, 3, side, side, device=device)
+    target = torch.randint(0, 10 if tiny else 1000, (batch,), device=device)
+    torchvision_ok = importlib.util.find_spec("torchvision") is not None
+    rows: dict[str, Any] = {}
+    for variant in ("plain torch", "DDP", "taco", "taco fp16", "taco topk:0.01", "taco powersgd:4:warmup=0"):
+        torch.manual_seed(0)
+        model, name = synthetic_model(torchvision_ok, tiny)
+        model = model.to(device)
+        net, opt = _wrap(variant, model, device)
+        ms, syncs = _timed_steps(partial(_train_step, net, opt, data, target), device, 10 if not tiny else 2, steps)
+        rows[variant] = {"img_s": batch / ms * 1000, "ms": ms, "syncs": syncs}
+        _release(opt)
+    params = sum(p.numel() for p in model.parameters())
+    _emit({"rank": taco.rank(), "model": name, "params": params, "batch": batch, "rows": rows,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (self-test)"})
     del net, opt, model
     _close()
 
@@ -298,25 +461,70 @@ def section_notebooks() -> tuple[str, bool]:
         ("notebook", "result", "time"), rows), ok
 
 
-def section_overhead(steps: int) -> tuple[str, bool]:
-    done = launch(1, ["--worker", "overhead", "--steps", str(steps)], {"TACO_GPUS": "auto"}, timeout=900)
+def _syncs(value: float | None) -> str:
+    return "n/a (cpu)" if value is None else f"{value:g}"
+
+
+def _ran(worker: str, steps: int, device: str) -> tuple[dict[str, Any] | None, str]:
+    """Run ``worker`` on 1 rank; its result, or None and the reason it has none."""
+    done = launch(1, ["--worker", worker, "--steps", str(steps), "--device", device], {"TACO_GPUS": "auto"},
+                  timeout=900)
     got = results_of(done)
     if done.returncode != 0 or not got:
-        return "### Overhead\n\nFAILED: " + ("\n".join(done.stderr.strip().splitlines()[-5:]) or "no output"), False
-    ms = got[0]["ms"]
+        return None, "\n".join(done.stderr.strip().splitlines()[-5:]) or "no output"
+    return got[0], ""
+
+
+def section_overhead(steps: int, device: str) -> tuple[str, bool]:
+    got, why = _ran("overhead", steps, device)
+    if got is None:
+        return "### Overhead\n\nFAILED: " + why, False
+    ms, syncs = got["ms"], got["syncs"]
     plain, ddp, ddp_fp16 = ms["plain SGD"], ms["DDP"], ms["DDP + torch fp16 hook"]
-    rows = [(v, f"{t:.2f}", f"{t - plain:+.2f}") for v, t in ms.items()]
-    ok = ms["taco"] <= ddp * 1.05 and ms["DDP + taco fp16 hook"] <= ddp_fp16 * 1.05
-    goal = f"goal: taco <= DDP ({ddp:.2f} ms), taco's fp16 hook <= DDP + torch fp16 ({ddp_fp16:.2f} ms), 5% noise"
-    return (f"### Per-step overhead, 1 rank, {got[0]['params'] / 1e6:.1f}M parameters, batch 256, {got[0]['gpu']}"
-            f"\n\n" + table(("variant", "ms/step", "vs plain"), rows) + f"\n\n{goal}: {'met' if ok else 'NOT met'}"), ok
+    rows = [(v, f"{t:.2f}", f"{t - plain:+.2f}", _syncs(syncs[v])) for v, t in ms.items()]
+    goals = {f"taco <= DDP ({ddp:.2f} ms)": ms["taco"] <= ddp * 1.05,
+             f"taco fp16 <= DDP + torch fp16 ({ddp_fp16:.2f} ms)": ms["taco fp16"] <= ddp_fp16 * 1.05,
+             f"taco's fp16 hook <= DDP + torch fp16 ({ddp_fp16:.2f} ms)": ms["DDP + taco fp16 hook"] <= ddp_fp16 * 1.05,
+             f"taco topk:0.01 <= 1.2 x DDP ({1.2 * ddp:.2f} ms)": ms["taco topk:0.01"] <= 1.2 * ddp * 1.05,
+             "0 host syncs per step on every taco path": all(
+                 syncs[v] in (0, None) for v in ms if v.startswith("taco") or "taco" in v)}
+    kernel_rows = [(spec, f"{k['compress_ms']:.3f}", f"{k['decompress_ms']:.3f}", f"{k['wire_mb']:.2f}",
+                    _syncs(k["compress_syncs"]), _syncs(k["decompress_syncs"])) for spec, k in got["kernels"].items()]
+    cpu = device == "cpu"
+    text = (f"### Per-step overhead, 1 rank, {got['params'] / 1e6:.1f}M parameters, {got['gpu']}\n\n"
+            + table(("variant", "ms/step", "vs plain", "host syncs/step"), rows) + "\n\n"
+            + "\n".join(f"- {goal} (5% noise): {'met' if met else 'NOT met'}" for goal, met in goals.items())
+            + f"\n\n### Compressor kernels on a {got['params'] / 1e6:.1f}M-element float32 gradient, {got['gpu']}\n\n"
+            + table(("compression", "compress ms", "decompress ms", "wire MB", "syncs (compress)",
+                     "syncs (decompress)"), kernel_rows))
+    return text, cpu or all(goals.values())
+
+
+def section_synthetic(steps: int, device: str) -> tuple[str, bool]:
+    got, why = _ran("synthetic", steps, device)
+    if got is None:
+        return "### Synthetic benchmark\n\nFAILED: " + why, False
+    rows_in = got["rows"]
+    plain = rows_in["plain torch"]["img_s"]
+    rows = [(v, f"{r['img_s']:.1f}", f"{r['img_s'] / plain:.1%}", f"{r['ms']:.2f}", _syncs(r["syncs"]))
+            for v, r in rows_in.items()]
+    goals = {"taco >= 97% of plain torch": rows_in["taco"]["img_s"] >= 0.97 * plain,
+             "taco fp16 >= 95% of plain torch": rows_in["taco fp16"]["img_s"] >= 0.95 * plain,
+             "taco >= DDP": rows_in["taco"]["img_s"] >= 0.97 * rows_in["DDP"]["img_s"]}
+    text = (f"### Synthetic benchmark (Horovod's shape), 1 rank, {got['model']} ({got['params'] / 1e6:.1f}M), "
+            f"batch {got['batch']}, {got['gpu']}\n\n"
+            + table(("variant", "img/s", "of plain", "ms/step", "host syncs/step"), rows) + "\n\n"
+            + "\n".join(f"- {goal}: {'met' if met else 'NOT met'}" for goal, met in goals.items()))
+    return text, device == "cpu" or all(goals.values())
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.worker:
         workers = {"collectives": lambda: worker_collectives(args.device),
-                   "training": lambda: worker_training(args.device), "overhead": lambda: worker_overhead(args.steps)}
+                   "training": lambda: worker_training(args.device),
+                   "overhead": lambda: worker_overhead(args.steps, args.device),
+                   "synthetic": lambda: worker_synthetic(args.steps, args.device)}
         workers[args.worker]()
         return 0
     import torch
@@ -336,8 +544,11 @@ def main(argv: list[str]) -> int:
             *[(*run, "collectives") for run in nccl]], args.device),
         "training": lambda: check_rows("DistributedOptimizer and DDP hook, every compression: replicas identical", [
             ("2 ranks, shared", 2, shared, "training"), *[(*run, "training") for run in nccl]], args.device),
-        "placement": section_placement, "notebooks": section_notebooks,
-        "overhead": lambda: section_overhead(args.steps),
+        "placement": section_placement if args.device == "cuda" else lambda: (
+            "### More ranks than GPUs\n\nskipped: needs CUDA (it places ranks on GPUs)", True),
+        "notebooks": section_notebooks,
+        "overhead": lambda: section_overhead(args.steps, args.device),
+        "synthetic": lambda: section_synthetic(args.steps, args.device),
     }
     if args.device == "cpu":
         print("self-test on CPU tensors (no GPU used)\n")

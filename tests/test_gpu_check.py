@@ -43,3 +43,19 @@ def test_a_failure_is_named_by_its_last_line_even_when_its_message_is_empty(monk
     assert gpu_check.last_line(" \n\t\n", "no output") == "no output"
     assert gpu_check.last_line(RuntimeError("x" * 500)) == "x" * 160
     assert gpu_check.last_line(TimeoutError(), type(TimeoutError()).__name__) == "TimeoutError"
+
+
+@pytest.mark.timeout(400)
+def test_overhead_and_synthetic_sections_run_their_workers_on_cpu():
+    """The CUDA sections of issue 24, run as a self-test on a tiny model: every variant, the compressor
+    kernels and the sync counts (n/a without CUDA) reach the tables; --help lists the sections."""
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "overhead", "synthetic",
+                             "placement", "--steps", "3"], capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for row in ("| taco powersgd:4:warmup=0 |", "| DDP + taco fp16 hook |", "| topk:0.01 |", "| plain torch |",
+                "| taco fp16 |", "skipped: needs CUDA"):
+        assert row in out, (row, out)
+    assert "n/a (cpu)" in out and "all checks passed" in out, out
+    usage = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and "synthetic" in usage.stdout, usage.stdout + usage.stderr
