@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     hvd.init()
     torch.manual_seed(args.seed)
     if args.cuda:
-        torch.cuda.set_device(hvd.local_rank())  # Horovod: pin GPU to local rank
+        # Horovod: pin GPU to local rank; modulo the GPUs there are, so that more ranks than GPUs (a notebook's
+        # 2 or 4 ranks on a 1-GPU box, which --gpus auto shares) pin the GPU taco placed them on, not a missing one
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
         torch.cuda.manual_seed(args.seed)
     elif args.use_mixed_precision:
         raise ValueError("Mixed precision is only supported with cuda enabled.")

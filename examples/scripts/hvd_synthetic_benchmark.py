@@ -91,7 +91,8 @@ args.cuda = not args.no_cuda and torch.cuda.is_available()
 hvd.init()
 
 if args.cuda:
-    torch.cuda.set_device(hvd.local_rank())  # Horovod: pin GPU to local rank.
+    # Horovod: pin GPU to local rank (modulo the GPUs there are: ranks sharing a GPU under --gpus auto)
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
 else:
     torch.set_num_threads(1)
 
