@@ -21,7 +21,8 @@ Sections:
   there are ranks to talk to; with one rank taco reduces nothing), with their syncs.
 * ``synthetic``: Horovod's ``pytorch_synthetic_benchmark.py`` shape, 1 rank: ResNet-50 (torchvision) or, without
   torchvision, a plain-torch conv net of 24.5M parameters; batch 32 of 224x224 images, img/s of plain torch, DDP
-  and taco's DistributedOptimizer (none, fp16, topk:0.01, powersgd:4), with syncs per step.
+  and taco's DistributedOptimizer (none, fp16, topk:0.01, powersgd:4), and the same through
+  ``taco_notebook.horovod`` (``hvd.DistributedOptimizer``, none and ``hvd.Compression.fp16``), with syncs per step.
 
 ``overhead`` and ``synthetic`` need CUDA; with ``--device cpu`` they run a tiny model for a few steps (a
 self-test of the script, no figure to read).
@@ -251,7 +252,13 @@ def _wrap(variant: str, model: Any, device: Any, lr: float = 0.01) -> tuple[Any,
         elif "taco fp16" in variant:
             net.register_comm_hook(hooks.TacoHookState(compression="fp16"), hooks.allreduce_hook)
     opt: Any = torch.optim.SGD(net.parameters(), lr=lr)
-    if variant.startswith("taco"):
+    if variant.startswith("horovod"):  # what a Horovod script gets from `import taco_notebook.horovod as hvd`
+        import taco_notebook.horovod as hvd
+
+        hvd.init()
+        compression = hvd.Compression.fp16 if "fp16" in variant else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    elif variant.startswith("taco"):
         opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=variant.split(" ")[1] if " " in variant else None)
     return net, opt
@@ -353,7 +360,8 @@ def worker_synthetic(steps: int, device_kind: str) -> None:
     target = torch.randint(0, 10 if tiny else 1000, (batch,), device=device)
     torchvision_ok = importlib.util.find_spec("torchvision") is not None
     rows: dict[str, Any] = {}
-    for variant in ("plain torch", "DDP", "taco", "taco fp16", "taco topk:0.01", "taco powersgd:4:warmup=0"):
+    for variant in ("plain torch", "DDP", "taco", "taco fp16", "taco topk:0.01", "taco powersgd:4:warmup=0",
+                    "horovod", "horovod fp16"):
         torch.manual_seed(0)
         model, name = synthetic_model(torchvision_ok, tiny)
         model = model.to(device)
@@ -510,6 +518,8 @@ def section_synthetic(steps: int, device: str) -> tuple[str, bool]:
             for v, r in rows_in.items()]
     goals = {"taco >= 97% of plain torch": rows_in["taco"]["img_s"] >= 0.97 * plain,
              "taco fp16 >= 95% of plain torch": rows_in["taco fp16"]["img_s"] >= 0.95 * plain,
+             "horovod face >= 97% of plain torch (>= 95% with fp16)": rows_in["horovod"]["img_s"] >= 0.97 * plain
+             and rows_in["horovod fp16"]["img_s"] >= 0.95 * plain,
              "taco >= DDP": rows_in["taco"]["img_s"] >= 0.97 * rows_in["DDP"]["img_s"]}
     text = (f"### Synthetic benchmark (Horovod's shape), 1 rank, {got['model']} ({got['params'] / 1e6:.1f}M), "
             f"batch {got['batch']}, {got['gpu']}\n\n"

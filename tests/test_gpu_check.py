@@ -54,7 +54,7 @@ def test_overhead_and_synthetic_sections_run_their_workers_on_cpu():
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     for row in ("| taco powersgd:4:warmup=0 |", "| DDP + taco fp16 hook |", "| topk:0.01 |", "| plain torch |",
-                "| taco fp16 |", "skipped: needs CUDA"):
+                "| taco fp16 |", "| horovod fp16 |", "skipped: needs CUDA"):
         assert row in out, (row, out)
     assert "n/a (cpu)" in out and "all checks passed" in out, out
     usage = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
