@@ -123,8 +123,8 @@ def forget_groups() -> None:
 
 def single_rank() -> bool:
     """Whether the process group is up with this rank alone: every sum is then the tensor itself, so the
-    optimizer and the DDP hook reduce nothing (Horovod registers no hooks at size 1 either). A few hundred
-    nanoseconds: asked once per step or bucket, since an elastic job may grow from one rank."""
+    optimizer and the DDP hook reduce nothing (Horovod registers no hooks at size 1 either). Local, no
+    collective: asked once per step or bucket, since an elastic job may grow from one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
 
 
