@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from taco_notebook.comm.compression.compressors import TopKState, _device_top, _sampled_top  # noqa: E402
+from taco_notebook.comm.compression.compressors import TopKState  # noqa: E402
+from taco_notebook.comm.compression.selection import _device_top, _sampled_top  # noqa: E402
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:

@@ -13,9 +13,8 @@ import math
 import pytest
 import torch
 
-from taco_notebook.comm.compression.compressors import (
-    TopKCompressor,
-    TopKState,
+from taco_notebook.comm.compression.compressors import TopKCompressor, TopKState
+from taco_notebook.comm.compression.selection import (
     _device_top,
     _sampled_top,
     _sparse_nonzero,
@@ -132,13 +131,13 @@ def test_device_selection_equals_the_sampled_one_on_cpu(layout: str) -> None:
 def test_device_selection_keeps_the_same_error_feedback(monkeypatch: pytest.MonkeyPatch) -> None:
     # Five steps of a compressor forced onto the device selection against one on the CPU's: the same entries
     # sent (as sets), the same values, the same residual left, bit for bit.
-    from taco_notebook.comm.compression import compressors
+    from taco_notebook.comm.compression import selection
 
     n = 900_001
     sampled = TopKCompressor(0.01, threshold=0)
     steps = [_data("iid", n, seed=40 + s) for s in range(5)]
     sent_sampled = [sampled.compress(g, key="w")[0] for g in steps]
-    monkeypatch.setattr(compressors, "selection_for", lambda device: _device_top)
+    monkeypatch.setattr(selection, "selection_for", lambda device: _device_top)
     device = TopKCompressor(0.01, threshold=0)
     sent_device = [device.compress(g, key="w")[0] for g in steps]
     for (v1, i1), (v2, i2) in zip(sent_sampled, sent_device, strict=True):

@@ -19,7 +19,7 @@ The interface itself lives in :mod:`.base`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,21 +28,12 @@ import torch
 from ..transport.reduction import Reduced, all_gather, pack, spread, unpack
 from .base import NOTHING_SENT, CompressionStats, Compressor, Payload, alone
 from .powersgd import PowerSGDCompressor
+from .selection import _top_indices
 from .spec import DEFAULT_TOPK_RATIO, DEFAULT_TOPK_THRESHOLD, TOPK, CompressionSpec
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor", "TopKState",
            "TopKContext", "PowerSGDCompressor", "CompressionStats", "Payload", "DEFAULT_TOPK_THRESHOLD",
            "DEFAULT_TOPK_RATIO", "parse_compression", "build"]
-
-# Entries sampled to estimate the top-k threshold of a large tensor (see _sampled_top): one in 64, within
-# these bounds. Ranking the sample is ~1 ms at the upper bound, a sixth of the whole selection at 2M elements.
-_SAMPLE_SIZE = 1 << 17
-_MIN_SAMPLE = 1 << 15
-# Candidates aimed at, in multiples of k: the first try, then a retry if the sample misjudged. A sample of
-# 2**15 estimates the fraction above the threshold within ~5% (one sigma) on gradient-like data, so 1.25·k
-# misses only on skewed data; fewer candidates make the ranking cheaper.
-_CANDIDATE_FACTORS = (1.25, 4.0)
-
 
 class NoneCompressor(Compressor):
     """No compression: the payload is the tensor itself, ``ctx`` is ``None``."""
@@ -167,7 +158,7 @@ class TopKCompressor(Compressor):
     given tensor, so an allgather of fixed-size buffers followed by :meth:`merge` is a sparse allreduce.
 
     The selection is exact (a threshold estimated from a sample only narrows the candidates, see
-    :func:`_top_indices`), and on the 2D algorithm it sees the whole shard: TopK does not pipeline in chunks
+    :func:`.selection._sampled_top`), and on the 2D algorithm it sees the whole shard: TopK does not pipeline in chunks
     (``pipelines = False``). Its wire is ~2% of the dense bytes, so there is no network time to hide, and on
     4 ranks sharing 2 cores chunks cost more than they overlap (16 MiB, localhost, load ~18: 272 ms in ~3 MB
     chunks against 127 ms whole), as chunks below 512K elements also fall back to a full ``torch.topk``.
@@ -300,83 +291,6 @@ class TopKCompressor(Compressor):
             out.index_add_(0, indices, values.to(ctx.dtype))
         assert out is not None
         return out.reshape(ctx.shape)
-
-
-def _top_indices(values: torch.Tensor, k: int, scratch: TopKState) -> torch.Tensor:
-    """Indices (int64) of the ``k`` largest-magnitude entries of the 1-D ``values``: the exact top-k, chosen
-    by the selection suited to the tensor's device (:func:`selection_for`)."""
-    return selection_for(values.device)(values, k, scratch)
-
-
-def selection_for(device: torch.device) -> Callable[[torch.Tensor, int, TopKState], torch.Tensor]:
-    """The top-k selection for tensors on ``device``: :func:`_device_top` on an accelerator, else
-    :func:`_sampled_top` (tuned for the CPU). Chosen by the device type alone, never by looking at values."""
-    return _sampled_top if device.type == "cpu" else _device_top
-
-
-def _device_top(values: torch.Tensor, k: int, scratch: TopKState) -> torch.Tensor:
-    """The GPU's own ``torch.topk`` of ``|values|``: one kernel chain on the current stream, no host sync.
-
-    Why not :func:`_sampled_top` on a GPU: its ``nonzero`` passes and ``kthvalue`` ranking each wait for the
-    device to tell the host a size (12 stream syncs per step, ~1.6 ms of host waiting, on an H200 in issue
-    24), and ``torch.topk`` of 1% of 25.2M elements took 0.60 ms there against 2.52 ms for the whole sampled
-    compress. Ties at the k-th magnitude go wherever the kernel puts them (the set is exact up to ties).
-    """
-    magnitude, _ = scratch.buffers(values, mask=False)
-    torch.abs(values, out=magnitude)
-    return torch.topk(magnitude, k, sorted=False).indices
-
-
-def _sampled_top(values: torch.Tensor, k: int, scratch: TopKState) -> torch.Tensor:
-    """The exact top-k of a CPU tensor, in ascending index order, without ranking every entry.
-
-    Why not ``torch.topk`` alone on a CPU: on 25.2M elements it took 912 ms on one core against 45 ms for
-    this (2M: 18.6 against 3.9 ms; ``benchmarks/topk_select.py``), on the critical path.
-    A threshold estimated from a strided sample (aiming at 1.25·k survivors) leaves a few candidates, in
-    ascending order, and only those are ranked (:func:`_exact_top`): most of the time goes in the full
-    passes (``|x|`` and ``>= threshold`` into ``scratch``'s reused buffers, then :func:`_sparse_nonzero`).
-    If the sample misjudged and fewer than ``k`` survive, a lower threshold (4·k survivors) and then the full
-    topk run: the result is the exact top-k either way (among equal magnitudes at the k-th place, the
-    lowest indices).
-    """
-    n = values.numel()
-    if n < 4 * _SAMPLE_SIZE or 8 * k > n:
-        return torch.topk(values.abs(), k, sorted=False).indices
-    sample = values[:: n // min(max(n // 64, _MIN_SAMPLE), _SAMPLE_SIZE)].abs()
-    magnitude, mask = scratch.buffers(values)
-    assert mask is not None
-    torch.abs(values, out=magnitude)
-    for factor in _CANDIDATE_FACTORS:
-        keep = min(sample.numel(), math.ceil(factor * k * sample.numel() / n))
-        threshold = torch.topk(sample, keep, sorted=False).values.min()
-        torch.ge(magnitude, threshold, out=mask[:n])
-        candidates = _sparse_nonzero(mask)
-        if candidates.numel() >= k:
-            return _exact_top(candidates, magnitude.index_select(0, candidates), k)
-    return torch.topk(magnitude, k, sorted=False).indices
-
-
-def _sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """Ascending indices of the True entries of a sparse bool ``mask`` whose length is a multiple of 8:
-    ``nonzero`` over its 8-byte words, then only inside the words that hold one. At ~1% density about a
-    tenth of the words do, and this takes ~2/3 of ``mask.nonzero()``, the costliest pass of the selection."""
-    words = mask.view(torch.int64).nonzero().view(-1)
-    hits = mask.view(-1, 8).index_select(0, words).nonzero()
-    return words.index_select(0, hits[:, 0]).mul_(8).add_(hits[:, 1])
-
-
-def _exact_top(candidates: torch.Tensor, magnitude: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` of ``candidates`` (ascending indices, of ``magnitude``) with the largest magnitudes, still in
-    ascending order (cache-friendly for the gather, the residual update and the merge that follow). Ties at
-    the k-th magnitude go to the lowest indices."""
-    if candidates.numel() == k:
-        return candidates
-    kth = torch.kthvalue(magnitude, magnitude.numel() - k + 1).values
-    chosen = magnitude > kth
-    short = k - int(chosen.sum())
-    if short > 0:
-        chosen[(magnitude == kth).nonzero().view(-1)[:short]] = True
-    return candidates.index_select(0, chosen.nonzero().view(-1))
 
 
 def build(spec: CompressionSpec) -> Compressor:
