@@ -18,6 +18,7 @@ __all__ = [
     "CellTimeoutError",
     "MPINotFoundError",
     "StallError",
+    "CellInterrupted",
 ]
 
 
@@ -75,6 +76,21 @@ class CellTimeoutError(TacoError):
     def __init__(self, message: str, running: list[int]) -> None:
         super().__init__(message)
         self.running = running
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """Ctrl-C (the kernel's interrupt) stopped a cell running on the ranks. A KeyboardInterrupt, so Run All stops
+    as for any interrupted cell; IPython shows ``tracebacks`` (rank -> where that rank's own code was when
+    SIGINT reached it) instead of the local frames, which are only the magic's wait loop."""
+
+    def __init__(self, message: str, tracebacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.tracebacks = tracebacks
+
+    def _render_traceback_(self) -> list[str]:
+        first = next(iter(self.tracebacks), None)
+        shown = [] if first is None else [f"[rank {first}] " + self.tracebacks[first]]
+        return [*shown, f"KeyboardInterrupt: {self}"]
 
 
 class StallError(TacoError):

@@ -8,7 +8,7 @@ import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import { IClusterModel } from './models';
-import { backoffDelay, FailureLatch, MAX_POLL_INTERVAL_MS, POLL_INTERVAL_MS } from './poll';
+import { backoffDelay, FailureLatch, MAX_POLL_INTERVAL_MS, pollInterval, POLL_INTERVAL_MS } from './poll';
 import { ApiError, ClusterAPI } from './request';
 
 /** Whether the server extension answers: `missing` when `GET version` is a 404. */
@@ -135,7 +135,7 @@ export class ClusterManager implements IDisposable {
       this._failures = 0;
       this._pollError = null;
       this._latch.clear();
-      this._setInterval(POLL_INTERVAL_MS);
+      this._setInterval(pollInterval(this._clusters));
     } catch (error) {
       this._onPollError(error);
     }

@@ -55,6 +55,14 @@ export function formatStep(run: Pick<IClusterRun, 'step' | 'total'>): string {
 }
 
 /**
+ * A running cell's progress for the sidebar: `step 225/2400`, or `running` while its ranks count no step
+ * (no `taco.progress` loop and no `DistributedOptimizer` step yet), never a `step 0` that would look stuck.
+ */
+export function formatProgress(run: Pick<IClusterRun, 'step' | 'total'>): string {
+  return run.step === 0 && run.total === null ? 'running' : `step ${formatStep(run)}`;
+}
+
+/**
  * The first line of a cell that says what it does: magics (`%%taco_run …`), blank lines and comments are
  * skipped; cut to `maxLength` with an ellipsis.
  */

@@ -8,6 +8,14 @@
 /** Poll `GET clusters` this often while all is well. */
 export const POLL_INTERVAL_MS = 2000;
 
+/** Poll this often while some cluster runs a cell: its step then trails the cell's by under a second. */
+export const LIVE_POLL_INTERVAL_MS = 500;
+
+/** The wait before the next poll after a good one: short while a cell runs, else the resting interval. */
+export function pollInterval(clusters: ReadonlyArray<{ run: unknown }>): number {
+  return clusters.some(cluster => cluster.run) ? LIVE_POLL_INTERVAL_MS : POLL_INTERVAL_MS;
+}
+
 /** Never wait longer than this between polls, however long the server has been failing. */
 export const MAX_POLL_INTERVAL_MS = 30000;
 

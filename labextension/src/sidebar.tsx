@@ -37,7 +37,7 @@ import {
   formatHugepages,
   formatMembership,
   formatNodeCount,
-  formatStep,
+  formatProgress,
   formatThroughput,
   gpuNameLines,
   isScaleDown,
@@ -143,7 +143,7 @@ function ClusterRun({ run }: { run: NonNullable<IClusterModel['run']> }): JSX.El
         {cellSnippet(run.cell) || NONE}
       </code>
       <span className="taco-cluster-step" title={`running for ${formatElapsed(run.started_at, Date.now() / 1000)}`}>
-        step {formatStep(run)}
+        {formatProgress(run)}
       </span>
       {run.samples_per_s === null ? null : (
         <span className="taco-cluster-throughput">{formatThroughput(run.samples_per_s)}</span>

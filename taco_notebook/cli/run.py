@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,16 +29,28 @@ def _text_of(output: Any) -> str:
 def run_notebook(path: Path, timeout: float, save: Path | None = None) -> int:
     """Execute every cell of ``path`` in a fresh kernel; returns a process exit code."""
     import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    with tempfile.TemporaryDirectory(prefix="taco-kernel-") as private:  # 0700: the kernel's sockets and key
+        return _execute(notebook, path, timeout, save, Path(private))
+
+
+def _execute(notebook: Any, path: Path, timeout: float, save: Path | None, private: Path) -> int:
+    """Run the cells in a kernel that talks over IPC sockets in ``private``: none of its channels listens on TCP,
+    so nothing on the network can reach it (and ipykernel has no plain-text-over-TCP warning to print)."""
+    import nbformat
+    from jupyter_client.manager import AsyncKernelManager
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+    manager = AsyncKernelManager(kernel_name="python3", transport="ipc",
+                                 connection_file=str(private / "kernel.json"))
+    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3", km=manager,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     code_cells = [c for c in notebook.cells if c.cell_type == "code"]
     status = 0
     began = time.monotonic()
-    with client.setup_kernel():
+    with client.setup_kernel(cleanup_kc=True):  # a manager handed in is not shut down unless asked
         for number, cell in enumerate(code_cells, 1):
             index = notebook.cells.index(cell)
             first_line = cell.source.splitlines()[0] if cell.source else ""

@@ -385,3 +385,59 @@ def test_sidebar_shows_an_elastic_clusters_membership(lab, page):
         _stop_from_panel(page, lab, row, "elastic cluster")
     finally:
         _stop_every_cluster(lab, before)
+
+
+LIVE_NOTEBOOK = "01-quickstart-with-a-long-notebook-name.ipynb"
+
+
+def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
+    """While a cell trains, the row names the notebook whole, names the cell by its first line that is not an
+    import, and shows the step within a second of the kernel's (the dashboard's); rank 0 writes its step to a file
+    each iteration, the truth both are compared with."""
+    from playwright.sync_api import expect
+
+    truth = tmp_path / "step"
+    cell = ("%%taco_run -np 2 --cluster live\nfrom torch import nn\nimport time\nmodel = nn.Linear(8, 1)\n"
+            "for step in taco.progress(range(400), desc='train'):\n"
+            "    taco.allreduce(torch.ones(1)); time.sleep(0.03)\n"
+            f"    if taco.rank() == 0: open({str(truth)!r} + '.tmp', 'w').write(str(step + 1)); "
+            f"__import__('os').replace({str(truth)!r} + '.tmp', {str(truth)!r})\n")
+    lab.write_notebook(LIVE_NOTEBOOK, ["%load_ext taco_notebook", cell])
+    before = _ids(lab)
+    try:
+        open_notebook(page, lab, LIVE_NOTEBOOK)
+        _open_sidebar(page)
+        run_all_cells(page)
+        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="live"]')
+        step = row.locator(".taco-cluster-step")
+        expect(step).to_have_text(re.compile(r"step [1-9]\d*/400"), timeout=120_000)
+        expect(row.locator(".taco-cluster-cell")).to_have_text("model = nn.Linear(8, 1)")
+        owner = row.locator(".taco-cluster-owner")
+        expect(owner).to_have_text(LIVE_NOTEBOOK)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(SIDEBAR).screenshot(path=str(ARTIFACTS / "sidebar-live-run.png"))
+        clipped = owner.evaluate("el => el.scrollWidth > el.clientWidth + 1")
+        assert not clipped, "the notebook's name is cut"
+        # (time, the ranks' step, the sidebar's, the server's: what the kernel last wrote, as the dashboard has it)
+        samples: list[tuple[float, int, int, int]] = []
+        while len(samples) < 40:
+            shown = re.fullmatch(r"step (\d+)/400", step.inner_text(timeout=5_000).strip())
+            if shown is None or int(shown.group(1)) >= 380:
+                break
+            run = next(c for c in _clusters(lab) if c["name"] == "live")["run"] or {"step": 0}
+            samples.append((time.monotonic(), int(truth.read_text() or 0), int(shown.group(1)), run["step"]))
+            time.sleep(0.1)
+        assert len(samples) >= 10, samples
+        rate = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])  # the ranks' steps per second
+        behind_kernel = sorted((kernel - shown) / rate for _, _, shown, kernel in samples)
+        behind_ranks = sorted((ranks - shown) / rate for _, ranks, shown, _ in samples)
+        assert len({shown for _, _, shown, _ in samples}) >= 3, f"the sidebar's step did not move: {samples}"
+        # the kernel's step is the dashboard's (the same payloads, cluster/cells/run.py); how far both trail the
+        # ranks is the engines' send cadence (cluster/cells/engine.py) and the machine's load: printed, not asserted
+        assert behind_kernel[len(samples) // 2] < 1.0, f"the sidebar trails the kernel by {behind_kernel} s"
+        print(f"sidebar step behind the kernel's (the dashboard's): median {behind_kernel[len(samples) // 2]:.2f} s, "
+              f"max {behind_kernel[-1]:.2f} s; behind the ranks: median {behind_ranks[len(samples) // 2]:.2f} s, "
+              f"max {behind_ranks[-1]:.2f} s, at {rate:.1f} steps/s")
+        wait_for_cells_executed(page, timeout=120)
+    finally:
+        _stop_every_cluster(lab, before)

@@ -196,6 +196,22 @@ def test_ctrl_c_interrupts_every_rank_and_keeps_the_cluster(ip, shared_cluster, 
     assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
 
 
+def test_ctrl_c_shows_the_users_traceback_not_tacos(ip, shared_cluster, sigint_as_in_a_kernel, tmp_path, capsys):
+    """What IPython prints for an interrupted cell (``showtraceback``, as the notebook shows it) is the notice and
+    the user's own frames: where the ranks were in the cell, and the KeyboardInterrupt; none of taco's frames."""
+    cell = gate_code(tmp_path / "never", "Ctrl-C never reached this rank") + started(tmp_path) + "wait_for_gate()\n"
+    results = []
+    interrupt_once_started(lambda: results.append(ip.run_cell(f"%%taco_run\n{cell}")) or
+                           results[-1].raise_error(), tmp_path, 4)
+    shown = capsys.readouterr()
+    assert "[taco] Interrupted: sending SIGINT to ranks 0-3" in shown.err or "Interrupted: sending SIGINT" in shown.err
+    assert isinstance(results[0].error_in_exec, KeyboardInterrupt)
+    assert "KeyboardInterrupt" in shown.out and "wait_for_gate()" in shown.out, shown.out
+    assert "taco_notebook" not in shown.out and "run_cell_magic" not in shown.out, shown.out
+    assert "__taco_result__" not in shown.out, shown.out  # the cell's last line as the user wrote it
+    assert ip.run_cell_magic("taco_run", "", ALLREDUCE_CELL) == [6.0, 6.0, 6.0]
+
+
 def test_ctrl_c_on_ranks_that_ignore_sigint_kills_and_restarts(ip, capsys, sigint_as_in_a_kernel, tmp_path):
     ip.run_cell_magic("taco_run", "-np 2 --cluster stubborn", "pass")
     old = engine_pids("stubborn")

@@ -157,3 +157,16 @@ def test_summary_plurals_and_distinct_errors():
     assert both.startswith("ranks 1, 2: RuntimeError: Connection closed by peer; rank 3: DistBackendError: x")
     assert both.endswith("…") and len(error_line(errors[3])) == 100
     assert error_line(RemoteError("KeyboardInterrupt", "", "")) == "KeyboardInterrupt"
+
+
+@pytest.mark.parametrize("code, shown", [
+    ("from torch import nn\nimport time\n\nmodel = nn.Linear(2, 1)\nfor s in taco.progress(range(9)): pass",
+     "model = nn.Linear(2, 1)"),  # the first line that does something, not its imports
+    ("# warm-up run\nimport torch\nx = torch.ones(2)", "warm-up run"),  # a comment that opens the cell names it
+    ("import torch\nimport time", "import torch"),  # nothing but imports: the first of them
+    ("%time x = 1\ny = 2", "y = 2"),
+])
+def test_the_sidebar_names_a_cell_by_what_it_does(code: str, shown: str) -> None:
+    from taco_notebook.cluster.cells.reporting import cell_snippet
+
+    assert cell_snippet(code) == shown

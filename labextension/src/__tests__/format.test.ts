@@ -10,6 +10,7 @@ import {
   formatMembership,
   formatNodeCount,
   formatPageSize,
+  formatProgress,
   formatStep,
   formatThroughput,
   NONE,
@@ -51,6 +52,12 @@ describe('formatting a cluster', () => {
   it('shows the step with its total when known', () => {
     assert.equal(formatStep({ step: 41, total: 100 }), '41/100');
     assert.equal(formatStep({ step: 7, total: null }), '7');
+  });
+
+  it('says running, not a stuck-looking step 0, while the ranks count no step', () => {
+    assert.equal(formatProgress({ step: 0, total: null }), 'running');
+    assert.equal(formatProgress({ step: 0, total: 2400 }), 'step 0/2400');
+    assert.equal(formatProgress({ step: 225, total: 2400 }), 'step 225/2400');
   });
 
   it('lists hosts once each, in node order', () => {

@@ -1,7 +1,15 @@
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 
-import { backoffDelay, failureKind, FailureLatch, MAX_POLL_INTERVAL_MS, POLL_INTERVAL_MS } from '../poll';
+import {
+  backoffDelay,
+  failureKind,
+  FailureLatch,
+  LIVE_POLL_INTERVAL_MS,
+  MAX_POLL_INTERVAL_MS,
+  pollInterval,
+  POLL_INTERVAL_MS
+} from '../poll';
 
 describe('backoffDelay', () => {
   it('polls every 2 s while all is well', () => {
@@ -18,6 +26,18 @@ describe('backoffDelay', () => {
     assert.equal(backoffDelay(2, 100, 1000, 3), 900);
     assert.equal(backoffDelay(10_000, 100, 1000, 3), 1000);
     assert.equal(backoffDelay(-1, 100), 100);
+  });
+});
+
+describe('pollInterval', () => {
+  it('polls every 0.5 s while a cell runs, so the step trails the cell by under a second', () => {
+    assert.equal(pollInterval([{ run: null }, { run: { step: 3 } }]), LIVE_POLL_INTERVAL_MS);
+    assert.ok(LIVE_POLL_INTERVAL_MS <= 500);
+  });
+
+  it('rests at 2 s when nothing runs', () => {
+    assert.equal(pollInterval([{ run: null }]), POLL_INTERVAL_MS);
+    assert.equal(pollInterval([]), POLL_INTERVAL_MS);
   });
 });
 

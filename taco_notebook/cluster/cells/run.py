@@ -25,6 +25,7 @@ and ``AsyncResult.split()`` (one AsyncResult per rank, each done when its rank i
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,11 +33,11 @@ from typing import Any, Protocol
 
 from ipyparallel.error import RemoteError
 
-from ...errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
+from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
 from ..session import TacoCluster
 from . import engine
 from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, were
-from .result import capture_last_expression, unwrap_result
+from .result import RESULT_NAME, capture_last_expression, unwrap_result
 from .script import Script
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
@@ -276,7 +277,7 @@ class _CellRun:
             self.stop_ladder("Interrupted")
             self.drain()
             self.sink.flush()
-            raise
+            raise self.interrupted() from None
         if self.killed:
             raise self.failure()
         self.ar.wait_for_output(1)
@@ -328,6 +329,16 @@ class _CellRun:
         tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
         return RankFailedError(message, tracebacks, first_rank=first)
 
+    def interrupted(self) -> CellInterrupted:
+        """The KeyboardInterrupt the user sees: where each rank's code was when SIGINT reached it (the ranks'
+        own tracebacks), not the kernel's frames, which only show this wait loop."""
+        reached = {rank: error for rank, error in sorted(self.outcomes().items())
+                   if isinstance(error, RemoteError) and error.ename == "KeyboardInterrupt"}
+        message = f"the cell was interrupted on {ranks_phrase(self.targets)}"
+        if self.killed:
+            message += f"; {ranks_phrase(self.killed)} ignored SIGINT and {were(self.killed)} killed"
+        return CellInterrupted(message, {rank: _render(error, self.origin) for rank, error in reached.items()})
+
     def _host(self, rank: int) -> str:
         return next((r.host for r in self.cluster.ranks if r.rank == rank), "?")
 
@@ -351,14 +362,20 @@ def _earliest(a: float | None, b: float) -> float:
     return b if a is None else min(a, b)
 
 
+# the kernel's rewrite of a cell's last expression (result.capture_last_expression), as a traceback quotes it
+_RESULT_LINE = re.compile(rf"{RESULT_NAME} = \((.*)\)((?:\x1b\[[0-9;]*m)*)$")
+
+
 def _render(error: Any, origin: str | None = None) -> str:
-    """A rank's traceback as text; from the first frame in file ``origin`` on, when given and found (a script's
-    traceback then starts in the script, not in the engine's machinery that ran it)."""
+    """A rank's traceback as text, quoting the cell's last line as the user wrote it; from the first frame in file
+    ``origin`` on, when given and found (a script's traceback then starts in the script, not in the engine's
+    machinery that ran it)."""
     try:
         text = "\n".join(error.render_traceback()[1:])
     except Exception:
         return f"{type(error).__name__}: {error}"
-    lines = text.splitlines()
+    lines = [_RESULT_LINE.sub(r"\1\2", line) for line in text.splitlines()]
+    text = "\n".join(lines)
     first = next((i for i, line in enumerate(lines) if i and "File" in line and origin and origin in line), None)
     return text if first is None else "\n".join([lines[0], *lines[first:]])
 

@@ -53,21 +53,28 @@ def _mount_remedy(page_kb: int, default_kb: int | None) -> str:
             f"`none {path} hugetlbfs pagesize={size} 0 0` in /etc/fstab")
 
 
+def _one_gb_findings(one_gb: dict[str, int] | None) -> list[Finding]:
+    """Information, not a warning: only a HARP-style user-space network stack on GPU nodes maps 1 GB pages;
+    taco's own allreduce runs the same without them (its shared buffers use 2 MB pages or /dev/shm)."""
+    if one_gb is None:
+        return [Finding("info", "1 GB huge pages are not offered by this CPU or kernel (only a HARP-style "
+                                "user-space network stack would use them; taco's allreduce does not)",
+                        "for HARP: a CPU with the pdpe1gb flag (`grep -c pdpe1gb /proc/cpuinfo`) and a kernel with "
+                        f"hugetlbfs; then `{ONE_GB_CMDLINE}` on the kernel command line and a reboot")]
+    if one_gb["total"] == 0:
+        return [Finding("info", "no 1 GB huge pages reserved (only a HARP-style user-space network stack would "
+                                "use them; taco's allreduce does not)",
+                        f"for HARP: add `{ONE_GB_CMDLINE}` to the kernel command line (GRUB_CMDLINE_LINUX in "
+                        "/etc/default/grub, then `update-grub`) and reboot: 1 GB pages are reliably "
+                        "reserved only at boot")]
+    return []
+
+
 def _hugepage_findings(facts: dict[str, Any]) -> list[Finding]:
     huge = facts.get("hugepages", {})
     pools, default_kb = huge.get("pools", {}), huge.get("default_kb")
     mounted = {m.get("page_kb") for m in huge.get("mounts", [])}
-    found = []
-    one_gb = pools.get(str(_1G))
-    if one_gb is None:
-        found.append(Finding("warning", "1 GB huge pages are not offered by this CPU or kernel",
-                             "a CPU with the pdpe1gb flag (`grep -c pdpe1gb /proc/cpuinfo`) and a kernel with "
-                             f"hugetlbfs; then `{ONE_GB_CMDLINE}` on the kernel command line and a reboot"))
-    elif one_gb["total"] == 0:
-        found.append(Finding("warning", "no 1 GB huge pages reserved (HARP-style user-space networking needs them)",
-                             f"add `{ONE_GB_CMDLINE}` to the kernel command line (GRUB_CMDLINE_LINUX in "
-                             "/etc/default/grub, then `update-grub`) and reboot: 1 GB pages are reliably "
-                             "reserved only at boot"))
+    found = _one_gb_findings(pools.get(str(_1G))) if _gpu_count(facts) else []  # only HARP on GPU nodes uses them
     two_mb = pools.get(str(_2M))
     if two_mb is None:
         found.append(Finding("warning", "this kernel has no huge page support",

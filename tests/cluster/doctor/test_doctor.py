@@ -101,11 +101,27 @@ def test_without_huge_pages_the_report_says_how_to_reserve_them(facts: dict[str,
     findings = {f.problem: f.remedy for f in diagnose(facts)}
     two_mb = next(r for p, r in findings.items() if p.startswith("no 2 MB huge pages reserved"))
     assert "vm.nr_hugepages=" in two_mb and "/etc/sysctl.d/" in two_mb
-    if "1048576" in facts["hugepages"]["pools"] and facts["hugepages"]["pools"]["1048576"]["total"] == 0:
-        one_gb = next(r for p, r in findings.items() if p.startswith("no 1 GB huge pages reserved"))
-        assert "default_hugepagesz=1GB hugepagesz=1GB hugepages=50" in one_gb and "reboot" in one_gb
     with pytest.raises(HugePagesError, match=rf"{re.escape(facts['node'])} \(0 free of 0 2 MB pages\)"):
         require_hugepages(report_from_facts([facts]), 1, "2M")
+
+
+def test_missing_1gb_pages_are_information_and_only_on_gpu_nodes(facts: dict[str, Any]) -> None:
+    """1 GB pages serve only a HARP-style network stack on GPU nodes: a CPU-only node hears nothing of them (no
+    GRUB, no reboot), a GPU node hears it as information; this machine's facts, with and without GPUs listed."""
+    cpu_only = {**facts, "gpus": {"tool": "missing", "gpus": [], "driver_gpus": 0}}
+    said = diagnose(cpu_only)
+    assert not [f for f in said if "1 GB" in f.problem or "grub" in f.remedy.lower() or "and reboot" in f.remedy
+                or "and a reboot" in f.remedy], said
+    for pool in ({"total": 0, "free": 0}, None):  # none reserved; none offered by the CPU
+        pools = {k: v for k, v in facts["hugepages"]["pools"].items() if k != "1048576"}
+        if pool is not None:
+            pools["1048576"] = pool
+        h100 = {"index": 0, "name": "H100", "memory_mib": 81559, "bus_id": None}
+        gpu_node = {**facts, "hugepages": {**facts["hugepages"], "pools": pools},
+                    "gpus": {"tool": "ok", "gpus": [h100], "driver_gpus": 1, "topology": "GPU0 X"}}
+        one_gb = [f for f in diagnose(gpu_node) if "1 GB huge pages" in f.problem]
+        assert [f.severity for f in one_gb] == ["info"], one_gb
+        assert "HARP" in one_gb[0].problem and "hugepagesz=1GB" in one_gb[0].remedy
 
 
 @pytest.fixture
