@@ -57,6 +57,7 @@ __all__ = [
     "StallError",
     "stall",
     "elastic",
+    "tune",
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
@@ -106,6 +107,10 @@ def __getattr__(name: str) -> object:
         from .optimizer import DistributedOptimizer
 
         return DistributedOptimizer
+    if name == "tune":
+        from .advisor import tune
+
+        return tune
     if name in ("hooks", "elastic"):
         import importlib
 
