@@ -35,8 +35,8 @@ from typing import Any
 
 from .compression.spec import CompressionSpec
 
-__all__ = ["tune", "Trial", "TuneResult", "advise", "remembered", "forget", "resolve_auto", "DEFAULT_CANDIDATES",
-           "PAYS", "SAVES", "SLOPE_KEPT", "AUTO"]
+__all__ = ["tune", "Trial", "TuneResult", "advise", "remembered", "forget", "auto_choice", "resolve_auto",
+           "DEFAULT_CANDIDATES", "PAYS", "SAVES", "SLOPE_KEPT", "AUTO"]
 
 AUTO = "auto"  # --compression auto / configure(compression="auto"): the remembered choice
 # PowerSGD without its warm-up: a trial of a few steps would otherwise never compress (it reduces uncompressed
@@ -351,10 +351,8 @@ def forget() -> None:
     _remembered.pop("result", None)
 
 
-def resolve_auto() -> CompressionSpec:
-    """What ``auto`` means now: the remembered recommendation, else none; rank 0 prints which and why."""
-    from . import rank
-
+def auto_choice() -> tuple[CompressionSpec, str]:
+    """What ``auto`` means now: the remembered recommendation, else none; and a line saying which and why."""
     result = remembered()
     if result is None:
         chosen, why = CompressionSpec(), ("no taco.tune result on this cluster yet, so this runs uncompressed; "
@@ -362,6 +360,14 @@ def resolve_auto() -> CompressionSpec:
                                           "on your own step (auto then uses its choice)")
     else:
         chosen, why = CompressionSpec.parse(result.best), f"taco.tune's choice: {result.reason}"
+    return chosen, f"--compression auto: {chosen.name} ({why})"
+
+
+def resolve_auto() -> CompressionSpec:
+    """:func:`auto_choice`'s spec; rank 0 prints its line (``configure(compression="auto")`` under mpiexec)."""
+    from . import rank
+
+    chosen, note = auto_choice()
     if rank() == 0:
-        print(f"[taco] --compression auto: {chosen.name} ({why})", flush=True)
+        print(f"[taco] {note}", flush=True)
     return chosen

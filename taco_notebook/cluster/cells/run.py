@@ -246,7 +246,9 @@ class _CellRun:
         if self.cluster.needs_reinit:
             self.cluster.reinit()
         if self.options.settings:
-            self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
+            notes = self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
+            if notes and notes[0]:  # --compression auto: what it chose (every rank chose the same)
+                self.sink.notice(notes[0])
         # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
         self.cluster.client[self.engines].apply_async(engine.begin_cell, self.sending)
         try:
