@@ -12,7 +12,7 @@ node links at (:mod:`.metrics`), and the loss's slope over the timed steps again
         x, y = next(batches); opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
         return loss
     result = taco.tune(step, state)      # the table; result.best is the recommended spec
-    # later cells: %%taco_run --compression auto (or taco.configure(compression="auto")) use result.best
+    # later cells: %%taco_run --compression auto uses result.best (auto_choice() says so on the ranks)
 
 A candidate *pays* when it is at least :data:`PAYS` times faster than none and its loss falls at least
 :data:`SLOPE_KEPT` as fast; the fastest that pays is recommended, else none, with why (fast links, small model).
@@ -35,10 +35,10 @@ from typing import Any
 
 from .compression.spec import CompressionSpec
 
-__all__ = ["tune", "Trial", "TuneResult", "advise", "remembered", "forget", "auto_choice", "resolve_auto",
+__all__ = ["tune", "Trial", "TuneResult", "advise", "remembered", "forget", "auto_choice",
            "DEFAULT_CANDIDATES", "PAYS", "SAVES", "SLOPE_KEPT", "AUTO"]
 
-AUTO = "auto"  # --compression auto / configure(compression="auto"): the remembered choice
+AUTO = "auto"  # %%taco_run --compression auto: the remembered choice (cluster/cells/engine.py asks auto_choice)
 # PowerSGD without its warm-up: a trial of a few steps would otherwise never compress (it reduces uncompressed
 # for `warmup` steps per tensor), and the spec recommended is the one measured.
 DEFAULT_CANDIDATES = ("none", "fp16", "bf16", "topk:0.01", "topk:0.001", "powersgd:1:warmup=0",
@@ -361,13 +361,3 @@ def auto_choice() -> tuple[CompressionSpec, str]:
     else:
         chosen, why = CompressionSpec.parse(result.best), f"taco.tune's choice: {result.reason}"
     return chosen, f"--compression auto: {chosen.name} ({why})"
-
-
-def resolve_auto() -> CompressionSpec:
-    """:func:`auto_choice`'s spec; rank 0 prints its line (``configure(compression="auto")`` under mpiexec)."""
-    from . import rank
-
-    chosen, note = auto_choice()
-    if rank() == 0:
-        print(f"[taco] {note}", flush=True)
-    return chosen

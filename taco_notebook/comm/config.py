@@ -78,8 +78,7 @@ def configure(algorithm: str | None = None, compression: CompressionSpec | str |
     """Change this rank's defaults (``reset=True`` goes back to the environment's). Returns the new ones.
 
     ``compression`` is a :class:`.compression.spec.CompressionSpec` or its text (``"topk:0.01"``), parsed
-    here once; ``settings().compression`` is then the spec value. ``"auto"`` is what ``taco.tune`` last
-    recommended on this rank, else none (rank 0 prints which: :func:`.advisor.resolve_auto`).
+    here once; ``settings().compression`` is then the spec value.
 
     ``shm`` applies to the 2D groups built next (after ``reinit()``), ``collective_timeout`` to the next
     ``init()``/``reinit()``: both are fixed when the groups are made. ``stall_timeout`` (seconds, 0 or
@@ -92,10 +91,6 @@ def configure(algorithm: str | None = None, compression: CompressionSpec | str |
     changes: dict[str, object] = {}
     if algorithm is not None:
         changes["algorithm"] = check_algorithm(algorithm)
-    if isinstance(compression, str) and compression.strip().lower() == "auto":  # taco.tune's remembered choice
-        from .advisor import resolve_auto
-
-        compression = resolve_auto()
     if compression is not None:
         changes["compression"] = CompressionSpec.parse(compression)
     if fusion_mb is not None:
