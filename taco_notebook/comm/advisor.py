@@ -7,21 +7,22 @@ each trial and once more at the end, so tuning leaves the model, optimizer and c
 it measures the step time (the slowest rank's median), the wire bytes per step and the rate the bytes crossed
 node links at (:mod:`.metrics`), and the loss's slope over the timed steps against the uncompressed run's::
 
-    state = taco.elastic.State(model=model, optimizer=opt)
-    def step():
-        x, y = next(batches); opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
+    state = taco.elastic.State(model=model, optimizer=opt, step=0)
+    def step():                          # batches picked by a State counter: every trial sees the same ones
+        x, y = batches[state.step % len(batches)]; state.step += 1
+        opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
         return loss
     result = taco.tune(step, state)      # the table; result.best is the recommended spec
     # later cells: %%taco_run --compression auto uses result.best (auto_choice() says so on the ranks)
 
-A candidate *pays* when it is at least :data:`PAYS` times faster than none and its loss falls at least
-:data:`SLOPE_KEPT` as fast; the fastest that pays is recommended, else none, with why (fast links, small model).
-Every decision is made from numbers reduced over the ranks, so every rank makes the same one. The compression is
-switched on ``state.optimizer`` when it is a ``DistributedOptimizer`` (:meth:`~.optimizer.DistributedOptimizer.
-set_compression`), on ``hook_state`` when given (a DDP model's ``TacoHookState``), else on the rank's default
-(``configure()``: what a DDP hook registered with state None follows); the compression in force before is put
-back afterwards. Importable without IPython; the notebook draws :class:`TuneResult` as an HTML table
-(``taco_notebook.widgets.tune``).
+A candidate *pays* when it is at least :data:`PAYS` times faster than none, sends at most :data:`SAVES` of its bytes
+and its loss falls at least :data:`SLOPE_KEPT` as fast; the fastest that pays is recommended, else none, with why
+(fast links, small model). Every decision is made from numbers reduced over the ranks, so every rank makes the same
+one. The compression is switched on ``state.optimizer`` when it is a ``DistributedOptimizer``
+(:meth:`~.optimizer.DistributedOptimizer. set_compression`), on ``hook_state`` when given (a DDP model's
+``TacoHookState``), else on the rank's default (``configure()``: what a DDP hook registered with state None
+follows); the compression in force before is put back afterwards. Importable without IPython; the notebook draws
+:class:`TuneResult` as an HTML table (``taco_notebook.widgets.tune``).
 """
 
 from __future__ import annotations
