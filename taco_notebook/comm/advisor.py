@@ -19,7 +19,7 @@ A candidate *pays* when it is at least :data:`PAYS` times faster than none, send
 and its loss falls at least :data:`SLOPE_KEPT` as fast; the fastest that pays is recommended, else none, with why
 (fast links, small model). Every decision is made from numbers reduced over the ranks, so every rank makes the same
 one. The compression is switched on ``state.optimizer`` when it is a ``DistributedOptimizer``
-(:meth:`~.optimizer.DistributedOptimizer. set_compression`), on ``hook_state`` when given (a DDP model's
+(:meth:`~.optimizer.DistributedOptimizer.set_compression`), on ``hook_state`` when given (a DDP model's
 ``TacoHookState``), else on the rank's default (``configure()``: what a DDP hook registered with state None
 follows); the compression in force before is put back afterwards. Importable without IPython; the notebook draws
 :class:`TuneResult` as an HTML table (``taco_notebook.widgets.tune``).
