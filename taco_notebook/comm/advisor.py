@@ -108,8 +108,9 @@ class TuneResult:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        return (f"taco.tune: {self.steps} timed steps (after {self.warmup} untimed) per candidate on "
-                f"{self.ranks} ranks, {self.nodes} nodes; recommends {self.best}: {self.reason}")
+        ranks, nodes = (f"{n} {w}{'s' if n != 1 else ''}" for n, w in ((self.ranks, "rank"), (self.nodes, "node")))
+        return (f"taco.tune: {self.steps} timed steps (after {self.warmup} untimed) per candidate on {ranks}, "
+                f"{nodes}; recommends {self.best}: {self.reason}")
 
     def __str__(self) -> str:
         return f"{self.summary()}\n\n{self.table()}\n\n--compression auto uses {self.best} on this cluster."
@@ -161,9 +162,11 @@ def _judge(trial: Trial, base: Trial, falling: bool) -> Trial:
         return _with(trial, speedup, relative, "loss not finite", False)
     if relative is not None and relative < SLOPE_KEPT:
         return _with(trial, speedup, relative, f"loss falls slower ({relative:.2f} of none's)", False)
+    if base.wire_bytes_per_step == 0:
+        return _with(trial, speedup, relative, "nothing crosses the network", False)
     if trial.wire_bytes_per_step >= SAVES * base.wire_bytes_per_step:
-        return _with(trial, speedup, relative, "sends as much as none (tensors under its threshold go dense)",
-                     False)
+        dense = " (tensors under its threshold go dense)" if trial.candidate.startswith(("topk", "powersgd")) else ""
+        return _with(trial, speedup, relative, f"sends as much as none{dense}", False)
     if speedup < PAYS:
         return _with(trial, speedup, relative, "no faster" if speedup >= 1 / PAYS else "slower", False)
     return _with(trial, speedup, relative, "pays" if falling else "pays (loss not judged)", True)
@@ -178,7 +181,9 @@ def _why_none(judged: Sequence[Trial], base: Trial, nodes: int) -> str:
     if fastest is None:
         return "no compressed candidate was tried"
     link = "" if base.link_bytes_per_s is None else f" (links moved {format_bytes(base.link_bytes_per_s)}/s)"
-    if nodes == 1:
+    if base.wire_bytes_per_step == 0:
+        where = "nothing was sent (one rank: its gradients are the average)"
+    elif nodes == 1:
         where = "all ranks share one node: gradients never cross a network link"
     elif fastest.speedup < PAYS:
         where = (f"communication is not the bottleneck{link}: fast links or a small model, so the bytes saved "

@@ -44,10 +44,13 @@ def test_nothing_pays_on_fast_links_and_the_reason_says_so() -> None:
                                                                "bf16": "slower"}
 
 
-def test_one_node_and_dense_tensors_never_pay() -> None:
+def test_one_node_one_rank_and_dense_tensors_never_pay() -> None:
     result = advise([trial("none", 1.0, 100e6), trial("topk:0.01", 0.5, 99e6)], ranks=2, nodes=1)
     assert result.best == "none" and "one node" in result.reason
-    assert result.trials[1].verdict.startswith("sends as much as none")
+    assert result.trials[1].verdict == "sends as much as none (tensors under its threshold go dense)"
+    alone = advise([trial("none", 1.0, 0), trial("fp16", 0.5, 0)], ranks=1, nodes=1)
+    assert alone.best == "none" and "one rank" in alone.reason
+    assert alone.trials[1].verdict == "nothing crosses the network" and "on 1 rank, 1 node;" in str(alone)
 
 
 def test_a_loss_that_does_not_fall_is_not_judged_and_a_diverging_one_is_refused() -> None:
