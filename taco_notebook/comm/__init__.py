@@ -48,6 +48,7 @@ __all__ = [
     "metrics",
     "progress",
     "DistributedOptimizer",
+    "tune",
     "hooks",
     "broadcast",
     "allgather",
@@ -57,7 +58,6 @@ __all__ = [
     "StallError",
     "stall",
     "elastic",
-    "tune",
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
@@ -103,14 +103,14 @@ def num_nodes() -> int:
 
 def __getattr__(name: str) -> object:
     # The training APIs import more of torch (optim, nn): loaded on first use.
+    if name == "tune":  # the compression advisor (advisor.py); a module named tune would shadow the function
+        from .advisor import tune
+
+        return tune
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer
 
         return DistributedOptimizer
-    if name == "tune":
-        from .advisor import tune
-
-        return tune
     if name in ("hooks", "elastic"):
         import importlib
 

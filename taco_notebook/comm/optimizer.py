@@ -95,7 +95,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buckets: list[Bucket] = build_buckets(reversed(_named(optimizer, named_parameters)),
                                                    int(mb * 1024 * 1024))
         self._bucket_of = bucket_of(self.buckets)
-        self._describe_buckets()
+        compressor = compressor_for(self.compression)
+        for bucket in self.buckets:  # a new model: nothing kept from the last one under the same bucket name
+            compressor.forget(("bucket", bucket.index))
+            compressor.describe_buffer(("bucket", bucket.index), [p.shape for p in bucket.params])
         self._passes: dict[Any, int] = {}
         self._waiting = [len(b.params) for b in self.buckets]  # per bucket: gradients still to come
         self._ready: set[int] = set()
@@ -109,24 +112,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._detached = False  # remove_hooks() was called: stay off whatever the world does
         self._follow_world()
-
-    def _describe_buckets(self) -> None:
-        compressor = compressor_for(self.compression)
-        for bucket in self.buckets:  # a new model: nothing kept from the last one under the same bucket name
-            compressor.forget(("bucket", bucket.index))
-            compressor.describe_buffer(("bucket", bucket.index), [p.shape for p in bucket.params])
-
-    def set_compression(self, compression: CompressionSpec | str | None) -> None:
-        """Compress with ``compression`` from the next step on (None: the rank's default now), starting afresh:
-        what the old compressor kept for these buckets (residuals, warm starts) is dropped. ``taco.tune``
-        switches its candidates this way. Not while gradients are being reduced."""
-        if self._launched:
-            raise RuntimeError("set_compression() while gradients are being reduced: call step() first")
-        old = compressor_for(self.compression)
-        for bucket in self.buckets:
-            old.forget(("bucket", bucket.index))
-        self.compression = settings().compression if compression is None else CompressionSpec.parse(compression)
-        self._describe_buckets()
 
     def _alone(self) -> bool:
         """This rank is the job and nothing is scaled: the reduced gradients are the gradients themselves."""
@@ -237,6 +222,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         metrics.step(samples=self.samples_per_step)
         self._follow_world()
         return result
+
+    def set_compression(self, compression: CompressionSpec | str | None) -> None:
+        """Compress with ``compression`` from the next step on (None: the rank's default now), starting afresh:
+        what the old and the new compressor kept for these buckets (residuals, warm starts) is dropped.
+        ``taco.tune`` switches its candidates this way. Not while gradients are being reduced."""
+        if self._launched:
+            raise RuntimeError("set_compression() while gradients are being reduced: call step() first")
+        old = compressor_for(self.compression)
+        self.compression = settings().compression if compression is None else CompressionSpec.parse(compression)
+        new = compressor_for(self.compression)
+        for bucket in self.buckets:
+            old.forget(("bucket", bucket.index))
+            new.forget(("bucket", bucket.index))
+            new.describe_buffer(("bucket", bucket.index), [p.shape for p in bucket.params])
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the wrapped optimizer keeps working on its own)."""
