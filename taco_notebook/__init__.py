@@ -41,8 +41,17 @@ def load_ipython_extension(ipython: Any) -> None:
     from .magics import TacoMagics
 
     ipython.register_magics(TacoMagics)
+    # taco.tune's result, returned from the ranks, drawn as a table (the formatter imports the widgets when used)
+    ipython.display_formatter.formatters["text/html"].for_type_by_name("taco_notebook.comm.advisor", "TuneResult",
+                                                                       _tune_html)
     if "taco" not in ipython.user_ns:
         ipython.push({"taco": sys.modules[__name__]})
+
+
+def _tune_html(result: Any) -> str:
+    from .widgets.tune import tune_html
+
+    return tune_html(result)
 
 
 def dashboard() -> Any:

@@ -48,6 +48,7 @@ __all__ = [
     "metrics",
     "progress",
     "DistributedOptimizer",
+    "tune",
     "hooks",
     "broadcast",
     "allgather",
@@ -102,6 +103,10 @@ def num_nodes() -> int:
 
 def __getattr__(name: str) -> object:
     # The training APIs import more of torch (optim, nn): loaded on first use.
+    if name == "tune":  # the compression advisor (advisor.py); a module named tune would shadow the function
+        from .advisor import tune
+
+        return tune
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer
 

@@ -223,6 +223,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._follow_world()
         return result
 
+    def set_compression(self, compression: CompressionSpec | str | None) -> None:
+        """Compress with ``compression`` from the next step on (None: the rank's default now), starting afresh:
+        what the old and the new compressor kept for these buckets (residuals, warm starts) is dropped.
+        ``taco.tune`` switches its candidates this way. Not while gradients are being reduced."""
+        if self._launched:
+            raise RuntimeError("set_compression() while gradients are being reduced: call step() first")
+        old = compressor_for(self.compression)
+        self.compression = settings().compression if compression is None else CompressionSpec.parse(compression)
+        new = compressor_for(self.compression)
+        for bucket in self.buckets:
+            old.forget(("bucket", bucket.index))
+            new.forget(("bucket", bucket.index))
+            new.describe_buffer(("bucket", bucket.index), [p.shape for p in bucket.params])
+
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the wrapped optimizer keeps working on its own)."""
         self._detached = True

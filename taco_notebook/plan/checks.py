@@ -23,10 +23,17 @@ def algorithm(value: Any, what: str) -> str:
 
 
 def compression(value: Any, what: str) -> str:
-    """A compression spec in its canonical form (``TopK:0.01`` → ``topk:0.01``)."""
+    """A compression spec in its canonical form (``TopK:0.01`` → ``topk:0.01``), or ``auto`` (the ranks use what
+    ``taco.tune`` last recommended on the cluster, else none)."""
+    from ..comm.advisor import AUTO
     from ..comm.compression.spec import CompressionSpec
 
-    return CompressionSpec.parse(value).name  # its message names the spec and what is accepted
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return CompressionSpec.parse(value).name
+    except ValueError as exc:  # its message names the spec and what is accepted; auto is this option's own
+        raise ValueError(f"{exc}, or auto (taco.tune's choice)") from None
 
 
 def fusion_mb(value: Any, what: str) -> float:

@@ -24,11 +24,12 @@ from ..comm.specs import ALGORITHMS
 from . import checks
 from .checks import Check
 
-__all__ = ["Flag", "Option", "OPTIONS", "EFFECTS", "DEFAULT_NP", "COMPRESSION_FORMS", "DASHBOARD_MODES", "option",
-           "flags_of", "traits", "add_arguments", "or_list", "markdown"]
+__all__ = ["Flag", "Option", "OPTIONS", "EFFECTS", "DEFAULT_NP", "COMPRESSION_FORMS", "COMPRESSION_CHOICES",
+           "DASHBOARD_MODES", "option", "flags_of", "traits", "add_arguments", "or_list", "markdown"]
 
 DEFAULT_NP = 4
 COMPRESSION_FORMS = ("none", "fp16", "bf16", "topk:RATIO", "powersgd:RANK")  # comm.compression's specs
+COMPRESSION_CHOICES = (*COMPRESSION_FORMS, "auto")  # auto: taco.tune's choice (comm.advisor)
 DASHBOARD_MODES = ("auto", "widget", "text", "off")  # widgets.dashboard's, which imports bokeh: a test keeps them equal
 EFFECTS = {
     "cell": "the ranks' `taco.configure()` for each cell",
@@ -208,9 +209,10 @@ OPTIONS: tuple[Option, ...] = (
                                 "flat or 2d (TacoMagics.algorithm, LIGHT_2D_ALLREDUCE)"),),
            trait=Unicode, summary=f"allreduce: {or_list(ALGORITHMS)}", env="LIGHT_2D_ALLREDUCE", default="auto",
            check=checks.algorithm, effect="cell"),
-    Option("compression", (_value(("--compression",), "SPEC", f"what crosses nodes: {or_list(COMPRESSION_FORMS)} "
-                                  "(TacoMagics.compression, LIGHT_TOPK_ALLREDUCE)"),),
-           trait=Unicode, summary=or_list(COMPRESSION_FORMS), env="LIGHT_TOPK_ALLREDUCE",
+    Option("compression", (_value(("--compression",), "SPEC", f"what crosses nodes: {or_list(COMPRESSION_CHOICES)}"
+                                  "; auto is what taco.tune(step, state) last recommended on this cluster, and none "
+                                  "(saying so) before any tune (TacoMagics.compression, LIGHT_TOPK_ALLREDUCE)"),),
+           trait=Unicode, summary=or_list(COMPRESSION_CHOICES), env="LIGHT_TOPK_ALLREDUCE",
            env_doc="LIGHT_TOPK_ALLREDUCE/_RATIO/_THRESHOLD", default="none", check=checks.compression,
            effect="cell"),
     Option("fusion_mb", (_value(("--fusion-mb",), "MB", "fuse gradients into buckets of up to MB megabytes (default "

@@ -60,7 +60,7 @@ def comm_settings(config: TacoSettings, args: Any) -> dict[str, object]:
         for name in RANK_SETTINGS:
             value = config.chosen(name, getattr(args, name), _flag_of(name))
             if value is not None:  # the compression spec goes as its value (parsed once more: a cache hit)
-                chosen[name] = CompressionSpec.parse(value) if name == "compression" else value
+                chosen[name] = CompressionSpec.parse(value) if name == "compression" and value != "auto" else value
             else:  # the ranks will read it: a bad value fails here, naming the variable, before anything starts
                 from_env[name]()
     return chosen

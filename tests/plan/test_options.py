@@ -92,3 +92,10 @@ def test_launch_takes_the_run_flags_and_the_cluster_stack_is_a_part_of_them() ->
     args = parser.parse_args(["--no-shm", "--no-dashboard", "--no-stream", "train.py", "-np", "3"])
     assert (args.shm, args.dashboard, args.stream, args.gather, args.cluster) == (False, "off", False, False, "default")
     assert (args.script, args.script_args, args.np) == ("train.py", ["-np", "3"], None)
+
+
+def test_compression_auto_is_accepted_and_named_in_a_bad_specs_message() -> None:
+    assert checks.compression(" AUTO ", "--compression") == "auto"
+    assert "auto" in option("compression").trait_help
+    with pytest.raises(ValueError, match=r"unknown compression 'zip'.*, or auto \(taco.tune's choice\)"):
+        checks.compression("zip", "--compression")

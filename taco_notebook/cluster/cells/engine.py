@@ -188,11 +188,18 @@ def begin_cell(dashboard: bool = True, interval: float = SEND_S) -> None:
     metrics.set_sender(_sender if dashboard else None, interval)
 
 
-def configure_cell(settings: dict[str, Any]) -> None:
-    """``taco.configure(**settings)`` for the next cell (``%%taco_run --algorithm/--compression/--fusion-mb``)."""
+def configure_cell(settings: dict[str, Any]) -> str | None:
+    """``taco.configure(**settings)`` for the next cell (``%%taco_run --algorithm/--compression/--fusion-mb``);
+    with ``--compression auto``, the line saying what auto chose (taco.tune's remembered choice, or none)."""
     from ...comm import configure
+    from ...comm.advisor import AUTO, auto_choice
 
+    note = None
+    if settings.get("compression") == AUTO:
+        spec, note = auto_choice()
+        settings = {**settings, "compression": spec}
     configure(**settings)
+    return note
 
 
 def reset_settings() -> None:

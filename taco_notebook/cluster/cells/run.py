@@ -1,5 +1,4 @@
-"""Run one cell (or a script, :func:`run_script`) on the ranks of a TacoCluster: stream output, notice failure,
-never hang.
+"""Run a cell (or a script: :func:`run_script`) on a TacoCluster's ranks: stream output, notice failure, never hang.
 
 The wait loop polls, every few tens of milliseconds, four things: the cell's result, the engines' output, the
 mpiexec process (a rank that dies takes it down) and the deadline. When something goes wrong it climbs one
@@ -247,7 +246,9 @@ class _CellRun:
         if self.cluster.needs_reinit:
             self.cluster.reinit()
         if self.options.settings:
-            self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
+            notes = self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
+            if notes[0]:  # --compression auto: what it chose (the ranks agree)
+                self.sink.notice(notes[0])
         # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
         self.cluster.client[self.engines].apply_async(engine.begin_cell, self.sending)
         try:
