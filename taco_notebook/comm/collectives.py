@@ -5,6 +5,11 @@ set-up call, and is watched by the stall watchdog (:mod:`.stall`). allreduce and
 place (and return them, for chaining), as in Horovod's ``allreduce_``; allgather and alltoall make new tensors.
 Every collective runs on the communication thread (:mod:`.state`), so ``*_async`` calls and gradient buckets
 keep one order on every rank.
+
+Before moving data, the ranks agree on what they run (:mod:`.agreement`): a different shape, dtype, root or op
+on one rank raises the same :class:`~.agreement.CollectiveMismatchError` on every rank, and a call that fails
+its own checks on one rank only makes the others raise instead of wait. Every dtype torch has works: the few
+gloo lacks (int16, uint16, uint32, uint64) travel widened (reductions) or as bytes (the others).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from . import bootstrap
+from . import agreement, bootstrap
 from .compression.spec import CompressionSpec
 from .stall import tracked
 from .state import state
@@ -22,8 +27,19 @@ from .transport import streams
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["allreduce", "allreduce_async", "broadcast", "broadcast_async", "allgather", "allgather_async",
-           "alltoall", "alltoall_async", "barrier", "broadcast_parameters", "REDUCE_OPS"]
+__all__ = [
+    "allreduce",
+    "allreduce_async",
+    "broadcast",
+    "broadcast_async",
+    "allgather",
+    "allgather_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast_parameters",
+    "REDUCE_OPS",
+]
 
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
 
@@ -40,6 +56,58 @@ def _check_tensor(tensor: Any, what: str) -> None:
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
 
 
+def _wider(dtype: Any) -> Any:
+    """The dtype a reduction of ``dtype`` travels in when gloo has no kernel for it (None: it has one).
+
+    Sums wrap as they would in the narrow type once cast back; uint64 goes as int64 (same bits for sums)."""
+    import torch
+
+    return {
+        torch.int16: torch.int32,
+        torch.uint16: torch.int32,
+        torch.uint32: torch.int64,
+        torch.uint64: torch.int64,
+    }.get(dtype)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous, at least 1-d) seen as rows of uint8, its first dimension kept, when gloo lacks its
+    dtype (broadcast, allgather, alltoall only move bytes); the tensor itself otherwise."""
+    import math
+
+    import torch
+
+    if _wider(tensor.dtype) is None or tensor.is_cuda:
+        return tensor
+    return tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:])).view(torch.uint8)
+
+
+def _checked(
+    sig: agreement.Signature, work: Callable[[], Any], extra: int = 0, then: Callable[[list[int]], Any] | None = None
+) -> Callable[[], Any]:
+    """``work`` preceded, on the communication thread, by the ranks' agreement on ``sig``; ``then`` (if given)
+    runs instead of ``work`` with every rank's ``extra``."""
+
+    def run() -> Any:
+        _ready()
+        if not agreement.enabled():
+            return work() if then is None else then([])
+        extras = tracked("agree", sig.name, lambda: agreement.agree(sig, extra))()
+        return work() if then is None else then(extras)
+
+    return run
+
+
+def _refuse(kind: str, error: BaseException) -> BaseException:
+    """Tell the other ranks this call failed here (they raise, naming it, instead of waiting); return ``error``.
+
+    Only while the group is up: before it, nothing is waiting."""
+    if bootstrap.is_initialized() and agreement.enabled():
+        sig = agreement.invalid(kind, error)
+        state.comm_thread.submit(tracked("agree", None, lambda: agreement.agree(sig)))
+    return error
+
+
 def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
     """Run ``collective`` on a contiguous buffer and write the result back into ``tensor``."""
     if tensor.numel() == 0:
@@ -53,20 +121,72 @@ def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
     return tensor
 
 
-def _allreduce_job(tensor: torch.Tensor, op: str, compression: CompressionSpec | str | None, algorithm: str | None,
-                   name: Any, prescale: float, postscale: float) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
-    """Validate now (errors surface in the caller); the returned work runs on the communication thread."""
+def _allreduce_sig(
+    tensor: torch.Tensor, op: str, compression: Any, algorithm: str | None, name: Any
+) -> agreement.Signature:
+    spec = CompressionSpec.parse(compression)
+    return agreement.describe_tensor(
+        "allreduce", tensor, name, op=op, compression=None if spec.kind == "none" else str(spec), algorithm=algorithm
+    )
+
+
+def _allreduce_job(
+    tensor: torch.Tensor,
+    op: str,
+    compression: CompressionSpec | str | None,
+    algorithm: str | None,
+    name: Any,
+    prescale: float,
+    postscale: float,
+    check: bool = True,
+    key: Any = None,
+) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+    """Validate now (errors surface in the caller); the returned work runs on the communication thread.
+
+    ``name`` is what ranks agree on; ``key`` (default ``name``) keys TopK's error feedback."""
+    try:
+        _check_tensor(tensor, "allreduce")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+        if op not in ("sum", "avg") and CompressionSpec.parse(compression).kind != "none":
+            raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
+        sig = _allreduce_sig(tensor, op, compression, algorithm, name)
+        wide = _wider(tensor.dtype) if not tensor.is_cuda else None
+        work, future = _reduce_work(
+            tensor if wide is None else tensor.to(wide),
+            op,
+            compression,
+            algorithm,
+            name if key is None else key,
+            prescale,
+            postscale,
+        )
+    except (TypeError, ValueError) as error:
+        raise (_refuse("allreduce", error) if check else error) from None
+    if wide is not None:
+        reduce_wide = work
+
+        def work() -> torch.Tensor:
+            return tensor.copy_(reduce_wide())
+
+    return (_checked(sig, work) if check else work), future
+
+
+def _reduce_work(
+    tensor: torch.Tensor,
+    op: str,
+    compression: CompressionSpec | str | None,
+    algorithm: str | None,
+    name: Any,
+    prescale: float,
+    postscale: float,
+) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     import torch.distributed as dist
 
     from .algorithms import _job, scale_
 
-    _check_tensor(tensor, "allreduce")
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
     if op in ("sum", "avg"):
         return _job(tensor, op, compression, algorithm, name, prescale, postscale)
-    if CompressionSpec.parse(compression).kind != "none":
-        raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
     reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
 
     def reduce(buf: torch.Tensor) -> None:
@@ -81,26 +201,44 @@ def _allreduce_job(tensor: torch.Tensor, op: str, compression: CompressionSpec |
     return streams.on_comm_stream(tensor, tracked("allreduce", name, work))
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
-              algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
-              postscale: float = 1.0) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    compression: CompressionSpec | str | None = None,
+    algorithm: str | None = None,
+    name: Any = None,
+    *,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
 
     ``sum`` and ``avg`` take the accelerated path (:mod:`.algorithms`: flat or 2D hierarchical, optionally
     compressed, ``name`` keying TopK's error feedback); ``min``, ``max`` and ``product`` use the backend's.
-    ``prescale``/``postscale`` multiply the input before and the result after (Horovod's factors).
+    ``prescale``/``postscale`` multiply the input before and the result after (Horovod's factors). Ranks
+    that disagree on the shape, dtype or op raise :class:`~.agreement.CollectiveMismatchError`, all of them.
 
     >>> t = torch.ones(3); taco.allreduce(t, op="avg")   # every rank now holds the mean
     """
     return state.comm_thread.run(*_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale))
 
 
-def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
-                    algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
-                    postscale: float = 1.0) -> Future[torch.Tensor]:
-    """:func:`allreduce` started on the communication thread; the future yields ``tensor`` when done."""
-    return state.comm_thread.submit(*_allreduce_job(tensor, op, compression, algorithm, name, prescale,
-                                                    postscale))
+def allreduce_async(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    compression: CompressionSpec | str | None = None,
+    algorithm: str | None = None,
+    name: Any = None,
+    *,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    key: Any = None,
+) -> Future[torch.Tensor]:
+    """:func:`allreduce` started on the communication thread; the future yields ``tensor`` when done.
+    ``key`` (default ``name``) keys TopK's error feedback where ``name`` is not stable."""
+    return state.comm_thread.submit(
+        *_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale, key=key)
+    )
 
 
 def _check_root(root: int) -> None:
@@ -109,27 +247,33 @@ def _check_root(root: int) -> None:
         raise ValueError(f"root must be a rank in 0..{size - 1}, got {root!r}")
 
 
-def _broadcast_job(tensor: torch.Tensor, root: int) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+def _broadcast_job(tensor: torch.Tensor, root: int, name: Any = None) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     import torch.distributed as dist
 
-    _check_tensor(tensor, "broadcast")
-    _check_root(root)
+    try:
+        _check_tensor(tensor, "broadcast")
+        _check_root(root)
+    except (TypeError, ValueError) as error:
+        raise _refuse("broadcast", error) from None
+    sig = agreement.describe_tensor("broadcast", tensor, name, root=root)
+
+    def send(buf: torch.Tensor) -> None:
+        dist.broadcast(_as_bytes(buf.reshape(-1)), src=root)
 
     def work() -> torch.Tensor:
-        _ready()
-        return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
+        return _in_place(tensor, send)
 
-    return streams.on_comm_stream(tensor, tracked("broadcast", None, work))
+    return streams.on_comm_stream(tensor, _checked(sig, tracked("broadcast", name, work)))
 
 
-def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root: int = 0, name: Any = None) -> torch.Tensor:
     """Copy ``root``'s ``tensor`` into every rank's ``tensor`` in place."""
-    return state.comm_thread.run(*_broadcast_job(tensor, root))
+    return state.comm_thread.run(*_broadcast_job(tensor, root, name))
 
 
-def broadcast_async(tensor: torch.Tensor, root: int = 0) -> Future[torch.Tensor]:
+def broadcast_async(tensor: torch.Tensor, root: int = 0, name: Any = None) -> Future[torch.Tensor]:
     """:func:`broadcast` started on the communication thread; the future yields ``tensor`` when done."""
-    return state.comm_thread.submit(*_broadcast_job(tensor, root))
+    return state.comm_thread.submit(*_broadcast_job(tensor, root, name))
 
 
 def _caller_stream(tensor: torch.Tensor) -> Any:
@@ -160,48 +304,88 @@ def _gathered_counts(count: int, device: Any) -> list[int]:
     return [int(c) for c in every.tolist()]
 
 
-def _allgather_job(tensor: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+def _allgather_job(tensor: torch.Tensor, name: Any = None) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     """Concatenate every rank's ``tensor`` along the first dimension into a new tensor (same on every rank).
 
     First dimensions may differ between ranks (the rest must match); a 0-d tensor counts as one row, so
     the result has one entry per rank. Rows are padded to the longest rank's for the backend's allgather.
+    The row counts ride on the agreement exchange (one collective fewer).
     """
     import torch
 
     from .transport.reduction import all_gather
 
-    _check_tensor(tensor, "allgather")
+    try:
+        _check_tensor(tensor, "allgather")
+    except TypeError as error:
+        raise _refuse("allgather", error) from None
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
     caller = _caller_stream(rows)
+    sig = agreement.describe_tensor("allgather", rows, name, rows_may_differ=True)
 
-    def work() -> torch.Tensor:
-        _ready()
-        counts = _gathered_counts(rows.shape[0], rows.device)
+    def gather(counts: list[int]) -> torch.Tensor:
+        counts = counts or _gathered_counts(rows.shape[0], rows.device)
         longest = max(counts)
-        padded = rows if rows.shape[0] == longest else torch.cat(
-            [rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
+        padded = (
+            rows
+            if rows.shape[0] == longest
+            else torch.cat([rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
+        )
         out = _output(rows.new_empty((longest * len(counts), *rows.shape[1:])), caller)
-        all_gather(out, padded)
+        if out.numel():
+            all_gather(_as_bytes(out), _as_bytes(padded))
         if all(c == longest for c in counts):
             return out
-        return _output(torch.cat([out[i * longest: i * longest + c] for i, c in enumerate(counts)]), caller)
+        return _output(torch.cat([out[i * longest : i * longest + c] for i, c in enumerate(counts)]), caller)
 
-    return streams.on_comm_stream(rows, tracked("allgather", None, work))
+    def work() -> torch.Tensor:
+        return _checked(
+            sig,
+            lambda: None,
+            extra=rows.shape[0],
+            then=lambda counts: tracked("allgather", name, lambda: gather(counts))(),
+        )()
+
+    return streams.on_comm_stream(rows, work)
 
 
-def allgather(tensor: torch.Tensor) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: Any = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dimension 0, first dimensions may differ (see
     :func:`_allgather_job`); a new tensor, the same on every rank."""
-    return state.comm_thread.run(*_allgather_job(tensor))
+    return state.comm_thread.run(*_allgather_job(tensor, name))
 
 
-def allgather_async(tensor: torch.Tensor) -> Future[torch.Tensor]:
+def allgather_async(tensor: torch.Tensor, name: Any = None) -> Future[torch.Tensor]:
     """:func:`allgather` started on the communication thread."""
-    return state.comm_thread.submit(*_allgather_job(tensor))
+    return state.comm_thread.submit(*_allgather_job(tensor, name))
 
 
-def _alltoall_job(tensor: torch.Tensor, splits: Sequence[int] | None
-                  ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Future[Any]]:
+def _alltoall_sends(tensor: torch.Tensor, splits: Any, size: int) -> list[int]:
+    import torch
+
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor of at least one dimension, got a 0-d tensor")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % size:
+            raise ValueError(
+                f"alltoall without splits needs the first dimension ({rows}) to divide by the "
+                f"number of ranks ({size}); pass splits=[rows for each rank]"
+            )
+        return [rows // size] * size
+    if isinstance(splits, torch.Tensor) and (splits.is_floating_point() or splits.is_complex()):
+        raise ValueError(f"alltoall splits must hold integers, got a {splits.dtype} tensor")
+    sends = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(sends) != size or min(sends) < 0 or sum(sends) != rows:
+        raise ValueError(
+            f"alltoall splits must be {size} non-negative counts summing to the first dimension ({rows}), got {sends}"
+        )
+    return sends
+
+
+def _alltoall_job(
+    tensor: torch.Tensor, splits: Sequence[int] | None, name: Any = None
+) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Future[Any]]:
     """Send ``splits[i]`` rows of ``tensor`` (in order along dimension 0) to rank ``i``; receive from each.
 
     ``splits`` defaults to equal parts (the first dimension must then divide by the rank count). The future
@@ -210,47 +394,40 @@ def _alltoall_job(tensor: torch.Tensor, splits: Sequence[int] | None
     import torch
     import torch.distributed as dist
 
-    _check_tensor(tensor, "alltoall")
-    size = state.ensure_topology().size
-    if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor of at least one dimension, got a 0-d tensor")
-    rows = tensor.shape[0]
-    if splits is None:
-        if rows % size:
-            raise ValueError(f"alltoall without splits needs the first dimension ({rows}) to divide by the "
-                             f"number of ranks ({size}); pass splits=[rows for each rank]")
-        sends = [rows // size] * size
-    else:
-        sends = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(sends) != size or min(sends) < 0 or sum(sends) != rows:
-            raise ValueError(f"alltoall splits must be {size} non-negative counts summing to the first dimension "
-                             f"({rows}), got {sends}")
+    try:
+        _check_tensor(tensor, "alltoall")
+        sends = _alltoall_sends(tensor, splits, state.ensure_topology().size)
+    except (TypeError, ValueError) as error:
+        raise _refuse("alltoall", error) from None
     source = tensor.contiguous()
     caller = _caller_stream(source)
+    sig = agreement.describe_tensor("alltoall", source, name, rows_may_differ=True)
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:
-        _ready()
         sent = torch.tensor(sends, dtype=torch.int64, device=source.device)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent)
         counts = [int(c) for c in received.tolist()]
         out = _output(source.new_empty((sum(counts), *source.shape[1:])), caller)
-        dist.all_to_all_single(out, source, output_split_sizes=counts, input_split_sizes=sends)
+        dist.all_to_all_single(_as_bytes(out), _as_bytes(source), output_split_sizes=counts, input_split_sizes=sends)
         return out, received.cpu()
 
-    return streams.on_comm_stream(source, tracked("alltoall", None, work))
+    return streams.on_comm_stream(source, _checked(sig, tracked("alltoall", name, work)))
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def alltoall(
+    tensor: torch.Tensor, splits: Sequence[int] | None = None, name: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` (equal parts by default); returns
     ``(received, received_splits)``: the rows from every rank in rank order, and how many came from each."""
-    return state.comm_thread.run(*_alltoall_job(tensor, splits))
+    return state.comm_thread.run(*_alltoall_job(tensor, splits, name))
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | None = None
-                   ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+def alltoall_async(
+    tensor: torch.Tensor, splits: Sequence[int] | None = None, name: Any = None
+) -> Future[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`alltoall` started on the communication thread."""
-    return state.comm_thread.submit(*_alltoall_job(tensor, splits))
+    return state.comm_thread.submit(*_alltoall_job(tensor, splits, name))
 
 
 def barrier() -> None:
@@ -258,10 +435,9 @@ def barrier() -> None:
     import torch.distributed as dist
 
     def work() -> None:
-        _ready()
         dist.barrier()
 
-    state.comm_thread.run(tracked("barrier", None, work))
+    state.comm_thread.run(_checked(agreement.Signature("barrier"), tracked("barrier", None, work)))
 
 
 def broadcast_parameters(params: Any, root: int = 0) -> None:
