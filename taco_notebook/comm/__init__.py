@@ -13,9 +13,17 @@ from ..errors import StallError
 from . import excepthook as _excepthook
 from . import metrics, placement, stall
 from . import rendezvous as _rendezvous
-from .algorithms import allreduce_async
 from .bootstrap import device, init, is_initialized, reinit, shutdown
-from .collectives import REDUCE_OPS, allgather, allreduce, alltoall, barrier, broadcast, broadcast_parameters
+from .collectives import (
+    REDUCE_OPS,
+    allgather,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_parameters,
+)
 from .compression.compressors import parse_compression
 from .compression.spec import CompressionSpec
 from .config import configure, settings

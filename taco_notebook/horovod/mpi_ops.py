@@ -20,10 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import agreement, collectives
+from ..comm import StallError, agreement, collectives
 from ..comm.compression.spec import CompressionSpec
 from ..comm.state import state
-from ..errors import StallError
 from .basics import Average, ReduceOp, check_initialized, check_process_set, comm_op, reduce_op, size
 from .compression import Compression, spec_of
 
