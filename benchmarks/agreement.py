@@ -83,14 +83,17 @@ def main() -> None:
     sig = agreement.describe_tensor("allreduce", torch.zeros(4), "bench", op="sum")
     lookup = min(timeit.repeat(lambda: agreement._hash(sig), number=10000, repeat=5)) / 10000
     if taco.rank() == 0:
-        print(f"{taco.size()} ranks, {args.blocks} blocks x {args.per_block} calls per setting, slowest rank, "
-              "median of blocks")
+        print(
+            f"{taco.size()} ranks, {args.blocks} blocks x {args.per_block} calls per setting, slowest rank, "
+            "median of blocks"
+        )
         print("| allreduce of | check on | check off | cost of the check |")
         print("|---|---|---|---|")
         for numel, on, off in rows:
             print(f"| {numel} float32 | {on * 1e6:.0f} µs | {off * 1e6:.0f} µs | {(on - off) * 1e6:+.0f} µs |")
-        print(f"agreement exchange alone: {exchange * 1e6:.0f} µs per call; signature hash lookup: "
-              f"{lookup * 1e9:.0f} ns")
+        print(
+            f"agreement exchange alone: {exchange * 1e6:.0f} µs per call; signature hash lookup: {lookup * 1e9:.0f} ns"
+        )
     taco.shutdown()
 
 

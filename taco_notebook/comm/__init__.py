@@ -28,6 +28,7 @@ from .compression.compressors import parse_compression
 from .compression.spec import CompressionSpec
 from .config import configure, settings
 from .progress import progress
+from .scatter import reduce_scatter, reduce_scatter_async
 from .topology import Topology
 
 placement.apply_from_env()  # pin this rank's GPU (or hide them) before the user's code can touch CUDA
@@ -35,6 +36,8 @@ placement.apply_from_env()  # pin this rank's GPU (or hide them) before the user
 __all__ = [
     "Topology",
     "REDUCE_OPS",
+    "reduce_scatter",
+    "reduce_scatter_async",
     "init",
     "shutdown",
     "reinit",

@@ -79,6 +79,15 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .scatter_gather import (
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
@@ -134,6 +143,13 @@ __all__ = [
     "join",
     "barrier",
     "HorovodInternalError",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "sparse_allreduce_async",
     "broadcast_parameters",
     "broadcast_optimizer_state",
     "broadcast_object",

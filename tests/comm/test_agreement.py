@@ -44,9 +44,11 @@ def test_a_mismatching_cell_fails_on_every_rank_and_the_next_cell_runs(ip, share
     assert "CollectiveMismatchError" in message and "also failed" in message, message
     assert re.search(r"ranks? [0-3](, [0-3])* also failed", message), message
     rendered = "\n".join(info.value._render_traceback_())  # the first failing rank's traceback, in full
-    assert "rank 2: allreduce 'loss', shape [5]" in rendered and "ranks 0, 1, 3: allreduce 'loss', shape [4]" \
-        in rendered, rendered
+    assert (
+        "rank 2: allreduce 'loss', shape [5]" in rendered and "ranks 0, 1, 3: allreduce 'loss', shape [4]" in rendered
+    ), rendered
     assert time.monotonic() - began < 30, message
-    assert ip.run_cell_magic("taco_run", "--gather", "t = torch.ones(3)\ntaco.allreduce(t)\nt.tolist()") == \
-        [[4.0] * 3] * 4
+    assert (
+        ip.run_cell_magic("taco_run", "--gather", "t = torch.ones(3)\ntaco.allreduce(t)\nt.tolist()") == [[4.0] * 3] * 4
+    )
     assert [r.pid for r in clusters["default"].ranks] == pids  # the same engines: nothing died

@@ -33,8 +33,9 @@ others = ", ".join(map(str, range(1, n)))
 side = "rank 1" if n == 2 else f"ranks {others}"
 
 
-def expect_mismatch(what: str, call: Callable[[], Any], error: type[BaseException] = CollectiveMismatchError,
-                    says: tuple[str, ...] = ()) -> None:
+def expect_mismatch(
+    what: str, call: Callable[[], Any], error: type[BaseException] = CollectiveMismatchError, says: tuple[str, ...] = ()
+) -> None:
     """``call`` raises ``error`` on this rank within a second, naming both sides; the next allreduce works."""
     global checks
     began = time.monotonic()
@@ -62,25 +63,38 @@ def expect_mismatch(what: str, call: Callable[[], Any], error: type[BaseExceptio
 if FACE == "comm":
     expect_mismatch("shape", lambda: taco.allreduce(torch.ones(17 + (r == 0))), says=("shape [18]", "shape [17]"))
     expect_mismatch("same numel, other shape", lambda: taco.allreduce(torch.ones(6) if r else torch.ones(2, 3)))
-    expect_mismatch("dtype", lambda: taco.allreduce(torch.ones(4, dtype=torch.int32 if r == 0 else torch.float32)),
-                    says=("int32", "float32"))
-    expect_mismatch("op", lambda: taco.allreduce(torch.ones(4), op="max" if r == 0 else "sum"),
-                    says=("op max", "op sum"))
-    expect_mismatch("root", lambda: taco.broadcast(torch.ones(4), root=1 if r == 0 else 0),
-                    says=("root 1", "root 0"))
+    expect_mismatch(
+        "dtype",
+        lambda: taco.allreduce(torch.ones(4, dtype=torch.int32 if r == 0 else torch.float32)),
+        says=("int32", "float32"),
+    )
+    expect_mismatch(
+        "op", lambda: taco.allreduce(torch.ones(4), op="max" if r == 0 else "sum"), says=("op max", "op sum")
+    )
+    expect_mismatch("root", lambda: taco.broadcast(torch.ones(4), root=1 if r == 0 else 0), says=("root 1", "root 0"))
     expect_mismatch("broadcast shape", lambda: taco.broadcast(torch.ones(3 + (r == 0)), root=0))
     expect_mismatch("allgather trailing dims", lambda: taco.allgather(torch.ones(2, 3 + (r == 0))))
     expect_mismatch("alltoall trailing dims", lambda: taco.alltoall(torch.ones(n, 2 + (r == 0))))
     expect_mismatch("alltoall dtype", lambda: taco.alltoall(torch.ones(n, dtype=torch.int64 if r else torch.int8)))
-    expect_mismatch("different collectives", lambda: taco.allgather(torch.ones(2)) if r == 0
-                    else taco.allreduce(torch.ones(2)), says=("allgather", "allreduce"))
+    expect_mismatch(
+        "different collectives",
+        lambda: taco.allgather(torch.ones(2)) if r == 0 else taco.allreduce(torch.ones(2)),
+        says=("allgather", "allreduce"),
+    )
     # a call that fails its own checks on rank 0 only: rank 0 gets its ValueError, the others are told why
     if r == 0:
-        expect_mismatch("invalid root on one rank", lambda: taco.broadcast(torch.ones(2), root=n + 5), ValueError,
-                        says=(f"got {n + 5}",))
+        expect_mismatch(
+            "invalid root on one rank",
+            lambda: taco.broadcast(torch.ones(2), root=n + 5),
+            ValueError,
+            says=(f"got {n + 5}",),
+        )
     else:
-        expect_mismatch("invalid root on one rank", lambda: taco.broadcast(torch.ones(2), root=0),
-                        says=("invalid on this rank: ValueError",))
+        expect_mismatch(
+            "invalid root on one rank",
+            lambda: taco.broadcast(torch.ones(2), root=0),
+            says=("invalid on this rank: ValueError",),
+        )
     # allgather's row counts may differ (they ride on the check)
     rows = taco.allgather(torch.full((r + 1, 2), float(r)))
     assert rows.shape == (n * (n + 1) // 2, 2) and rows[-1].tolist() == [n - 1.0] * 2, rows
@@ -89,8 +103,21 @@ if FACE == "comm":
     future = taco.allreduce_async(torch.ones(3 + (r == 0)), name="grad")
     expect_mismatch("async shape", future.result, says=("'grad'",))
     # every dtype torch has, through every collective
-    for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
-                  torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    for dtype in (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    ):
         t = torch.full((5,), r + 1).to(dtype)
         if dtype is not torch.bool:
             assert taco.allreduce(t.clone()).to(torch.int64).tolist() == [n * (n + 1) // 2] * 5, dtype
@@ -105,19 +132,32 @@ if FACE == "comm":
     taco.barrier()
 else:
     expect_mismatch("shape", lambda: hvd.allreduce(torch.ones(17 + (r == 0))), RuntimeError)
-    expect_mismatch("dtype", lambda: hvd.allreduce(torch.ones(4, dtype=torch.int32 if r == 0 else torch.float32)),
-                    RuntimeError, says=("int32", "float32"))
+    expect_mismatch(
+        "dtype",
+        lambda: hvd.allreduce(torch.ones(4, dtype=torch.int32 if r == 0 else torch.float32)),
+        RuntimeError,
+        says=("int32", "float32"),
+    )
     expect_mismatch("op", lambda: hvd.allreduce(torch.ones(4), op=hvd.Max if r == 0 else hvd.Sum), RuntimeError)
-    expect_mismatch("root", lambda: hvd.broadcast(torch.ones(4), root_rank=1 if r == 0 else 0), RuntimeError,
-                    says=("root 1", "root 0"))
-    expect_mismatch("name", lambda: hvd.allreduce(torch.ones(4), name="a" if r == 0 else "b"), RuntimeError,
-                    says=("'a'", "'b'"))
+    expect_mismatch(
+        "root",
+        lambda: hvd.broadcast(torch.ones(4), root_rank=1 if r == 0 else 0),
+        RuntimeError,
+        says=("root 1", "root 0"),
+    )
+    expect_mismatch(
+        "name", lambda: hvd.allreduce(torch.ones(4), name="a" if r == 0 else "b"), RuntimeError, says=("'a'", "'b'")
+    )
     expect_mismatch("allgather", lambda: hvd.allgather(torch.ones(2, 3 + (r == 0))), RuntimeError)
     expect_mismatch("alltoall", lambda: hvd.alltoall(torch.ones(n, 2 + (r == 0))), RuntimeError)
     # duplicate names in flight: a ValueError on every rank, before anything starts
     handle = hvd.allreduce_async(torch.ones(3), name="dup")
-    expect_mismatch("duplicate name", lambda: hvd.allreduce_async(torch.ones(3), name="dup"), ValueError,
-                    says=("'dup'", "in flight"))
+    expect_mismatch(
+        "duplicate name",
+        lambda: hvd.allreduce_async(torch.ones(3), name="dup"),
+        ValueError,
+        says=("'dup'", "in flight"),
+    )
     assert hvd.synchronize(handle).tolist() == [1.0] * 3
     hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="dup"))  # free again once synchronized
     checks += 1
@@ -127,6 +167,24 @@ else:
         assert hvd.allreduce(t, op=hvd.Sum).to(torch.int64).tolist() == [n * (n + 1) // 2] * 4, dtype
         assert hvd.allgather(t).dtype == dtype and hvd.broadcast(t, 0).to(torch.int64).tolist() == [1] * 4
         checks += 1
+    # reducescatter (Horovod's row split, averaged by default, differentiable), grouped allgather, sparse allreduce
+    rows = [5 // n + (1 if k < 5 % n else 0) for k in range(n)]
+    full = torch.arange(10.0).reshape(5, 2) * (n * (n + 1) / 2)
+    mine = full[sum(rows[:r]) : sum(rows[: r + 1])]
+    assert torch.equal(hvd.reducescatter(torch.arange(10.0).reshape(5, 2) * (r + 1), op=hvd.Sum), mine)
+    assert torch.allclose(hvd.reducescatter(torch.arange(10.0).reshape(5, 2) * (r + 1)), mine / n)
+    x = torch.ones(4, 3, requires_grad=True)
+    hvd.reducescatter(x, op=hvd.Sum).sum().backward()
+    assert torch.equal(x.grad, torch.ones(4, 3)), x.grad
+    part = hvd.reducescatter(torch.ones(4, dtype=torch.int16), op=hvd.Sum)
+    assert part.dtype == torch.int16 and part.tolist() == [n] * (4 // n + (1 if r < 4 % n else 0)), part
+    expect_mismatch("reducescatter shape", lambda: hvd.reducescatter(torch.ones(4 + (r == 0))), RuntimeError)
+    both = hvd.grouped_allgather([torch.full((r + 1,), r), torch.ones(2, 2) * r])
+    assert both[0].shape == (n * (n + 1) // 2,) and both[1].shape == (2 * n, 2), both
+    sparse = torch.sparse_coo_tensor(torch.tensor([[r, 3]]), torch.tensor([1.0, 2.0]), (5,))
+    dense = hvd.sparse_allreduce_async(sparse, name="emb", op=hvd.Sum)().coalesce().to_dense()
+    assert dense.tolist() == [1.0 if k < n else 0.0 for k in range(3)] + [2.0 * n, 0.0], dense
+    checks += 1
     # join: ranks that finished feed zeros to the others' allreduces; other collectives raise on the others
     if r == 0:
         last = hvd.join()
