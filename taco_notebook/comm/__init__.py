@@ -27,6 +27,7 @@ from .collectives import (
 from .compression.compressors import parse_compression
 from .compression.spec import CompressionSpec
 from .config import configure, settings
+from .groups import SubGroup, new_group
 from .progress import progress
 from .scatter import reduce_scatter, reduce_scatter_async
 from .topology import Topology
@@ -37,6 +38,8 @@ __all__ = [
     "Topology",
     "REDUCE_OPS",
     "reduce_scatter",
+    "new_group",
+    "SubGroup",
     "reduce_scatter_async",
     "init",
     "shutdown",

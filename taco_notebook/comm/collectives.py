@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from . import agreement, bootstrap
+from . import agreement, bootstrap, groups
 from .compression.spec import CompressionSpec
 from .stall import tracked
 from .state import state
@@ -83,28 +83,31 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _checked(
-    sig: agreement.Signature, work: Callable[[], Any], extra: int = 0, then: Callable[[list[int]], Any] | None = None
+    sig: agreement.Signature,
+    work: Callable[[], Any],
+    extra: int = 0,
+    then: Callable[[list[int]], Any] | None = None,
+    group: Any = None,
 ) -> Callable[[], Any]:
-    """``work`` preceded, on the communication thread, by the ranks' agreement on ``sig``; ``then`` (if given)
-    runs instead of ``work`` with every rank's ``extra``."""
+    """``work`` preceded, on the communication thread, by the agreement of the ranks (of ``group``, a torch
+    group; None: all) on ``sig``; ``then`` (if given) runs instead of ``work`` with every rank's ``extra``."""
 
     def run() -> Any:
         _ready()
         if not agreement.enabled():
             return work() if then is None else then([])
-        extras = tracked("agree", sig.name, lambda: agreement.agree(sig, extra))()
+        extras = tracked("agree", sig.name, lambda: agreement.agree(sig, extra, group))()
         return work() if then is None else then(extras)
 
     return run
 
 
-def _refuse(kind: str, error: BaseException) -> BaseException:
-    """Tell the other ranks this call failed here (they raise, naming it, instead of waiting); return ``error``.
-
-    Only while the group is up: before it, nothing is waiting."""
+def _refuse(kind: str, error: BaseException, group: Any = None) -> BaseException:
+    """Tell the other ranks (of ``group``) this call failed here (they raise, naming it, instead of waiting);
+    return ``error``. Only while the process group is up: before it, nothing is waiting."""
     if bootstrap.is_initialized() and agreement.enabled():
         sig = agreement.invalid(kind, error)
-        state.comm_thread.submit(tracked("agree", None, lambda: agreement.agree(sig)))
+        state.comm_thread.submit(tracked("agree", None, lambda: agreement.agree(sig, 0, group)))
     return error
 
 
@@ -140,16 +143,23 @@ def _allreduce_job(
     postscale: float,
     check: bool = True,
     key: Any = None,
+    group: groups.SubGroup | None = None,
 ) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     """Validate now (errors surface in the caller); the returned work runs on the communication thread.
 
     ``name`` is what ranks agree on; ``key`` (default ``name``) keys TopK's error feedback."""
+    pg = groups.resolve(group)
     try:
         _check_tensor(tensor, "allreduce")
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
         if op not in ("sum", "avg") and CompressionSpec.parse(compression).kind != "none":
             raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
+        if group is not None and (CompressionSpec.parse(compression).kind != "none" or algorithm is not None):
+            raise ValueError(
+                "an allreduce over a group runs uncompressed on the backend's algorithm: pass no "
+                "compression or algorithm with group="
+            )
         sig = _allreduce_sig(tensor, op, compression, algorithm, name)
         wide = _wider(tensor.dtype) if not tensor.is_cuda else None
         work, future = _reduce_work(
@@ -160,16 +170,17 @@ def _allreduce_job(
             name if key is None else key,
             prescale,
             postscale,
+            group,
         )
     except (TypeError, ValueError) as error:
-        raise (_refuse("allreduce", error) if check else error) from None
+        raise (_refuse("allreduce", error, pg) if check else error) from None
     if wide is not None:
         reduce_wide = work
 
         def work() -> torch.Tensor:
             return tensor.copy_(reduce_wide())
 
-    return (_checked(sig, work) if check else work), future
+    return (_checked(sig, work, group=pg) if check else work), future
 
 
 def _reduce_work(
@@ -180,18 +191,32 @@ def _reduce_work(
     name: Any,
     prescale: float,
     postscale: float,
+    group: groups.SubGroup | None = None,
 ) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+    """Sum/avg over every rank: the accelerated path (:mod:`.algorithms`); anything else, or over a group: the
+    backend's allreduce."""
     import torch.distributed as dist
 
-    from .algorithms import _job, scale_
+    from .algorithms import _check, _job, scale_
 
-    if op in ("sum", "avg"):
+    if op in ("sum", "avg") and group is None:
         return _job(tensor, op, compression, algorithm, name, prescale, postscale)
-    reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
+    if op in ("sum", "avg"):
+        _check(tensor, op)
+    reduce_op = {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.SUM,
+        "min": dist.ReduceOp.MIN,
+        "max": dist.ReduceOp.MAX,
+        "product": dist.ReduceOp.PRODUCT,
+    }[op]
+    pg = groups.resolve(group)
 
     def reduce(buf: torch.Tensor) -> None:
         scale_(buf, prescale)
-        dist.all_reduce(buf, op=reduce_op)
+        dist.all_reduce(buf, op=reduce_op, group=pg)
+        if op == "avg":
+            buf.div_(dist.get_world_size(pg))
         scale_(buf, postscale)
 
     def work() -> torch.Tensor:
@@ -210,8 +235,10 @@ def allreduce(
     *,
     prescale: float = 1.0,
     postscale: float = 1.0,
+    group: groups.SubGroup | None = None,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
+    """Reduce ``tensor`` over all ranks (or ``group``'s, see :mod:`.groups`) in place; ``op`` is one of
+    :data:`REDUCE_OPS`.
 
     ``sum`` and ``avg`` take the accelerated path (:mod:`.algorithms`: flat or 2D hierarchical, optionally
     compressed, ``name`` keying TopK's error feedback); ``min``, ``max`` and ``product`` use the backend's.
@@ -220,7 +247,9 @@ def allreduce(
 
     >>> t = torch.ones(3); taco.allreduce(t, op="avg")   # every rank now holds the mean
     """
-    return state.comm_thread.run(*_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale))
+    return state.comm_thread.run(
+        *_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale, group=group)
+    )
 
 
 def allreduce_async(
@@ -233,47 +262,57 @@ def allreduce_async(
     prescale: float = 1.0,
     postscale: float = 1.0,
     key: Any = None,
+    group: groups.SubGroup | None = None,
 ) -> Future[torch.Tensor]:
     """:func:`allreduce` started on the communication thread; the future yields ``tensor`` when done.
     ``key`` (default ``name``) keys TopK's error feedback where ``name`` is not stable."""
     return state.comm_thread.submit(
-        *_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale, key=key)
+        *_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale, key=key, group=group)
     )
 
 
-def _check_root(root: int) -> None:
+def _check_root(root: int, group: groups.SubGroup | None = None) -> None:
     size = state.ensure_topology().size
     if not isinstance(root, int) or not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, got {root!r}")
+    if group is not None and root not in group.ranks:
+        raise ValueError(f"root must be one of {group!r}'s ranks, got {root}")
 
 
-def _broadcast_job(tensor: torch.Tensor, root: int, name: Any = None) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+def _broadcast_job(
+    tensor: torch.Tensor, root: int, name: Any = None, group: groups.SubGroup | None = None
+) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     import torch.distributed as dist
 
+    pg = groups.resolve(group)
     try:
         _check_tensor(tensor, "broadcast")
-        _check_root(root)
+        _check_root(root, group)
     except (TypeError, ValueError) as error:
-        raise _refuse("broadcast", error) from None
+        raise _refuse("broadcast", error, pg) from None
     sig = agreement.describe_tensor("broadcast", tensor, name, root=root)
 
     def send(buf: torch.Tensor) -> None:
-        dist.broadcast(_as_bytes(buf.reshape(-1)), src=root)
+        dist.broadcast(_as_bytes(buf.reshape(-1)), src=root, group=pg)
 
     def work() -> torch.Tensor:
         return _in_place(tensor, send)
 
-    return streams.on_comm_stream(tensor, _checked(sig, tracked("broadcast", name, work)))
+    return streams.on_comm_stream(tensor, _checked(sig, tracked("broadcast", name, work), group=pg))
 
 
-def broadcast(tensor: torch.Tensor, root: int = 0, name: Any = None) -> torch.Tensor:
-    """Copy ``root``'s ``tensor`` into every rank's ``tensor`` in place."""
-    return state.comm_thread.run(*_broadcast_job(tensor, root, name))
+def broadcast(
+    tensor: torch.Tensor, root: int = 0, name: Any = None, group: groups.SubGroup | None = None
+) -> torch.Tensor:
+    """Copy ``root``'s ``tensor`` into every rank's (of ``group``, a global rank as ``root``) in place."""
+    return state.comm_thread.run(*_broadcast_job(tensor, root, name, group))
 
 
-def broadcast_async(tensor: torch.Tensor, root: int = 0, name: Any = None) -> Future[torch.Tensor]:
+def broadcast_async(
+    tensor: torch.Tensor, root: int = 0, name: Any = None, group: groups.SubGroup | None = None
+) -> Future[torch.Tensor]:
     """:func:`broadcast` started on the communication thread; the future yields ``tensor`` when done."""
-    return state.comm_thread.submit(*_broadcast_job(tensor, root, name))
+    return state.comm_thread.submit(*_broadcast_job(tensor, root, name, group))
 
 
 def _caller_stream(tensor: torch.Tensor) -> Any:
@@ -291,7 +330,7 @@ def _output(tensor: torch.Tensor, caller: Any) -> torch.Tensor:
     return tensor
 
 
-def _gathered_counts(count: int, device: Any) -> list[int]:
+def _gathered_counts(count: int, device: Any, group: Any = None) -> list[int]:
     """Every rank's ``count``, in rank order (a collective: call on the communication thread)."""
     import torch
     import torch.distributed as dist
@@ -299,12 +338,14 @@ def _gathered_counts(count: int, device: Any) -> list[int]:
     from .transport.reduction import all_gather
 
     mine = torch.tensor([count], dtype=torch.int64, device=device)
-    every = mine.new_empty(dist.get_world_size())
-    all_gather(every, mine)
+    every = mine.new_empty(dist.get_world_size(group))
+    all_gather(every, mine, group=group)
     return [int(c) for c in every.tolist()]
 
 
-def _allgather_job(tensor: torch.Tensor, name: Any = None) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+def _allgather_job(
+    tensor: torch.Tensor, name: Any = None, group: groups.SubGroup | None = None
+) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     """Concatenate every rank's ``tensor`` along the first dimension into a new tensor (same on every rank).
 
     First dimensions may differ between ranks (the rest must match); a 0-d tensor counts as one row, so
@@ -315,16 +356,17 @@ def _allgather_job(tensor: torch.Tensor, name: Any = None) -> tuple[Callable[[],
 
     from .transport.reduction import all_gather
 
+    pg = groups.resolve(group)
     try:
         _check_tensor(tensor, "allgather")
     except TypeError as error:
-        raise _refuse("allgather", error) from None
+        raise _refuse("allgather", error, pg) from None
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
     caller = _caller_stream(rows)
     sig = agreement.describe_tensor("allgather", rows, name, rows_may_differ=True)
 
     def gather(counts: list[int]) -> torch.Tensor:
-        counts = counts or _gathered_counts(rows.shape[0], rows.device)
+        counts = counts or _gathered_counts(rows.shape[0], rows.device, pg)
         longest = max(counts)
         padded = (
             rows
@@ -333,7 +375,7 @@ def _allgather_job(tensor: torch.Tensor, name: Any = None) -> tuple[Callable[[],
         )
         out = _output(rows.new_empty((longest * len(counts), *rows.shape[1:])), caller)
         if out.numel():
-            all_gather(_as_bytes(out), _as_bytes(padded))
+            all_gather(_as_bytes(out), _as_bytes(padded), group=pg)
         if all(c == longest for c in counts):
             return out
         return _output(torch.cat([out[i * longest : i * longest + c] for i, c in enumerate(counts)]), caller)
@@ -344,20 +386,23 @@ def _allgather_job(tensor: torch.Tensor, name: Any = None) -> tuple[Callable[[],
             lambda: None,
             extra=rows.shape[0],
             then=lambda counts: tracked("allgather", name, lambda: gather(counts))(),
+            group=pg,
         )()
 
     return streams.on_comm_stream(rows, work)
 
 
-def allgather(tensor: torch.Tensor, name: Any = None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dimension 0, first dimensions may differ (see
+def allgather(tensor: torch.Tensor, name: Any = None, group: groups.SubGroup | None = None) -> torch.Tensor:
+    """Every rank's (of ``group``) ``tensor`` concatenated along dimension 0, first dimensions may differ (see
     :func:`_allgather_job`); a new tensor, the same on every rank."""
-    return state.comm_thread.run(*_allgather_job(tensor, name))
+    return state.comm_thread.run(*_allgather_job(tensor, name, group))
 
 
-def allgather_async(tensor: torch.Tensor, name: Any = None) -> Future[torch.Tensor]:
+def allgather_async(
+    tensor: torch.Tensor, name: Any = None, group: groups.SubGroup | None = None
+) -> Future[torch.Tensor]:
     """:func:`allgather` started on the communication thread."""
-    return state.comm_thread.submit(*_allgather_job(tensor, name))
+    return state.comm_thread.submit(*_allgather_job(tensor, name, group))
 
 
 def _alltoall_sends(tensor: torch.Tensor, splits: Any, size: int) -> list[int]:
@@ -384,7 +429,7 @@ def _alltoall_sends(tensor: torch.Tensor, splits: Any, size: int) -> list[int]:
 
 
 def _alltoall_job(
-    tensor: torch.Tensor, splits: Sequence[int] | None, name: Any = None
+    tensor: torch.Tensor, splits: Sequence[int] | None, name: Any = None, group: groups.SubGroup | None = None
 ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Future[Any]]:
     """Send ``splits[i]`` rows of ``tensor`` (in order along dimension 0) to rank ``i``; receive from each.
 
@@ -394,11 +439,12 @@ def _alltoall_job(
     import torch
     import torch.distributed as dist
 
+    pg = groups.resolve(group)
     try:
         _check_tensor(tensor, "alltoall")
-        sends = _alltoall_sends(tensor, splits, state.ensure_topology().size)
+        sends = _alltoall_sends(tensor, splits, state.ensure_topology().size if group is None else group.size)
     except (TypeError, ValueError) as error:
-        raise _refuse("alltoall", error) from None
+        raise _refuse("alltoall", error, pg) from None
     source = tensor.contiguous()
     caller = _caller_stream(source)
     sig = agreement.describe_tensor("alltoall", source, name, rows_may_differ=True)
@@ -406,38 +452,43 @@ def _alltoall_job(
     def work() -> tuple[torch.Tensor, torch.Tensor]:
         sent = torch.tensor(sends, dtype=torch.int64, device=source.device)
         received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent)
+        dist.all_to_all_single(received, sent, group=pg)
         counts = [int(c) for c in received.tolist()]
         out = _output(source.new_empty((sum(counts), *source.shape[1:])), caller)
-        dist.all_to_all_single(_as_bytes(out), _as_bytes(source), output_split_sizes=counts, input_split_sizes=sends)
+        dist.all_to_all_single(
+            _as_bytes(out), _as_bytes(source), output_split_sizes=counts, input_split_sizes=sends, group=pg
+        )
         return out, received.cpu()
 
-    return streams.on_comm_stream(source, _checked(sig, tracked("alltoall", name, work)))
+    return streams.on_comm_stream(source, _checked(sig, tracked("alltoall", name, work), group=pg))
 
 
 def alltoall(
-    tensor: torch.Tensor, splits: Sequence[int] | None = None, name: Any = None
+    tensor: torch.Tensor, splits: Sequence[int] | None = None, name: Any = None, group: groups.SubGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` (equal parts by default); returns
-    ``(received, received_splits)``: the rows from every rank in rank order, and how many came from each."""
-    return state.comm_thread.run(*_alltoall_job(tensor, splits, name))
+    """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` (of ``group``: its ``i``-th rank; equal parts by
+    default); returns ``(received, received_splits)``: the rows from every rank in rank order, and how many
+    came from each."""
+    return state.comm_thread.run(*_alltoall_job(tensor, splits, name, group))
 
 
 def alltoall_async(
-    tensor: torch.Tensor, splits: Sequence[int] | None = None, name: Any = None
+    tensor: torch.Tensor, splits: Sequence[int] | None = None, name: Any = None, group: groups.SubGroup | None = None
 ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`alltoall` started on the communication thread."""
-    return state.comm_thread.submit(*_alltoall_job(tensor, splits, name))
+    return state.comm_thread.submit(*_alltoall_job(tensor, splits, name, group))
 
 
-def barrier() -> None:
-    """Wait until every rank reaches this point."""
+def barrier(group: groups.SubGroup | None = None) -> None:
+    """Wait until every rank (of ``group``) reaches this point."""
     import torch.distributed as dist
 
-    def work() -> None:
-        dist.barrier()
+    pg = groups.resolve(group)
 
-    state.comm_thread.run(_checked(agreement.Signature("barrier"), tracked("barrier", None, work)))
+    def work() -> None:
+        dist.barrier(group=pg)
+
+    state.comm_thread.run(_checked(agreement.Signature("barrier"), tracked("barrier", None, work), group=pg))
 
 
 def broadcast_parameters(params: Any, root: int = 0) -> None:

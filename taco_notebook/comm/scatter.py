@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from . import agreement
+from . import agreement, groups
 from .collectives import REDUCE_OPS, _check_tensor, _checked, _refuse, _wider
 from .stall import tracked
 from .state import state
@@ -30,9 +30,12 @@ def scatter_rows(rows: int, size: int) -> list[int]:
     return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
 
 
-def _reduce_scatter_job(tensor: torch.Tensor, op: str, name: Any) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+def _reduce_scatter_job(
+    tensor: torch.Tensor, op: str, name: Any, group: groups.SubGroup | None = None
+) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     import torch.distributed as dist
 
+    pg = groups.resolve(group)
     try:
         _check_tensor(tensor, "reduce_scatter")
         if op not in REDUCE_OPS:
@@ -42,10 +45,12 @@ def _reduce_scatter_job(tensor: torch.Tensor, op: str, name: Any) -> tuple[Calla
         if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
     except (TypeError, ValueError) as error:
-        raise _refuse("reduce_scatter", error) from None
+        raise _refuse("reduce_scatter", error, pg) from None
     topo = state.ensure_topology()
-    counts = scatter_rows(tensor.shape[0], topo.size)
-    offset = sum(counts[: topo.rank])
+    members = list(range(topo.size)) if group is None else list(group.ranks)
+    me = members.index(topo.rank)
+    counts = scatter_rows(tensor.shape[0], len(members))
+    offset = sum(counts[:me])
     sig = agreement.describe_tensor("reduce_scatter", tensor, name, op=op)
     wide = _wider(tensor.dtype) if not tensor.is_cuda else None
     backend_op = {
@@ -60,22 +65,26 @@ def _reduce_scatter_job(tensor: torch.Tensor, op: str, name: Any) -> tuple[Calla
         buf = tensor.detach().to(wide) if wide is not None else tensor.detach().clone()
         buf = buf.contiguous()
         if buf.numel():
-            dist.all_reduce(buf, op=backend_op)
+            dist.all_reduce(buf, op=backend_op, group=pg)
         if op == "avg":
-            buf.div_(topo.size)
-        return buf.narrow(0, offset, counts[topo.rank]).to(tensor.dtype).clone()
+            buf.div_(len(members))
+        return buf.narrow(0, offset, counts[me]).to(tensor.dtype).clone()
 
-    return streams.on_comm_stream(tensor, _checked(sig, tracked("reduce_scatter", name, work)))
+    return streams.on_comm_stream(tensor, _checked(sig, tracked("reduce_scatter", name, work), group=pg))
 
 
-def reduce_scatter(tensor: torch.Tensor, op: str = "sum", name: Any = None) -> torch.Tensor:
+def reduce_scatter(
+    tensor: torch.Tensor, op: str = "sum", name: Any = None, group: groups.SubGroup | None = None
+) -> torch.Tensor:
     """This rank's rows of ``tensor`` reduced over every rank (a new tensor; ``tensor`` is not changed).
 
     >>> part = taco.reduce_scatter(torch.ones(5, 2))   # rank 0 of 2: 3 rows of 2.0, rank 1: 2 rows
     """
-    return state.comm_thread.run(*_reduce_scatter_job(tensor, op, name))
+    return state.comm_thread.run(*_reduce_scatter_job(tensor, op, name, group))
 
 
-def reduce_scatter_async(tensor: torch.Tensor, op: str = "sum", name: Any = None) -> Future[torch.Tensor]:
+def reduce_scatter_async(
+    tensor: torch.Tensor, op: str = "sum", name: Any = None, group: groups.SubGroup | None = None
+) -> Future[torch.Tensor]:
     """:func:`reduce_scatter` started on the communication thread."""
-    return state.comm_thread.submit(*_reduce_scatter_job(tensor, op, name))
+    return state.comm_thread.submit(*_reduce_scatter_job(tensor, op, name, group))

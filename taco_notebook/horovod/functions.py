@@ -60,22 +60,22 @@ def _from_bytes(data: torch.Tensor) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
     """``root_rank``'s ``obj`` (any picklable object), returned on every rank."""
     check_initialized()
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     data = _to_bytes(obj) if rank() == root_rank else torch.empty(0, dtype=torch.uint8)
-    length = collectives.broadcast(torch.tensor([data.numel()], dtype=torch.int64), root_rank)
+    length = collectives.broadcast(torch.tensor([data.numel()], dtype=torch.int64), root_rank, group=group)
     if rank() != root_rank:
         data = torch.empty(int(length.item()), dtype=torch.uint8)
-    collectives.broadcast(data, root_rank)
+    collectives.broadcast(data, root_rank, group=group)
     return obj if rank() == root_rank else _from_bytes(data)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's ``obj`` (any picklable object), as a list in rank order, on every rank."""
     check_initialized()
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     data = _to_bytes(obj)
-    lengths = collectives.allgather(torch.tensor([data.numel()], dtype=torch.int64)).tolist()
-    gathered = collectives.allgather(data)
+    lengths = collectives.allgather(torch.tensor([data.numel()], dtype=torch.int64), group=group).tolist()
+    gathered = collectives.allgather(data, group=group)
     out, offset = [], 0
     for length in lengths:
         out.append(_from_bytes(gathered[offset : offset + length]))

@@ -125,21 +125,23 @@ def _start_allreduce(
     process_set: Any,
 ) -> tuple[Future[Any], Callable[[Any], Any]]:
     """Reduce ``output`` (``tensor`` itself, or a copy of it) in place with the engine."""
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     integer_mean = op is Average and not (output.is_floating_point() or output.is_complex())
     key = name if name is not None else ("hvd", tensor.data_ptr(), tensor.numel())  # stable for TopK's residual
     future = collectives.allreduce_async(
         output,
         "sum" if integer_mean else comm_op(op),
-        compression=spec if op in (Average, ReduceOp.SUM) else None,
+        compression=spec if op in (Average, ReduceOp.SUM) and group is None else None,
         name=name,
         key=key,
         prescale=float(prescale),
         postscale=float(postscale),
+        group=group,
     )
+    members = size() if group is None else group.size
 
     def finish(result: torch.Tensor) -> torch.Tensor:
-        return result.floor_divide_(size()) if integer_mean else result
+        return result.floor_divide_(members) if integer_mean else result
 
     return future, finish
 
@@ -383,9 +385,9 @@ def grouped_allreduce_(
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
     """Start gathering every rank's ``tensor`` along dimension 0 (first dimensions may differ)."""
     _check_tensor(tensor, "allgather_async")
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     reserved = _reserve("allgather", name)
-    return _handle(collectives.allgather_async(tensor, name), reserved=reserved)
+    return _handle(collectives.allgather_async(tensor, name, group), reserved=reserved)
 
 
 class _Allgather(torch.autograd.Function):
@@ -393,16 +395,19 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: Any) -> torch.Tensor:
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.scalar = tensor.dim() == 0
+        ctx.process_set = process_set
         return synchronize(allgather_async(tensor.detach(), name, process_set))  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # Horovod averages the incoming gradients over ranks (each rank's loss saw the whole gathered tensor)
-        averaged = _reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, None)
-        rows = collectives.allgather(torch.tensor([ctx.rows], dtype=torch.int64))
+        averaged = _reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, ctx.process_set)
+        group = check_process_set(ctx.process_set)
+        rows = collectives.allgather(torch.tensor([ctx.rows], dtype=torch.int64), group=group)
         from .basics import rank
 
-        offset = int(rows[: rank()].sum())
+        position = rank() if group is None else group.ranks.index(rank())
+        offset = int(rows[:position].sum())
         mine = averaged.narrow(0, offset, ctx.rows)
         return (mine.reshape(()) if ctx.scalar else mine), None, None
 
@@ -418,9 +423,9 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start copying ``root_rank``'s ``tensor`` into every rank's, in place."""
     _check_tensor(tensor, "broadcast_async_")
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     reserved = _reserve("broadcast", name)
-    return _handle(collectives.broadcast_async(tensor, root_rank, name), reserved=reserved)
+    return _handle(collectives.broadcast_async(tensor, root_rank, name, group), reserved=reserved)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
@@ -432,7 +437,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, process_set: Any) -> torch.Tensor:
-        ctx.root_rank = root_rank
+        ctx.root_rank, ctx.process_set = root_rank, process_set
         return synchronize(broadcast_async(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
 
     @staticmethod
@@ -440,7 +445,7 @@ class _Broadcast(torch.autograd.Function):
         from .basics import rank
 
         # Horovod: the root's gradient is the average of every rank's; the others' inputs did not reach the output
-        averaged = _reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, None)
+        averaged = _reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, ctx.process_set)
         return (averaged if rank() == ctx.root_rank else averaged.zero_()), None, None, None
 
 
@@ -460,22 +465,23 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, pr
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> int:
     """Start an alltoall; :func:`synchronize` gives ``(output, received_splits)``."""
     _check_tensor(tensor, "alltoall_async")
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     reserved = _reserve("alltoall", name)
-    return _handle(collectives.alltoall_async(tensor, splits, name), reserved=reserved)
+    return _handle(collectives.alltoall_async(tensor, splits, name, group), reserved=reserved)
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: Any) -> Any:
         output, received = synchronize(alltoall_async(tensor.detach(), splits, name, process_set))
-        ctx.received = received
+        ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, ...]:
-        back, _received = collectives.alltoall(grad.contiguous(), ctx.received.tolist())
+        group = check_process_set(ctx.process_set)
+        back, _received = collectives.alltoall(grad.contiguous(), ctx.received.tolist(), group=group)
         return back, None, None, None
 
 
@@ -491,10 +497,9 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, 
 
 
 def barrier(process_set: Any = None) -> None:
-    """Wait until every rank reaches this point."""
+    """Wait until every rank (of ``process_set``) reaches this point."""
     check_initialized()
-    check_process_set(process_set)
-    collectives.barrier()
+    collectives.barrier(check_process_set(process_set))
 
 
 def join(device: int = -1) -> int:

@@ -46,18 +46,19 @@ def reducescatter_async(
 ) -> int:
     """Start a reducescatter; :func:`~.mpi_ops.synchronize` gives this rank's rows of the reduced tensor."""
     _check_tensor(tensor, "reducescatter_async")
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     found, how = _scatter_op(op)
     reserved = _reserve("reducescatter", name)
     source = tensor.detach()
     integer_mean = found is Average and not (source.is_floating_point() or source.is_complex())
     if prescale_factor != 1.0:
         source = source * prescale_factor
-    future = scatter.reduce_scatter_async(source, "sum" if integer_mean else how, name)
+    future = scatter.reduce_scatter_async(source, "sum" if integer_mean else how, name, group)
+    members = size() if group is None else group.size
 
     def finish(part: torch.Tensor) -> torch.Tensor:
         if integer_mean:
-            part = part.floor_divide_(size())
+            part = part.floor_divide_(members)
         return part * postscale_factor if postscale_factor != 1.0 else part
 
     return _handle(future, finish, reserved)
@@ -66,13 +67,14 @@ def reducescatter_async(
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: Any, process_set: Any) -> torch.Tensor:
-        ctx.op = reduce_op(op)
+        ctx.op, ctx.group = reduce_op(op), check_process_set(process_set)
         return synchronize(reducescatter_async(tensor, name, op, process_set))  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        gathered = collectives.allgather(grad.contiguous())
-        return (gathered / size() if ctx.op is Average else gathered), None, None, None
+        gathered = collectives.allgather(grad.contiguous(), group=ctx.group)
+        members = size() if ctx.group is None else ctx.group.size
+        return (gathered / members if ctx.op is Average else gathered), None, None, None
 
 
 def reducescatter(
@@ -169,7 +171,8 @@ def sparse_allreduce_async(
         gathered_values = synchronize(values)
         gathered_indices = synchronize(indices)
         if found is Average:
-            gathered_values = gathered_values / size()
+            group = check_process_set(process_set)
+            gathered_values = gathered_values / (size() if group is None else group.size)
         return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size())
 
     return wait

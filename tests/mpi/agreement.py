@@ -129,6 +129,22 @@ if FACE == "comm":
         received, counts = taco.alltoall(torch.arange(2 * n).to(dtype))
         assert received.dtype == dtype and counts.tolist() == [2] * n, dtype
         checks += 1
+    # sub-groups: the ranks after rank 0 reduce and gather among themselves; rank 0 is refused
+    rest = taco.new_group(range(1, n))
+    if r == 0:
+        try:
+            taco.allreduce(torch.ones(2), group=rest)
+        except ValueError as error:
+            assert "rank 0 is not in" in str(error), error
+        else:
+            raise AssertionError("a collective over a group without this rank did not raise")
+    else:
+        assert taco.allreduce(torch.ones(2), group=rest).tolist() == [n - 1.0] * 2
+        assert taco.allgather(torch.full((1,), r), group=rest).tolist() == list(range(1, n))
+        assert taco.broadcast(torch.full((1,), r), root=n - 1, group=rest).tolist() == [n - 1]
+        assert taco.reduce_scatter(torch.ones(n - 1), group=rest).tolist() == [n - 1.0]
+        taco.barrier(group=rest)
+    checks += 1
     taco.barrier()
 else:
     expect_mismatch("shape", lambda: hvd.allreduce(torch.ones(17 + (r == 0))), RuntimeError)
@@ -184,6 +200,42 @@ else:
     sparse = torch.sparse_coo_tensor(torch.tensor([[r, 3]]), torch.tensor([1.0, 2.0]), (5,))
     dense = hvd.sparse_allreduce_async(sparse, name="emb", op=hvd.Sum)().coalesce().to_dense()
     assert dense.tolist() == [1.0 if k < n else 0.0 for k in range(3)] + [2.0 * n, 0.0], dense
+    checks += 1
+    # process sets: even and odd ranks each run their own collectives, checked among themselves
+    evens, odds = [k for k in range(n) if k % 2 == 0], [k for k in range(n) if k % 2]
+    even_set, odd_set = hvd.add_process_set(evens), hvd.add_process_set(hvd.ProcessSet(odds))
+    mine, other = (even_set, odd_set) if r % 2 == 0 else (odd_set, even_set)
+    members = evens if r % 2 == 0 else odds
+    assert mine.included() and not other.included() and mine.rank() == members.index(r) and other.rank() == -1
+    total = float(sum(k + 1 for k in members))
+    assert hvd.allreduce(torch.full((2,), r + 1.0), op=hvd.Sum, process_set=mine).tolist() == [total] * 2
+    assert hvd.allreduce(torch.full((2,), r + 1), process_set=mine).tolist() == [int(total) // len(members)] * 2
+    assert hvd.allgather(torch.full((1,), r), process_set=mine).tolist() == members
+    assert hvd.broadcast(torch.full((2,), r), members[-1], process_set=mine).tolist() == [members[-1]] * 2
+    part = hvd.reducescatter(torch.ones(len(members), 2), op=hvd.Sum, process_set=mine)
+    assert part.tolist() == [[float(len(members))] * 2], part
+    assert hvd.broadcast_object({"from": r}, members[0], process_set=mine) == {"from": members[0]}
+    hvd.barrier(process_set=mine)
+    if len(members) > 1:  # a mismatch inside one set names that set's ranks only
+        message = ""
+        try:
+            hvd.allreduce(torch.ones(2 + (r == members[0])), process_set=mine)
+        except RuntimeError as error:
+            message = str(error)
+        assert f"rank {members[0]}:" in message and f"rank {members[1]}" in message, message
+    try:
+        hvd.allreduce(torch.ones(2), process_set=other)
+    except ValueError as error:
+        assert f"rank {r} is not in" in str(error), error
+    else:
+        raise AssertionError("an op on a process set without this rank did not raise")
+    assert hvd.remove_process_set(other) and hvd.remove_process_set(mine) and not hvd.remove_process_set(mine)
+    try:
+        hvd.allreduce(torch.ones(2), process_set=mine)
+    except ValueError as error:
+        assert "add_process_set" in str(error), error
+    else:
+        raise AssertionError("an op on a removed process set did not raise")
     checks += 1
     # join: ranks that finished feed zeros to the others' allreduces; other collectives raise on the others
     if r == 0:
