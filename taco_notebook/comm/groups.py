@@ -37,7 +37,7 @@ def new_group(ranks: Any) -> SubGroup:
     """A group of ``ranks`` (collective over every rank of the job: all call it with the same ranks)."""
     import torch.distributed as dist
 
-    from .collectives import _ready
+    from .checked import _ready
 
     size = state.ensure_topology().size
     try:

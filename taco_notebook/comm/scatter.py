@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from . import agreement, groups
-from .collectives import REDUCE_OPS, _check_tensor, _checked, _refuse, _wider
+from .checked import REDUCE_OPS, _check_tensor, _checked, _refuse, _wider
 from .stall import tracked
 from .state import state
 from .transport import streams
@@ -70,7 +70,7 @@ def _reduce_scatter_job(
             buf.div_(len(members))
         return buf.narrow(0, offset, counts[me]).to(tensor.dtype).clone()
 
-    return streams.on_comm_stream(tensor, _checked(sig, tracked("reduce_scatter", name, work), group=pg))
+    return streams.on_comm_stream(tensor, tracked("reduce_scatter", name, _checked(sig, work, group=pg)))
 
 
 def reduce_scatter(

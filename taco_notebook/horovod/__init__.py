@@ -57,21 +57,23 @@ from .basics import (
 )
 from .compression import Compression, Compressor
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .mpi_ops import (
-    HorovodInternalError,
+from .gather_ops import (
     allgather,
     allgather_async,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
     alltoall,
     alltoall_async,
-    barrier,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
+)
+from .mpi_ops import (
+    HorovodInternalError,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,

@@ -16,7 +16,8 @@ import torch
 
 from ..comm import collectives, scatter
 from .basics import Average, ReduceOp, check_process_set, comm_op, reduce_op, size
-from .mpi_ops import _check_tensor, _handle, _reserve, allgather, allgather_async, synchronize
+from .gather_ops import allgather, allgather_async
+from .mpi_ops import _check_tensor, _handle, _reserve, synchronize
 
 __all__ = [
     "reducescatter",
