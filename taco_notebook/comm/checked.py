@@ -77,9 +77,19 @@ def _checked(
         if not agreement.enabled():
             return work() if then is None else then([])
         extras = agreement.agree(sig, extra, group)
+        if state.stalled is not None:  # the watchdog gave up on this collective while its check completed late
+            raise _stalled_again()
         return work() if then is None else then(extras)
 
     return run
+
+
+def _stalled_again() -> BaseException:
+    """A copy of the StallError that broke the group (one instance raised in many places chains tracebacks)."""
+    error = state.stalled
+    copy = type(error)(str(error))
+    copy.__dict__.update(error.__dict__)
+    return copy  # type: ignore[no-any-return]
 
 
 def _refuse(kind: str, error: BaseException, group: Any = None) -> BaseException:
