@@ -94,10 +94,16 @@ def _stalled_again() -> BaseException:
 
 def _refuse(kind: str, error: BaseException, group: Any = None) -> BaseException:
     """Tell the other ranks (of ``group``) this call failed here (they raise, naming it, instead of waiting);
-    return ``error``. Only while the process group is up: before it, nothing is waiting."""
+    return ``error``. Only while the process group is up: before it, nothing is waiting.
+
+    Waits for that exchange (usually every rank refused alike, and it is immediate): left running, it could
+    still be in flight when the program ends and its group is destroyed under it."""
     if bootstrap.is_initialized() and agreement.enabled():
         sig = agreement.invalid(kind, error)
-        state.comm_thread.submit(tracked(kind, None, lambda: agreement.agree(sig, 0, group)))
+        try:
+            state.comm_thread.run(tracked(kind, None, lambda: agreement.agree(sig, 0, group)))
+        except Exception:  # noqa: BLE001, S110 - a rank that differs raises its own error; this one raises ``error``
+            pass
     return error
 
 

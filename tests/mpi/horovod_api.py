@@ -211,7 +211,7 @@ check(ag.grad.tolist() == [float(k + 1) for k in range(n) for _ in range(2)], ag
 hvd.barrier()
 last = hvd.join()
 check(0 <= last < n and last == hvd.broadcast_object(last, 0), last)
-raises(NotImplementedError, lambda: hvd.allreduce(x, process_set=hvd.ProcessSet([0])), "global_process_set")
+raises(ValueError, lambda: hvd.allreduce(x, process_set=hvd.ProcessSet([0])), "add_process_set")
 
 # --- shutdown and init again (comm's group is rebuilt: same engine)
 hvd.shutdown()
