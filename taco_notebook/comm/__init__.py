@@ -13,13 +13,23 @@ from ..errors import StallError
 from . import excepthook as _excepthook
 from . import metrics, placement, stall
 from . import rendezvous as _rendezvous
-from .algorithms import allreduce_async
 from .bootstrap import device, init, is_initialized, reinit, shutdown
-from .collectives import REDUCE_OPS, allgather, allreduce, alltoall, barrier, broadcast, broadcast_parameters
+from .collectives import (
+    REDUCE_OPS,
+    allgather,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_parameters,
+)
 from .compression.compressors import parse_compression
 from .compression.spec import CompressionSpec
 from .config import configure, settings
+from .groups import SubGroup, new_group
 from .progress import progress
+from .scatter import reduce_scatter, reduce_scatter_async
 from .topology import Topology
 
 placement.apply_from_env()  # pin this rank's GPU (or hide them) before the user's code can touch CUDA
@@ -27,6 +37,10 @@ placement.apply_from_env()  # pin this rank's GPU (or hide them) before the user
 __all__ = [
     "Topology",
     "REDUCE_OPS",
+    "reduce_scatter",
+    "new_group",
+    "SubGroup",
+    "reduce_scatter_async",
     "init",
     "shutdown",
     "reinit",

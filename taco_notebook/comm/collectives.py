@@ -5,16 +5,23 @@ set-up call, and is watched by the stall watchdog (:mod:`.stall`). allreduce and
 place (and return them, for chaining), as in Horovod's ``allreduce_``; allgather and alltoall make new tensors.
 Every collective runs on the communication thread (:mod:`.state`), so ``*_async`` calls and gradient buckets
 keep one order on every rank.
+
+Before moving data, the ranks agree on what they run (:mod:`.agreement`): a different shape, dtype, root or op
+on one rank raises the same :class:`~.agreement.CollectiveMismatchError` on every rank, and a call that fails
+its own checks on one rank only makes the others raise instead of wait. Every dtype torch has works: the few
+gloo lacks (int16, uint16, uint32, uint64) travel widened (reductions) or as bytes (the others).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from . import bootstrap
+from . import agreement, groups
+from .checked import REDUCE_OPS, _as_bytes, _check_tensor, _checked, _in_place, _ready, _refuse, _wider
 from .compression.spec import CompressionSpec
+from .gather import allgather, allgather_async, alltoall, alltoall_async
 from .stall import tracked
 from .state import state
 from .transport import streams
@@ -22,246 +29,225 @@ from .transport import streams
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["allreduce", "allreduce_async", "broadcast", "broadcast_async", "allgather", "allgather_async",
-           "alltoall", "alltoall_async", "barrier", "broadcast_parameters", "REDUCE_OPS"]
-
-REDUCE_OPS = ("sum", "avg", "min", "max", "product")
-
-
-def _ready() -> None:
-    if not bootstrap.is_initialized():
-        bootstrap.init()
-
-
-def _check_tensor(tensor: Any, what: str) -> None:
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
+__all__ = [
+    "allreduce",
+    "allreduce_async",
+    "broadcast",
+    "broadcast_async",
+    "allgather",
+    "allgather_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast_parameters",
+    "REDUCE_OPS",
+]
 
 
-def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
-    """Run ``collective`` on a contiguous buffer and write the result back into ``tensor``."""
-    if tensor.numel() == 0:
-        return tensor
-    if tensor.is_contiguous():
-        collective(tensor)
-        return tensor
-    buffer = tensor.contiguous()
-    collective(buffer)
-    tensor.copy_(buffer)
-    return tensor
+def _allreduce_sig(
+    tensor: torch.Tensor, op: str, compression: Any, algorithm: str | None, name: Any
+) -> agreement.Signature:
+    spec = CompressionSpec.parse(compression)
+    return agreement.describe_tensor(
+        "allreduce", tensor, name, op=op, compression=None if spec.kind == "none" else str(spec), algorithm=algorithm
+    )
 
 
-def _allreduce_job(tensor: torch.Tensor, op: str, compression: CompressionSpec | str | None, algorithm: str | None,
-                   name: Any, prescale: float, postscale: float) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
-    """Validate now (errors surface in the caller); the returned work runs on the communication thread."""
+def _allreduce_job(
+    tensor: torch.Tensor,
+    op: str,
+    compression: CompressionSpec | str | None,
+    algorithm: str | None,
+    name: Any,
+    prescale: float,
+    postscale: float,
+    check: bool = True,
+    key: Any = None,
+    group: groups.SubGroup | None = None,
+) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+    """Validate now (errors surface in the caller); the returned work runs on the communication thread.
+
+    ``name`` is what ranks agree on; ``key`` (default ``name``) keys TopK's error feedback. ``check=False``:
+    no agreement first (a rank inside ``join()`` feeding zeros to an allreduce the others agreed on)."""
+    pg = groups.resolve(group)
+    try:
+        _check_tensor(tensor, "allreduce")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+        if op not in ("sum", "avg") and CompressionSpec.parse(compression).kind != "none":
+            raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
+        if group is not None and (CompressionSpec.parse(compression).kind != "none" or algorithm is not None):
+            raise ValueError(
+                "an allreduce over a group runs uncompressed on the backend's algorithm: pass no "
+                "compression or algorithm with group="
+            )
+        sig = _allreduce_sig(tensor, op, compression, algorithm, name)
+        wide = _wider(tensor.dtype) if not tensor.is_cuda else None
+        buffer = tensor if wide is None else tensor.to(wide)
+        reduce = _reduce_work(buffer, op, compression, algorithm, name if key is None else key, prescale, postscale, pg)
+    except (TypeError, ValueError) as error:
+        raise (_refuse("allreduce", error, pg) if check else error) from None
+
+    def work() -> torch.Tensor:
+        reduced = reduce()
+        return reduced if wide is None else tensor.copy_(reduced)
+
+    return streams.on_comm_stream(tensor, tracked("allreduce", name, _checked(sig, work, group=pg) if check else work))
+
+
+def _reduce_work(
+    tensor: torch.Tensor,
+    op: str,
+    compression: CompressionSpec | str | None,
+    algorithm: str | None,
+    key: Any,
+    prescale: float,
+    postscale: float,
+    pg: Any,
+) -> Callable[[], torch.Tensor]:
+    """The reduction of ``tensor`` in place, to run on the communication thread (validated now). Sum/avg over
+    every rank: the accelerated path (:mod:`.algorithms`, compressed, flat or 2D); anything else, or over a
+    group (``pg``): the backend's allreduce."""
     import torch.distributed as dist
 
-    from .algorithms import _job, scale_
+    from .algorithms import _check, _reduce_in_place, resolve_algorithm, scale_
+    from .compression.compressors import NoneCompressor
+    from .config import check_algorithm, compressor_for
 
-    _check_tensor(tensor, "allreduce")
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
     if op in ("sum", "avg"):
-        return _job(tensor, op, compression, algorithm, name, prescale, postscale)
-    if CompressionSpec.parse(compression).kind != "none":
-        raise ValueError(f"compression applies to op='sum' or 'avg' only, not {op!r}")
-    reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
+        _check(tensor, op)
+    if op in ("sum", "avg") and pg is None:
+        compressor = compressor_for(compression) if tensor.is_floating_point() else NoneCompressor()
+        if algorithm is not None:
+            check_algorithm(algorithm)
+        stable = key if key is not None else ("ptr", tensor.data_ptr(), tensor.numel())
+
+        def accelerated() -> torch.Tensor:
+            resolved = resolve_algorithm(algorithm)  # may build groups: collective, so on this thread
+            return _reduce_in_place(tensor, op, compressor, resolved, stable, prescale, postscale)
+
+        return accelerated
+    reduce_op = {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.SUM,
+        "min": dist.ReduceOp.MIN,
+        "max": dist.ReduceOp.MAX,
+        "product": dist.ReduceOp.PRODUCT,
+    }[op]
 
     def reduce(buf: torch.Tensor) -> None:
         scale_(buf, prescale)
-        dist.all_reduce(buf, op=reduce_op)
+        dist.all_reduce(buf, op=reduce_op, group=pg)
+        if op == "avg":
+            buf.div_(dist.get_world_size(pg))
         scale_(buf, postscale)
 
-    def work() -> torch.Tensor:
+    def backend() -> torch.Tensor:
         _ready()
         return _in_place(tensor, reduce)
 
-    return streams.on_comm_stream(tensor, tracked("allreduce", name, work))
+    return backend
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
-              algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
-              postscale: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place; ``op`` is one of :data:`REDUCE_OPS`.
+def allreduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    compression: CompressionSpec | str | None = None,
+    algorithm: str | None = None,
+    name: Any = None,
+    *,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    group: groups.SubGroup | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (or ``group``'s, see :mod:`.groups`) in place; ``op`` is one of
+    :data:`REDUCE_OPS`.
 
     ``sum`` and ``avg`` take the accelerated path (:mod:`.algorithms`: flat or 2D hierarchical, optionally
     compressed, ``name`` keying TopK's error feedback); ``min``, ``max`` and ``product`` use the backend's.
-    ``prescale``/``postscale`` multiply the input before and the result after (Horovod's factors).
+    ``prescale``/``postscale`` multiply the input before and the result after (Horovod's factors). Ranks
+    that disagree on the shape, dtype or op raise :class:`~.agreement.CollectiveMismatchError`, all of them.
 
     >>> t = torch.ones(3); taco.allreduce(t, op="avg")   # every rank now holds the mean
     """
-    return state.comm_thread.run(*_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale))
+    return state.comm_thread.run(
+        *_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale, group=group)
+    )
 
 
-def allreduce_async(tensor: torch.Tensor, op: str = "sum", compression: CompressionSpec | str | None = None,
-                    algorithm: str | None = None, name: Any = None, *, prescale: float = 1.0,
-                    postscale: float = 1.0) -> Future[torch.Tensor]:
-    """:func:`allreduce` started on the communication thread; the future yields ``tensor`` when done."""
-    return state.comm_thread.submit(*_allreduce_job(tensor, op, compression, algorithm, name, prescale,
-                                                    postscale))
+def allreduce_async(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    compression: CompressionSpec | str | None = None,
+    algorithm: str | None = None,
+    name: Any = None,
+    *,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    key: Any = None,
+    group: groups.SubGroup | None = None,
+) -> Future[torch.Tensor]:
+    """:func:`allreduce` started on the communication thread; the future yields ``tensor`` when done.
+    ``key`` (default ``name``) keys TopK's error feedback where ``name`` is not stable."""
+    return state.comm_thread.submit(
+        *_allreduce_job(tensor, op, compression, algorithm, name, prescale, postscale, key=key, group=group)
+    )
 
 
-def _check_root(root: int) -> None:
+def _check_root(root: int, group: groups.SubGroup | None = None) -> None:
     size = state.ensure_topology().size
     if not isinstance(root, int) or not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, got {root!r}")
+    if group is not None and root not in group.ranks:
+        raise ValueError(f"root must be one of {group!r}'s ranks, got {root}")
 
 
-def _broadcast_job(tensor: torch.Tensor, root: int) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
+def _broadcast_job(
+    tensor: torch.Tensor, root: int, name: Any = None, group: groups.SubGroup | None = None
+) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
     import torch.distributed as dist
 
-    _check_tensor(tensor, "broadcast")
-    _check_root(root)
+    pg = groups.resolve(group)
+    try:
+        _check_tensor(tensor, "broadcast")
+        _check_root(root, group)
+    except (TypeError, ValueError) as error:
+        raise _refuse("broadcast", error, pg) from None
+    sig = agreement.describe_tensor("broadcast", tensor, name, root=root)
+
+    def send(buf: torch.Tensor) -> None:
+        dist.broadcast(_as_bytes(buf.reshape(-1)), src=root, group=pg)
 
     def work() -> torch.Tensor:
-        _ready()
-        return _in_place(tensor, lambda buf: dist.broadcast(buf, src=root))
+        return _in_place(tensor, send)
 
-    return streams.on_comm_stream(tensor, tracked("broadcast", None, work))
-
-
-def broadcast(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Copy ``root``'s ``tensor`` into every rank's ``tensor`` in place."""
-    return state.comm_thread.run(*_broadcast_job(tensor, root))
+    return streams.on_comm_stream(tensor, tracked("broadcast", name, _checked(sig, work, group=pg)))
 
 
-def broadcast_async(tensor: torch.Tensor, root: int = 0) -> Future[torch.Tensor]:
+def broadcast(
+    tensor: torch.Tensor, root: int = 0, name: Any = None, group: groups.SubGroup | None = None
+) -> torch.Tensor:
+    """Copy ``root``'s ``tensor`` into every rank's (of ``group``, a global rank as ``root``) in place."""
+    return state.comm_thread.run(*_broadcast_job(tensor, root, name, group))
+
+
+def broadcast_async(
+    tensor: torch.Tensor, root: int = 0, name: Any = None, group: groups.SubGroup | None = None
+) -> Future[torch.Tensor]:
     """:func:`broadcast` started on the communication thread; the future yields ``tensor`` when done."""
-    return state.comm_thread.submit(*_broadcast_job(tensor, root))
+    return state.comm_thread.submit(*_broadcast_job(tensor, root, name, group))
 
 
-def _caller_stream(tensor: torch.Tensor) -> Any:
-    """The submitting thread's current CUDA stream for ``tensor``'s device (None on CPU)."""
-    import torch
-
-    return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
-
-
-def _output(tensor: torch.Tensor, caller: Any) -> torch.Tensor:
-    """A new tensor made on the comm stream and handed to the caller: tell the caching allocator the caller's
-    stream uses it too, so its memory is not reused on the comm stream while the caller still reads it."""
-    if caller is not None:
-        tensor.record_stream(caller)
-    return tensor
-
-
-def _gathered_counts(count: int, device: Any) -> list[int]:
-    """Every rank's ``count``, in rank order (a collective: call on the communication thread)."""
-    import torch
+def barrier(group: groups.SubGroup | None = None) -> None:
+    """Wait until every rank (of ``group``) reaches this point."""
     import torch.distributed as dist
 
-    from .transport.reduction import all_gather
-
-    mine = torch.tensor([count], dtype=torch.int64, device=device)
-    every = mine.new_empty(dist.get_world_size())
-    all_gather(every, mine)
-    return [int(c) for c in every.tolist()]
-
-
-def _allgather_job(tensor: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Future[Any]]:
-    """Concatenate every rank's ``tensor`` along the first dimension into a new tensor (same on every rank).
-
-    First dimensions may differ between ranks (the rest must match); a 0-d tensor counts as one row, so
-    the result has one entry per rank. Rows are padded to the longest rank's for the backend's allgather.
-    """
-    import torch
-
-    from .transport.reduction import all_gather
-
-    _check_tensor(tensor, "allgather")
-    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-    caller = _caller_stream(rows)
-
-    def work() -> torch.Tensor:
-        _ready()
-        counts = _gathered_counts(rows.shape[0], rows.device)
-        longest = max(counts)
-        padded = rows if rows.shape[0] == longest else torch.cat(
-            [rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
-        out = _output(rows.new_empty((longest * len(counts), *rows.shape[1:])), caller)
-        all_gather(out, padded)
-        if all(c == longest for c in counts):
-            return out
-        return _output(torch.cat([out[i * longest: i * longest + c] for i, c in enumerate(counts)]), caller)
-
-    return streams.on_comm_stream(rows, tracked("allgather", None, work))
-
-
-def allgather(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dimension 0, first dimensions may differ (see
-    :func:`_allgather_job`); a new tensor, the same on every rank."""
-    return state.comm_thread.run(*_allgather_job(tensor))
-
-
-def allgather_async(tensor: torch.Tensor) -> Future[torch.Tensor]:
-    """:func:`allgather` started on the communication thread."""
-    return state.comm_thread.submit(*_allgather_job(tensor))
-
-
-def _alltoall_job(tensor: torch.Tensor, splits: Sequence[int] | None
-                  ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Future[Any]]:
-    """Send ``splits[i]`` rows of ``tensor`` (in order along dimension 0) to rank ``i``; receive from each.
-
-    ``splits`` defaults to equal parts (the first dimension must then divide by the rank count). The future
-    yields ``(received, received_splits)``: the rows from every rank in rank order, and how many came from each.
-    """
-    import torch
-    import torch.distributed as dist
-
-    _check_tensor(tensor, "alltoall")
-    size = state.ensure_topology().size
-    if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor of at least one dimension, got a 0-d tensor")
-    rows = tensor.shape[0]
-    if splits is None:
-        if rows % size:
-            raise ValueError(f"alltoall without splits needs the first dimension ({rows}) to divide by the "
-                             f"number of ranks ({size}); pass splits=[rows for each rank]")
-        sends = [rows // size] * size
-    else:
-        sends = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(sends) != size or min(sends) < 0 or sum(sends) != rows:
-            raise ValueError(f"alltoall splits must be {size} non-negative counts summing to the first dimension "
-                             f"({rows}), got {sends}")
-    source = tensor.contiguous()
-    caller = _caller_stream(source)
-
-    def work() -> tuple[torch.Tensor, torch.Tensor]:
-        _ready()
-        sent = torch.tensor(sends, dtype=torch.int64, device=source.device)
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent)
-        counts = [int(c) for c in received.tolist()]
-        out = _output(source.new_empty((sum(counts), *source.shape[1:])), caller)
-        dist.all_to_all_single(out, source, output_split_sizes=counts, input_split_sizes=sends)
-        return out, received.cpu()
-
-    return streams.on_comm_stream(source, tracked("alltoall", None, work))
-
-
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` (equal parts by default); returns
-    ``(received, received_splits)``: the rows from every rank in rank order, and how many came from each."""
-    return state.comm_thread.run(*_alltoall_job(tensor, splits))
-
-
-def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | None = None
-                   ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`alltoall` started on the communication thread."""
-    return state.comm_thread.submit(*_alltoall_job(tensor, splits))
-
-
-def barrier() -> None:
-    """Wait until every rank reaches this point."""
-    import torch.distributed as dist
+    pg = groups.resolve(group)
 
     def work() -> None:
-        _ready()
-        dist.barrier()
+        dist.barrier(group=pg)
 
-    state.comm_thread.run(tracked("barrier", None, work))
+    state.comm_thread.run(tracked("barrier", None, _checked(agreement.Signature("barrier"), work, group=pg)))
 
 
 def broadcast_parameters(params: Any, root: int = 0) -> None:

@@ -12,17 +12,20 @@ with Horovod's values); :func:`reduce_op` turns one, or the older ``average=`` f
 from __future__ import annotations
 
 import enum
+import itertools
 import warnings
 from typing import Any
 
 from ..comm import bootstrap
+from ..comm.groups import SubGroup, new_group
 from ..comm.state import state
 
 __all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set",
            "NOT_INITIALIZED", "init", "shutdown", "is_initialized", "check_initialized", "size", "rank",
            "local_size", "local_rank", "cross_size", "cross_rank", "is_homogeneous", "mpi_built", "mpi_enabled",
            "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
-           "cuda_built", "rocm_built", "reduce_op", "warn_once", "check_process_set"]
+           "cuda_built", "rocm_built", "reduce_op", "warn_once", "check_process_set", "add_process_set",
+           "remove_process_set"]
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -76,24 +79,78 @@ def comm_op(op: ReduceOp) -> str:
 
 
 class ProcessSet:
-    """Horovod's process set; only the global one (every rank) exists here (see ``check_process_set``)."""
+    """Horovod's process set: some ranks that run collectives among themselves (``process_set=`` on every op).
 
-    def __init__(self, ranks: list[int] | None = None) -> None:
-        self.ranks = ranks
-        self.process_set_id = 0 if ranks is None else None
+    ``ProcessSet([0, 2])`` names the ranks; :func:`add_process_set` (collective over every rank) makes it
+    usable, over a torch.distributed group of those ranks (:mod:`taco_notebook.comm.groups`).
+    """
+
+    def __init__(self, ranks: Any = None) -> None:
+        self.ranks: list[int] | None = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id: int | None = 0 if ranks is None else None
+        self.group: SubGroup | None = None
+
+    def size(self) -> int:
+        """Number of ranks in the set."""
+        return size() if self.ranks is None else len(self.ranks)
+
+    def rank(self) -> int:
+        """This process's rank within the set, or -1 when it is not in it."""
+        me = rank()
+        return me if self.ranks is None else (self.ranks.index(me) if me in self.ranks else -1)
+
+    def included(self) -> bool:
+        """Whether this process is in the set."""
+        return self.ranks is None or rank() in self.ranks
 
     def __repr__(self) -> str:
-        return "ProcessSet(process_set_id=0, ranks=all)" if self.ranks is None else f"ProcessSet({self.ranks})"
+        if self.ranks is None:
+            return "ProcessSet(process_set_id=0, ranks=all)"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
 global_process_set = ProcessSet()
+_process_sets: dict[int, ProcessSet] = {0: global_process_set}
+_next_id = itertools.count(1)
 
 
-def check_process_set(process_set: Any) -> None:
-    """Accept the global process set (every rank); refuse others, naming why."""
-    if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError("taco_notebook.horovod runs every collective over all ranks: only "
-                                  "hvd.global_process_set is supported, not process sets of some ranks")
+def add_process_set(process_set: Any) -> ProcessSet:
+    """Make ``process_set`` (a :class:`ProcessSet` or a list of ranks) usable; collective over every rank,
+    which all pass the same ranks, in the same order of calls. Returns the set."""
+    check_initialized()
+    found = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if found.ranks is None or found.process_set_id is not None:
+        raise ValueError(f"{found!r} was added already")
+    if any(other.ranks == found.ranks for other in _process_sets.values()):
+        raise ValueError(f"a process set with ranks {found.ranks} exists already")
+    found.group = new_group(found.ranks)
+    found.process_set_id = next(_next_id)
+    _process_sets[found.process_set_id] = found
+    return found
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Forget ``process_set`` (every rank calls it); False for the global set or one that was not added."""
+    check_initialized()
+    if process_set is global_process_set or _process_sets.get(process_set.process_set_id or -1) is not process_set:
+        return False
+    del _process_sets[process_set.process_set_id]  # type: ignore[arg-type]
+    process_set.process_set_id, process_set.group = None, None
+    return True
+
+
+def check_process_set(process_set: Any) -> SubGroup | None:
+    """The comm/ group of ``process_set`` (None: every rank), or a ValueError naming what is wrong with it."""
+    if process_set is None or process_set is global_process_set:
+        return None
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
+    if process_set.process_set_id is None or process_set.group is None:
+        raise ValueError(f"{process_set!r} was not added (or was removed): call hvd.add_process_set() on every "
+                         "rank first")
+    if not process_set.included():
+        raise ValueError(f"rank {rank()} is not in {process_set!r}")
+    return process_set.group
 
 
 _warned: set[str] = set()
@@ -118,9 +175,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if not (comm == MPI.COMM_WORLD or (isinstance(comm, list | tuple) and sorted(comm) == everyone)):
             raise NotImplementedError("hvd.init(comm=...) accepts only MPI.COMM_WORLD (or every rank): "
                                       "taco_notebook.horovod runs over the whole MPI job")
-    if process_sets not in (None, [], ()):
-        raise NotImplementedError("hvd.init(process_sets=...) is not supported: only hvd.global_process_set")
     bootstrap.init()
+    for process_set in process_sets or ():  # Horovod's static process sets
+        if not (isinstance(process_set, ProcessSet) and process_set.process_set_id is not None):
+            add_process_set(process_set)
 
 
 def shutdown() -> None:

@@ -2,10 +2,11 @@
 
 ``broadcast_parameters`` takes what Horovod's takes (a ``state_dict()`` or ``named_parameters()``; a module
 too); ``broadcast_optimizer_state`` makes every rank's optimizer state equal to ``root_rank``'s, including one
-that has not stepped yet: the root's state is described (names, shapes, dtypes and its non-tensor values) to
-every rank, which allocate what they lack, and the tensors are then broadcast in place. Unlike Horovod, no
-optimizer step is run to create the state, so parameters never move (Horovod's zero-gradient step changes
-them under weight decay). Objects travel pickled in a byte tensor (Horovod does the same with cloudpickle).
+that has not stepped yet. As Horovod, a fresh optimizer's state is built first by one step on zero gradients
+(which it leaves in ``p.grad``); unlike Horovod, the parameters are put back after that step, so weight decay
+does not move them. The root's state is then described (names, shapes, dtypes and its non-tensor values) to
+every rank, which allocate what they lack, and the tensors are broadcast in place. Objects travel pickled in
+a byte tensor (Horovod does the same with cloudpickle).
 """
 
 from __future__ import annotations
@@ -59,25 +60,25 @@ def _from_bytes(data: torch.Tensor) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
     """``root_rank``'s ``obj`` (any picklable object), returned on every rank."""
     check_initialized()
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     data = _to_bytes(obj) if rank() == root_rank else torch.empty(0, dtype=torch.uint8)
-    length = collectives.broadcast(torch.tensor([data.numel()], dtype=torch.int64), root_rank)
+    length = collectives.broadcast(torch.tensor([data.numel()], dtype=torch.int64), root_rank, group=group)
     if rank() != root_rank:
         data = torch.empty(int(length.item()), dtype=torch.uint8)
-    collectives.broadcast(data, root_rank)
+    collectives.broadcast(data, root_rank, group=group)
     return obj if rank() == root_rank else _from_bytes(data)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's ``obj`` (any picklable object), as a list in rank order, on every rank."""
     check_initialized()
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     data = _to_bytes(obj)
-    lengths = collectives.allgather(torch.tensor([data.numel()], dtype=torch.int64)).tolist()
-    gathered = collectives.allgather(data)
+    lengths = collectives.allgather(torch.tensor([data.numel()], dtype=torch.int64), group=group).tolist()
+    gathered = collectives.allgather(data, group=group)
     out, offset = [], 0
     for length in lengths:
-        out.append(_from_bytes(gathered[offset: offset + length]))
+        out.append(_from_bytes(gathered[offset : offset + length]))
         offset += length
     return out
 
@@ -89,12 +90,32 @@ def _params_by_index(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _describe(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
     """The state with each tensor replaced by ``("tensor", shape, dtype, on_cpu)``: what the root sends."""
-    return {pid: {key: ("tensor", tuple(v.shape), v.dtype, v.device.type == "cpu") if isinstance(v, torch.Tensor)
-                  else v for key, v in entries.items()} for pid, entries in state.items()}
+    return {
+        pid: {
+            key: ("tensor", tuple(v.shape), v.dtype, v.device.type == "cpu") if isinstance(v, torch.Tensor) else v
+            for key, v in entries.items()
+        }
+        for pid, entries in state.items()
+    }
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, prefix: str = "Parameter.",
-                              model: Any = None) -> None:
+def _build_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state, as Horovod does: zero gradients and one step of the wrapped optimizer
+    (not the distributed one: nothing is reduced); the parameters are restored after it."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    kept = [p.detach().clone() for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, value in zip(params, kept, strict=True):
+            p.copy_(value)
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int = 0, prefix: str = "Parameter.", model: Any = None
+) -> None:
     """Make every rank's optimizer state (per-parameter state and each group's options) ``root_rank``'s.
 
     Accepts a ``torch.optim.Optimizer`` or an ``hvd.DistributedOptimizer``.
@@ -103,6 +124,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     inner = getattr(optimizer, "optimizer", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not inner.state_dict()["state"]:
+        _build_state(inner)
     local = inner.state_dict()
     root = broadcast_object({"state": _describe(local["state"]), "param_groups": local["param_groups"]}, root_rank)
     params = _params_by_index(inner)

@@ -1,44 +1,78 @@
-"""Horovod's tensor collectives (``hvd.allreduce`` and friends) over comm/'s collectives.
+"""Horovod's allreduces, handles, barrier and join over comm/'s collectives (broadcast, allgather, alltoall:
+:mod:`.gather_ops`).
 
 Horovod's meaning, taco's engine: ``allreduce`` returns a new tensor and averages by default, ``allreduce_``
 works in place; ``*_async`` calls return an integer handle for :func:`poll` and :func:`synchronize`. Every
-call goes through :mod:`taco_notebook.comm.collectives` (the accelerated allreduce with its compressors for
-``Average``/``Sum``, the backend's for ``Min``/``Max``/``Product``; broadcast, uneven allgather, alltoall), on
-comm/'s one communication thread, so Horovod calls, ``taco.*`` calls and ``DistributedOptimizer`` buckets keep
-one order on every rank. Out-of-place calls are differentiable as Horovod's are (``Average``/``Sum`` allreduce,
-allgather, broadcast, alltoall). ``name=`` is accepted everywhere; for the allreduce it keys TopK's error
-feedback. Integer tensors averaged are summed then floor-divided by the rank count, as Horovod's ``DivideInPlace``.
+call goes through :mod:`taco_notebook.comm.collectives` on comm/'s one communication thread, so Horovod calls,
+``taco.*`` calls and ``DistributedOptimizer`` buckets keep one order on every rank. Out-of-place calls are
+differentiable. ``name=`` keys TopK's error feedback; integers averaged are summed then floor-divided.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..comm import collectives
+from ..comm import StallError, agreement, collectives
 from ..comm.compression.spec import CompressionSpec
+from ..comm.state import state
 from .basics import Average, ReduceOp, check_initialized, check_process_set, comm_op, reduce_op, size
 from .compression import Compression, spec_of
 
-__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-           "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
-           "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
-           "alltoall_async", "poll", "synchronize", "join", "barrier"]
+__all__ = [
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "poll",
+    "synchronize",
+    "join",
+    "barrier",
+]
 
 UNCOMPRESSED = CompressionSpec("none")  # what crosses for ops other than sum/avg, and for a custom Compressor
 
-_handles: dict[int, tuple[Future[Any], Callable[[Any], Any]]] = {}
+_handles: dict[int, tuple[Future[Any], Callable[[Any], Any], str | None]] = {}
 _next_handle = itertools.count(1)
+_in_flight: dict[str, int] = {}  # "allreduce.NAME" -> its handle, until synchronized
 
 
-def _handle(future: Future[Any], finish: Callable[[Any], Any] = lambda result: result) -> int:
+class HorovodInternalError(RuntimeError):
+    """A collective failed because the job broke (a peer died or stalled), as Horovod's: elastic code catches it
+    to restore its state and go on. Ranks that merely disagree get a RuntimeError (CollectiveMismatchError)."""
+
+
+def _reserve(kind: str, name: Any) -> str | None:
+    """Horovod's rule: no two operations of a kind with one name in flight; raise before anything starts.
+
+    In flight means not yet synchronized, which every rank decides alike (completion would race)."""
+    if name is None:
+        return None
+    key = f"{kind}.{name}"
+    if key in _in_flight:
+        raise ValueError(
+            f"hvd.{kind}: an operation named {name!r} is already in flight (handle "
+            f"{_in_flight[key]}); synchronize it before starting another with the same name"
+        )
+    return key
+
+
+def _handle(
+    future: Future[Any], finish: Callable[[Any], Any] = lambda result: result, reserved: str | None = None
+) -> int:
     handle = next(_next_handle)
-    _handles[handle] = (future, finish)
+    _handles[handle] = (future, finish, reserved)
+    if reserved is not None:
+        _in_flight[reserved] = handle
     return handle
 
 
@@ -54,8 +88,14 @@ def synchronize(handle: int) -> Any:
     Horovod); the handle is released."""
     if handle not in _handles:
         return None
-    future, finish = _handles.pop(handle)
-    return finish(future.result())
+    future, finish, reserved = _handles.pop(handle)
+    if reserved is not None:
+        _in_flight.pop(reserved, None)
+    try:
+        result = future.result()
+    except (StallError, dist.DistBackendError) as error:
+        raise HorovodInternalError(str(error)) from error
+    return finish(result)
 
 
 def _check_tensor(tensor: Any, what: str) -> None:
@@ -64,46 +104,87 @@ def _check_tensor(tensor: Any, what: str) -> None:
         raise TypeError(f"hvd.{what} needs a torch.Tensor, got {type(tensor).__name__}")
 
 
-def _start_allreduce(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: Any, prescale: float,
-                     postscale: float, spec: CompressionSpec,
-                     process_set: Any) -> tuple[Future[Any], Callable[[Any], Any]]:
+def _start_allreduce(
+    tensor: torch.Tensor,
+    output: torch.Tensor,
+    op: ReduceOp,
+    name: Any,
+    prescale: float,
+    postscale: float,
+    spec: CompressionSpec,
+    process_set: Any,
+) -> tuple[Future[Any], Callable[[Any], Any]]:
     """Reduce ``output`` (``tensor`` itself, or a copy of it) in place with the engine."""
-    check_process_set(process_set)
+    group = check_process_set(process_set)
     integer_mean = op is Average and not (output.is_floating_point() or output.is_complex())
-    key = name if name is not None else ("hvd", tensor.data_ptr(), tensor.numel())
-    future = collectives.allreduce_async(output, "sum" if integer_mean else comm_op(op),
-                                         compression=spec if op in (Average, ReduceOp.SUM) else None,
-                                         name=key, prescale=float(prescale), postscale=float(postscale))
+    key = name if name is not None else ("hvd", tensor.data_ptr(), tensor.numel())  # stable for TopK's residual
+    future = collectives.allreduce_async(
+        output,
+        "sum" if integer_mean else comm_op(op),
+        compression=spec if op in (Average, ReduceOp.SUM) and group is None else None,
+        name=name,
+        key=key,
+        prescale=float(prescale),
+        postscale=float(postscale),
+        group=group,
+    )
+    members = size() if group is None else group.size
 
     def finish(result: torch.Tensor) -> torch.Tensor:
-        return result.floor_divide_(size()) if integer_mean else result
+        return result.floor_divide_(members) if integer_mean else result
 
     return future, finish
 
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: Any = None) -> int:
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> int:
     """Start reducing a copy of ``tensor`` (which is not changed); returns a handle for :func:`synchronize`."""
     _check_tensor(tensor, "allreduce_async")
     found = reduce_op(op, average)
+    reserved = _reserve("allreduce", name)
     output = tensor.detach().clone()
-    return _handle(*_start_allreduce(tensor, output, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
-                                     process_set))
+    return _handle(
+        *_start_allreduce(tensor, output, found, name, prescale_factor, postscale_factor, UNCOMPRESSED, process_set),
+        reserved,
+    )
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: Any = None) -> int:
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> int:
     """Start reducing ``tensor`` in place; returns a handle for :func:`synchronize`."""
     _check_tensor(tensor, "allreduce_async_")
     found = reduce_op(op, average)
-    return _handle(*_start_allreduce(tensor, tensor, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
-                                     process_set))
+    reserved = _reserve("allreduce", name)
+    return _handle(
+        *_start_allreduce(tensor, tensor, found, name, prescale_factor, postscale_factor, UNCOMPRESSED, process_set),
+        reserved,
+    )
 
 
-def _reduce_now(tensor: torch.Tensor, output: torch.Tensor, op: ReduceOp, name: Any, prescale: float,
-                postscale: float, spec: CompressionSpec, process_set: Any) -> torch.Tensor:
+def _reduce_now(
+    tensor: torch.Tensor,
+    output: torch.Tensor,
+    op: ReduceOp,
+    name: Any,
+    prescale: float,
+    postscale: float,
+    spec: CompressionSpec,
+    process_set: Any,
+) -> torch.Tensor:
     future, finish = _start_allreduce(tensor, output, op, name, prescale, postscale, spec, process_set)
     return finish(future.result())  # type: ignore[no-any-return]
 
@@ -113,21 +194,37 @@ class _Allreduce(torch.autograd.Function):
     gradients, with the same factors, as Horovod's ``HorovodAllreduce``."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: Any, prescale: float, postscale: float,
-                spec: CompressionSpec, process_set: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        name: Any,
+        prescale: float,
+        postscale: float,
+        spec: CompressionSpec,
+        process_set: Any,
+    ) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
         return _reduce_now(tensor, tensor.detach().clone(), op, name, prescale, postscale, spec, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _reduce_now(grad, grad.detach().clone(), ctx.op, None, ctx.prescale, ctx.postscale, UNCOMPRESSED,
-                              ctx.process_set)
+        reduced = _reduce_now(
+            grad, grad.detach().clone(), ctx.op, None, ctx.prescale, ctx.postscale, UNCOMPRESSED, ctx.process_set
+        )
         return reduced, None, None, None, None, None, None
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over every rank (averaged unless ``op`` says otherwise).
 
     ``compression``: an ``hvd.Compression`` member runs inside taco's allreduce; a user's own Horovod
@@ -139,183 +236,164 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     payload, cctx = (tensor, None) if spec is not None else compression.compress(tensor)
     differentiable = found in (Average, ReduceOp.SUM) and payload.requires_grad and torch.is_grad_enabled()
     if differentiable:
-        out = _Allreduce.apply(payload, found, name, prescale_factor, postscale_factor, spec or UNCOMPRESSED,
-                               process_set)
+        out = _Allreduce.apply(
+            payload, found, name, prescale_factor, postscale_factor, spec or UNCOMPRESSED, process_set
+        )
     else:
-        out = _reduce_now(payload, payload.detach().clone(), found, name, prescale_factor, postscale_factor,
-                          spec or UNCOMPRESSED, process_set)
+        out = _reduce_now(
+            payload,
+            payload.detach().clone(),
+            found,
+            name,
+            prescale_factor,
+            postscale_factor,
+            spec or UNCOMPRESSED,
+            process_set,
+        )
     return out if spec is not None else compression.decompress(out, cctx)
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: Any = None) -> torch.Tensor:
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> torch.Tensor:
     """Reduce ``tensor`` over every rank in place (averaged unless ``op`` says otherwise); returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))  # type: ignore[no-any-return]
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))  # type: ignore[no-any-return]
 
 
-def _grouped(tensors: Sequence[torch.Tensor], start: Callable[..., int], name: str | None,
-             kwargs: dict[str, Any]) -> int:
+def _grouped(
+    tensors: Sequence[torch.Tensor], start: Callable[..., int], name: str | None, kwargs: dict[str, Any]
+) -> int:
     handles = [start(t, name=None if name is None else f"{name}.{i}", **kwargs) for i, t in enumerate(tensors)]
     future: Future[Any] = Future()
     future.set_result(None)
     return _handle(future, lambda _: [synchronize(h) for h in handles])
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                            op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: Any = None) -> int:
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> int:
     """:func:`allreduce_async` of every tensor, one handle for the list of results."""
-    return _grouped(tensors, allreduce_async, name, dict(average=average, op=op, prescale_factor=prescale_factor,
-                                                         postscale_factor=postscale_factor, process_set=process_set))
+    return _grouped(
+        tensors,
+        allreduce_async,
+        name,
+        dict(
+            average=average,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+        ),
+    )
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                             op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: Any = None) -> int:
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> int:
     """:func:`allreduce_async_` of every tensor, one handle for the list."""
-    return _grouped(tensors, allreduce_async_, name, dict(average=average, op=op, prescale_factor=prescale_factor,
-                                                          postscale_factor=postscale_factor,
-                                                          process_set=process_set))
+    return _grouped(
+        tensors,
+        allreduce_async_,
+        name,
+        dict(
+            average=average,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+        ),
+    )
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
     """:func:`allreduce` of every tensor in the list (new tensors)."""
-    return [allreduce(t, average, None if name is None else f"{name}.{i}", compression, op, prescale_factor,
-                      postscale_factor, process_set) for i, t in enumerate(tensors)]
+    return [
+        allreduce(
+            t,
+            average,
+            None if name is None else f"{name}.{i}",
+            compression,
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+        )
+        for i, t in enumerate(tensors)
+    ]
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: Any = None) -> list[torch.Tensor]:
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
     """:func:`allreduce_` of every tensor in the list (in place)."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,  # type: ignore
-                                                postscale_factor, process_set))
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
-    """Start gathering every rank's ``tensor`` along dimension 0 (first dimensions may differ)."""
-    _check_tensor(tensor, "allgather_async")
-    check_process_set(process_set)
-    return _handle(collectives.allgather_async(tensor))
-
-
-class _Allgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: Any) -> torch.Tensor:
-        ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        ctx.scalar = tensor.dim() == 0
-        return synchronize(allgather_async(tensor.detach(), name, process_set))  # type: ignore[no-any-return]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = _reduce_now(grad, grad.detach().clone(), ReduceOp.SUM, None, 1.0, 1.0, UNCOMPRESSED, None)
-        rows = collectives.allgather(torch.tensor([ctx.rows], dtype=torch.int64))
-        from .basics import rank
-
-        offset = int(rows[: rank()].sum())
-        mine = summed.narrow(0, offset, ctx.rows)
-        return (mine.reshape(()) if ctx.scalar else mine), None, None
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """A new tensor: every rank's ``tensor`` concatenated along dimension 0, in rank order."""
-    _check_tensor(tensor, "allgather")
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _Allgather.apply(tensor, name, process_set)  # type: ignore[no-any-return]
-    return synchronize(allgather_async(tensor, name, process_set))  # type: ignore[no-any-return]
-
-
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
-    """Start copying ``root_rank``'s ``tensor`` into every rank's, in place."""
-    _check_tensor(tensor, "broadcast_async_")
-    check_process_set(process_set)
-    return _handle(collectives.broadcast_async(tensor, root_rank))
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
-    """Start broadcasting a copy of ``tensor`` (which is not changed) from ``root_rank``."""
-    _check_tensor(tensor, "broadcast_async")
-    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, process_set: Any) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        from .basics import rank
-
-        summed = _reduce_now(grad, grad.detach().clone(), ReduceOp.SUM, None, 1.0, 1.0, UNCOMPRESSED, None)
-        return (summed if rank() == ctx.root_rank else summed.zero_()), None, None, None
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """A new tensor holding ``root_rank``'s ``tensor`` on every rank (``tensor`` is not changed)."""
-    _check_tensor(tensor, "broadcast")
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _Broadcast.apply(tensor, root_rank, name, process_set)  # type: ignore[no-any-return]
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """Copy ``root_rank``'s ``tensor`` into every rank's ``tensor``, in place; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
-
-
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> int:
-    """Start an alltoall; :func:`synchronize` gives ``(output, received_splits)``."""
-    _check_tensor(tensor, "alltoall_async")
-    check_process_set(process_set)
-    return _handle(collectives.alltoall_async(tensor, splits))
-
-
-class _Alltoall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: Any) -> Any:
-        output, received = synchronize(alltoall_async(tensor.detach(), splits, name, process_set))
-        ctx.received = received
-        ctx.mark_non_differentiable(received)
-        return output, received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, ...]:
-        back, _received = collectives.alltoall(grad.contiguous(), ctx.received.tolist())
-        return back, None, None, None
-
-
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
-    """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` (equal parts without ``splits``); the rows received,
-    in rank order, and with ``splits`` also how many rows came from each rank (``(output, received_splits)``)."""
-    _check_tensor(tensor, "alltoall")
-    if tensor.requires_grad and torch.is_grad_enabled():
-        output, received = _Alltoall.apply(tensor, splits, name, process_set)
-    else:
-        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
-    return output if splits is None else (output, received)
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors,
+            average,
+            name,
+            op,
+            prescale_factor,  # type: ignore
+            postscale_factor,
+            process_set,
+        )
+    )
 
 
 def barrier(process_set: Any = None) -> None:
-    """Wait until every rank reaches this point."""
+    """Wait until every rank (of ``process_set``) reaches this point."""
     check_initialized()
-    check_process_set(process_set)
-    collectives.barrier()
+    collectives.barrier(check_process_set(process_set))
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank called ``join()``; returns the rank that arrived last.
+    """Finish this rank's work: until every rank called ``join()``, take part in the allreduces the others still
+    run with zeros (so an average counts this rank as zeros, as Horovod's); return the rank that joined last.
 
-    Unlike Horovod, ranks that joined do not take part in allreduces the others still run: every rank must
-    reach ``join()`` after the same collectives (see the README's "Horovod compatibility"). ``device`` is
-    accepted for compatibility and ignored.
+    Other collectives (allgather, broadcast, alltoall) run by ranks that did not join raise on those ranks
+    while a rank has joined. ``device`` is accepted for compatibility (zeros go where the others' tensors are).
     """
     check_initialized()
-    arrived = torch.tensor([time.time()], dtype=torch.float64)
-    every = collectives.allgather(arrived)
-    return int(torch.argmax(every).item())
+
+    def feed_zeros(sig: agreement.Signature) -> None:
+        device_of = state.device if sig.device == "cuda" else torch.device("cpu")
+        zeros = torch.zeros(sig.shape or (), dtype=getattr(torch, sig.dtype or "float32"), device=device_of)
+        work, _ = collectives._allreduce_job(
+            zeros, sig.op or "sum", sig.compression, sig.algorithm, sig.name, 1.0, 1.0, check=False
+        )
+        work()
+
+    arrivals = state.comm_thread.run(lambda: agreement.run_joined(feed_zeros))
+    return int(max(range(len(arrivals)), key=lambda r: arrivals[r]))

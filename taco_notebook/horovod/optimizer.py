@@ -26,25 +26,68 @@ from .compression import Compression, spec_of
 
 __all__ = ["DistributedOptimizer"]
 
-_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
-                    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+_STEP_AFTER_SYNC = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code."
+)
 
 
 def _warn_unmatched(sparse_as_dense: bool, num_groups: int, groups: Any, process_set: Any) -> None:
     if sparse_as_dense:
-        warn_once("sparse_as_dense", "DistributedOptimizer(sparse_as_dense=True) has no effect here: gradients "
-                                     "are always reduced dense, in fused buckets")
+        warn_once(
+            "sparse_as_dense",
+            "DistributedOptimizer(sparse_as_dense=True) has no effect here: gradients "
+            "are always reduced dense, in fused buckets",
+        )
     if num_groups or groups is not None:
-        warn_once("groups", "DistributedOptimizer(num_groups=/groups=) has no effect here: gradients are fused "
-                            "into buckets of up to TACO_FUSION_MB (or HOROVOD_FUSION_THRESHOLD) instead; "
-                            "set that, or taco.configure(fusion_mb=...)")
+        warn_once(
+            "groups",
+            "DistributedOptimizer(num_groups=/groups=) has no effect here: gradients are fused "
+            "into buckets of up to TACO_FUSION_MB (or HOROVOD_FUSION_THRESHOLD) instead; "
+            "set that, or taco.configure(fusion_mb=...)",
+        )
     if process_set is not None and process_set is not global_process_set:
         ranks = getattr(process_set, "ranks", None)
         if ranks is not None and sorted(ranks) != list(range(size())):
-            raise NotImplementedError("DistributedOptimizer(process_set=...) over some ranks is not supported: "
-                                      "taco_notebook.horovod reduces over every rank")
+            raise NotImplementedError(
+                "DistributedOptimizer(process_set=...) over some ranks is not supported: "
+                "taco_notebook.horovod reduces over every rank"
+            )
         warn_once("process_set", "DistributedOptimizer(process_set=...) is ignored: every rank takes part")
+
+
+def _all_named(
+    optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """``named_parameters`` as a list, checked as Horovod does: (name, tensor) pairs, unique names, and every
+    parameter of the optimizer named (a ValueError naming the ones that are not)."""
+    named = list(named_parameters)
+    if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced "
+            "by model.named_parameters()"
+        )
+    names = [name for name, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(
+            f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}"
+        )
+    named_ids = {id(p) for _, p in named}
+    unnamed = [
+        f"param_groups[{g}]['params'][{i}] (shape {list(p.shape)})"
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if id(p) not in named_ids
+    ]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters was specified, but {len(unnamed)} of the optimizer's parameters were "
+            f"not named: {', '.join(unnamed[:8])}{' ...' if len(unnamed) > 8 else ''}; pass "
+            "model.named_parameters() of the whole model the optimizer was built for"
+        )
+    return named
 
 
 def _horovod_env() -> tuple[float | None, str | None]:
@@ -63,11 +106,19 @@ class DistributedOptimizer(_CommOptimizer):
     ...                                compression=hvd.Compression.fp16, backward_passes_per_step=2)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
-                 named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                 compression: Any = Compression.none, backward_passes_per_step: int = 1, op: Any = Average,
-                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 sparse_as_dense: bool = False, process_set: Any = global_process_set) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        compression: Any = Compression.none,
+        backward_passes_per_step: int = 1,
+        op: Any = Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Any = None,
+        sparse_as_dense: bool = False,
+        process_set: Any = global_process_set,
+    ) -> None:
         check_initialized()
         found = reduce_op(op)  # Adasum raises, naming it
         if found not in (Average, ReduceOp.SUM):
@@ -76,19 +127,29 @@ class DistributedOptimizer(_CommOptimizer):
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if gradient_predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+        if named_parameters is not None:
+            named_parameters = _all_named(optimizer, named_parameters)
         spec = spec_of(compression)
         if spec is None:
-            raise TypeError(f"DistributedOptimizer(compression={compression!r}): only hvd.Compression members "
-                            "(none, fp16, bf16, topk, powersgd) run inside taco's fused allreduce; a custom "
-                            "Compressor works with hvd.allreduce only")
+            raise TypeError(
+                f"DistributedOptimizer(compression={compression!r}): only hvd.Compression members "
+                "(none, fp16, bf16, topk, powersgd) run inside taco's fused allreduce; a custom "
+                "Compressor works with hvd.allreduce only"
+            )
         _warn_unmatched(sparse_as_dense, num_groups, groups, process_set)
         fusion_mb, algorithm = _horovod_env()
         average = found is Average
-        super().__init__(optimizer, named_parameters, compression=spec, algorithm=algorithm,
-                         backward_passes_per_step=backward_passes_per_step, fusion_mb=fusion_mb,
-                         op="avg" if average else "sum",
-                         prescale_factor=1.0 / gradient_predivide_factor if average else 1.0,
-                         postscale_factor=gradient_predivide_factor if average else 1.0)
+        super().__init__(
+            optimizer,
+            named_parameters,
+            compression=spec,
+            algorithm=algorithm,
+            backward_passes_per_step=backward_passes_per_step,
+            fusion_mb=fusion_mb,
+            op="avg" if average else "sum",
+            prescale_factor=1.0 / gradient_predivide_factor if average else 1.0,
+            postscale_factor=gradient_predivide_factor if average else 1.0,
+        )
         self.gradient_predivide_factor = gradient_predivide_factor
 
     def set_backward_passes_per_step(self, passes: int) -> None:

@@ -143,7 +143,12 @@ check(empty.shape == (n - 1, 3), empty.shape)
 v = torch.ones(r + 1, requires_grad=True)
 (hvd.allgather(v) * torch.arange(n * (n + 1) // 2, dtype=torch.float32)).sum().backward()
 offset = r * (r + 1) // 2
-check(torch.allclose(v.grad, n * torch.arange(offset, offset + r + 1, dtype=torch.float32)), v.grad)
+# Horovod averages the gathered tensor's gradient over ranks: each rank's own rows of the (equal) upstream grads
+check(torch.allclose(v.grad, torch.arange(offset, offset + r + 1, dtype=torch.float32)), v.grad)
+# broadcast's gradient: the average of every rank's, on the root only
+u = torch.ones(2, requires_grad=True)
+(hvd.broadcast(u, root_rank=n - 1) * (r + 1)).sum().backward()
+check(u.grad.tolist() == ([(n + 1) / 2] * 2 if r == n - 1 else [0.0, 0.0]), u.grad)
 
 # --- broadcast(_) with root_rank, objects, parameters, optimizer state
 root = n - 1
@@ -206,7 +211,7 @@ check(ag.grad.tolist() == [float(k + 1) for k in range(n) for _ in range(2)], ag
 hvd.barrier()
 last = hvd.join()
 check(0 <= last < n and last == hvd.broadcast_object(last, 0), last)
-raises(NotImplementedError, lambda: hvd.allreduce(x, process_set=hvd.ProcessSet([0])), "global_process_set")
+raises(ValueError, lambda: hvd.allreduce(x, process_set=hvd.ProcessSet([0])), "add_process_set")
 
 # --- shutdown and init again (comm's group is rebuilt: same engine)
 hvd.shutdown()
