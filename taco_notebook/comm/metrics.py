@@ -34,6 +34,7 @@ __all__ = [
     "add_wait",
     "step",
     "iteration",
+    "mark",
     "snapshot",
     "reset",
     "gpu_snapshot",
@@ -161,8 +162,8 @@ def step(samples: int = 0, tokens: int = 0) -> None:
     now = time.perf_counter()
     with _metrics.lock:
         if _metrics.step_started - _metrics.recorded_at >= RECORD_S:
-            # nothing moved between the last record and this step's start: say so, or the plot would spread the
-            # step's samples back over the idle time (model building before the first step, a pause)
+            # the counters as the previous step closed (a record throttled then): this step's samples are spread
+            # over this step, not over the steps before it
             _metrics.append_record(_metrics.step_started, with_current=False)
         current = _metrics.current
         current.samples += samples
@@ -188,6 +189,15 @@ def step(samples: int = 0, tokens: int = 0) -> None:
         _metrics.maybe_record(now)
     if _sending.sender is not None and now - _sending.last >= _sending.interval:
         send()
+
+
+def mark(now: float | None = None) -> None:
+    """Record the counters now (at the series' cadence): a loop starts, and what it does counts from here, not
+    from the model building before it (``taco.progress`` calls it)."""
+    now = now or time.perf_counter()
+    with _metrics.lock:
+        _metrics.maybe_record(now)
+        _metrics.step_started = max(_metrics.step_started, now) if _metrics.steps == 0 else _metrics.step_started
 
 
 def iteration(now: float | None = None) -> None:

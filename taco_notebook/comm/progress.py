@@ -54,6 +54,7 @@ class progress(Generic[T]):  # noqa: N801 - named like tqdm, used like a functio
 
     def __iter__(self) -> Iterator[T]:
         started = last_print = time.perf_counter()
+        metrics.mark(started)  # the loop's work counts from here in the dashboard's series
         metrics.set_progress(self._state(started, started))
         printing = metrics.sender() is None and _is_rank_zero()
         try:
