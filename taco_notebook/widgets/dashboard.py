@@ -142,6 +142,7 @@ class Dashboard:
         self.bar_text = w.HTML(_dom_classes=("taco-progress-text",))
         self.layout = self._bokeh_layout()
         self._live: list[Any] = []  # live BokehModels made by widget()
+        self._views: list[Any] = []  # the VBoxes widget() returned: at the cell's end they hold the final picture
         self._render_status()
 
     def _bokeh_layout(self) -> Any:
@@ -236,7 +237,9 @@ class Dashboard:
         plots = KernelFedBokehModel(self.layout, combine_events=True, layout=w.Layout(width="100%"))
         self._live.append(plots)
         head = w.HBox([self.bar, self.bar_text], layout=w.Layout(align_items="center"))
-        return w.VBox([self.status, head, plots], _dom_classes=("taco-dashboard",), layout=w.Layout(width="100%"))
+        view = w.VBox([self.status, head, plots], _dom_classes=("taco-dashboard",), layout=w.Layout(width="100%"))
+        self._views.append(view)
+        return view
 
     def static_bundle(self) -> dict[str, str]:
         """The final picture as a display bundle: ``text/html`` (status, progress and the plots, self-contained)
@@ -249,8 +252,19 @@ class Dashboard:
             header += f'<div class="taco-progress-text" style="{style}">{_escape(self.progress.text())}</div>'
         return {"text/plain": self.summary(), "text/html": static_html(self.layout, header)}
 
-    def close_live_views(self) -> None:
-        """Close the live ``BokehModel`` widgets: the cell's output no longer shows them (see ``finish``)."""
+    def close_live_views(self, picture: str | None = None) -> None:
+        """Close the live ``BokehModel`` widgets: the cell's output no longer shows them (see ``finish``).
+
+        With ``picture`` (the final picture's HTML) each live view (its ``VBox`` stays open) shows that picture
+        instead: a page reloaded from a notebook saved mid-run holds the live view's output, whose widget the page
+        can only fetch from the kernel once the cell has ended (the kernel reads a page's widget requests between
+        cells), and then it finds the final picture, not a closed model."""
+        if picture is not None:
+            import ipywidgets as w
+
+            for view in self._views:
+                view.children = (w.HTML(picture, layout=w.Layout(width="100%")),)
+                view.remove_class("taco-dashboard")
         for plots in self._live:
             plots.close()
         self._live.clear()
@@ -366,7 +380,7 @@ class CellDashboard:
                 return
             live.update(picture, raw=True)
             loader.update({"text/plain": ""}, raw=True)
-            self.dashboard.close_live_views()
+            self.dashboard.close_live_views(picture["text/html"])
         if self.mode == "text":
             sys.stdout.write(self.dashboard.summary() + "\n")
             sys.stdout.flush()

@@ -154,6 +154,10 @@ def test_cell_end_replaces_the_live_view_with_the_static_picture(published) -> N
     assert final["text/plain"].startswith("taco dashboard: cluster 'x' · finished") and "VBox(" not in str(final)
     assert updates[loader["transient"]["display_id"]]["data"] == {"text/plain": ""}  # 1 MB less in the notebook
     assert bokeh_view.comm is None  # closed: nothing left for a reloaded page to fail to create
+    # the live view's box (what a page reloaded from a notebook saved mid-run shows) holds the final picture
+    (view,) = cell.dashboard._views
+    assert view.comm is not None and [type(c).__name__ for c in view.children] == ["HTML"]
+    assert view.children[0].value == final["text/html"] and "taco-dashboard" not in view._dom_classes
     bokeh_view.close()  # again, as Widget.__del__ does: no KeyError from jupyter_bokeh
 
 
