@@ -10,7 +10,8 @@ counters linearly interpolated between its records and held after its last one, 
 - ``raw``: the same over one grid step (drawn faint behind ``total``);
 - ``average``: since the cell started, ``count(t) / t``: what the summary calls the throughput;
 - ``rank_N``: rank N's own rate over the window;
-- ``ratio``: raw over wire bytes of the window (NaN where nothing went on the wire); ``saved_bytes``: since the start.
+- ``ratio``: raw over wire bytes of the window (since the start where the window sent nothing; NaN before anything
+  went on the wire: the compression plot starts at the first bytes); ``saved_bytes``: since the start.
 
 Example::
 
@@ -41,6 +42,7 @@ class RankSeries:
 
     def __init__(self) -> None:
         self.next = 0  # the number of the next record this rank will send
+        self.moved_at: float | None = None  # the last record's time before its first step, loop turn or sample
         self.columns: dict[str, list[float]] = {name: [] for name in FIELDS}
 
     def add(self, first: int, records: Sequence[Sequence[float]], fields: Sequence[str] = FIELDS) -> int:
@@ -56,6 +58,8 @@ class RankSeries:
                 continue  # same instant (or a clock that went back): one value per time
             for name in FIELDS:
                 self.columns[name].append(float(record[index[name]]) if name in index else 0.0)
+            if self.moved_at is None and any(self.columns[n][-1] for n in ("steps", "iterations", "samples")):
+                self.moved_at = times[-2] if len(times) > 1 else times[-1]
             self.next = number + 1
             added += 1
         if len(self.columns["t"]) > MAX_RECORDS:
@@ -120,8 +124,19 @@ class SeriesBook:
         latest = max(ends)
         return latest if final else min(e for e in ends if e >= latest - LAG_S)
 
+    def start(self) -> float | None:
+        """Where the plots begin: the last record before any rank's first step, loop turn or sample (the model
+        building before it is no news), one grid step earlier; None while nothing moved."""
+        starts = [s.moved_at for s in self.ranks.values() if s.moved_at is not None]
+        return max(min(starts) - self.grid, 0.0) if starts else None
+
     def times(self, after: float, final: bool = False) -> np.ndarray:
-        """Grid times after ``after`` up to :meth:`end`; with ``final`` the end itself closes the grid."""
+        """Grid times after ``after`` (and after :meth:`start`) up to :meth:`end`; with ``final`` the end itself
+        closes the grid."""
+        start = self.start()
+        if start is None:
+            return np.zeros(0)
+        after = max(after, start)
         end = self.end(final)
         first = (np.floor(after / self.grid + 1e-9) + 1) * self.grid
         grid = np.arange(first, end + 1e-9, self.grid)
@@ -178,11 +193,13 @@ class SeriesBook:
                 if series is not None
                 else np.full_like(times, np.nan)
             )
-        raw = self.cumulative("raw_bytes", times) - self.cumulative("raw_bytes", before)
-        wire = self.cumulative("wire_bytes", times) - self.cumulative("wire_bytes", before)
+        raw_total, wire_total = self.cumulative("raw_bytes", times), self.cumulative("wire_bytes", times)
+        raw = raw_total - self.cumulative("raw_bytes", before)
+        wire = wire_total - self.cumulative("wire_bytes", before)
         with np.errstate(divide="ignore", invalid="ignore"):
-            columns["ratio"] = np.where(wire > 0, raw / np.where(wire > 0, wire, 1), np.nan)
-        columns["saved_bytes"] = self.cumulative("raw_bytes", times) - self.cumulative("wire_bytes", times)
+            since_start = np.where(wire_total > 0, raw_total / np.where(wire_total > 0, wire_total, 1), np.nan)
+            columns["ratio"] = np.where(wire > 0, raw / np.where(wire > 0, wire, 1), since_start)
+        columns["saved_bytes"] = raw_total - wire_total
         return {name: [float(v) for v in values] for name, values in columns.items()}
 
     def compressed(self) -> bool:

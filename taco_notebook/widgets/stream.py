@@ -363,9 +363,11 @@ class MetricsStream:
         points = self.book.points(times, sorted(self.node_of_rank))
         keep = self.rollover
         throughput.stream({name: points[name][-keep:] for name in throughput.data}, rollover=keep)
-        compression.stream({name: points[name][-keep:] for name in compression.data}, rollover=keep)
+        sent = [i for i, ratio in enumerate(points["ratio"]) if not math.isnan(ratio)][-keep:]  # no gap, no NaN
+        if sent:
+            compression.stream({name: [points[name][i] for i in sent] for name in compression.data}, rollover=keep)
         self.drawn_until = float(times[-1])
-        self.last_point = {name: values[-1] for name, values in points.items()}
+        self.last_point = {name: values[-1] for name, values in points.items()}  # what the summary quotes
         self.plots.compression.figure.visible = self.plots.compression.figure.visible or self.book.compressed()
 
     def _render_links(self) -> None:

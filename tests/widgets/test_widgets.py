@@ -368,7 +368,8 @@ def test_without_samples_throughput_is_steps_per_second_and_tokens_appear_when_r
     stream.push(with_tokens)
     data = stream.plots.throughput.sources["throughput"].data
     assert stream.unit == "samples" and fig.yaxis[0].axis_label == "samples/s"
-    assert len(data["time"]) == 40 and data["total"][-1] == pytest.approx(4 * 240)  # redrawn: samples since 1.5 s
+    assert data["time"][0] == pytest.approx(0.2) and len(data["time"]) == 37  # from the first step, at 0.25 s
+    assert data["total"][-1] == pytest.approx(4 * 240)  # redrawn in samples/s: samples since 1.5 s
     assert next(r for r in fig.renderers if r.name == "tokens").visible
     assert data["tokens"][-1] == pytest.approx(4 * 2000)  # tokens since 1.5 s, over the 1 s window
 
@@ -467,3 +468,31 @@ def test_cell_dashboard_waits_for_training_and_rejects_unknown_modes() -> None:
     with pytest.raises(ValueError, match="TACO_DASHBOARD must be one of auto, widget, text, off"):
         dashboard_mode("fancy")
     assert dashboard_mode() == "text"  # no kernel, no widget frontend here
+
+
+def test_the_compression_line_starts_at_the_first_bytes_and_has_no_gap() -> None:
+    stream = MetricsStream({0: 0})
+    # 1 s of setup without communication, then 4:1 compression, with a 1.5 s pause in communication at 2-3.5 s
+    records = []
+    raw = 0.0
+    for k in range(81):
+        t = k * 0.05
+        if 1.0 < t <= 2.0 or t > 3.5:
+            raw += 4e5
+        records.append([t, k, 0, 0, 0, raw, raw / 4])
+    stream.push([{**snapshot(0, 4.0), "series": {"fields": SERIES_FIELDS, "first": 0, "records": records}}])
+    data = stream.plots.compression.sources["compression"].data
+    assert data["time"][0] == pytest.approx(1.05)  # nothing was compressed before
+    assert data["ratio"] == pytest.approx([4.0] * len(data["time"]))  # the pause reads the ratio since the start
+    assert data["time"] == pytest.approx([0.05 * k for k in range(21, 81)])
+
+
+def test_the_plots_begin_where_the_ranks_began_to_work() -> None:
+    """Seconds of model building before the first step are left out of the lines (the average counts them)."""
+    stream = MetricsStream({0: 0})
+    records = [[0.0, 0, 0, 0, 0, 0, 0], [2.0, 0, 0, 0, 0, 0, 0]]  # taco.progress marked its start at 2.0 s
+    records += [[2.0 + k * 0.05, k, k, 10 * k, 0, 0, 0] for k in range(1, 21)]
+    stream.push([{**snapshot(0, 3.0), "series": {"fields": SERIES_FIELDS, "first": 0, "records": records}}])
+    data = stream.plots.throughput.sources["throughput"].data
+    assert data["time"][0] == pytest.approx(2.0) and data["time"][-1] == pytest.approx(3.0)
+    assert data["total"][-1] == pytest.approx(200) and data["average"][-1] == pytest.approx(200 / 3.0)
