@@ -70,11 +70,13 @@ def display_bokehjs() -> Any:
     return display(data, raw=True, display_id=True)
 
 
-def _shown(child: Any, layout_dom: type) -> bool:
+def _shown(child: Any) -> bool:
     """A row shows when one of its figures does; a figure when it is visible."""
-    if not isinstance(child, layout_dom):
+    from bokeh.models import LayoutDOM
+
+    if not isinstance(child, LayoutDOM):
         return False
-    children = getattr(child, "children", None)
+    children: list[Any] | None = getattr(child, "children", None)
     return any(c.visible for c in children) if children else bool(child.visible)
 
 
@@ -83,11 +85,10 @@ def static_html(layout: Any, header: str = "", title: str = "taco dashboard") ->
     (BokehJS inline), under ``header`` (HTML). The frame keeps that BokehJS apart from the notebook page's
     own (live views, other cells)."""
     from bokeh.embed import file_html
-    from bokeh.models import LayoutDOM
     from bokeh.resources import INLINE
 
     page = file_html(layout, resources=INLINE, title=title)  # INLINE: only the BokehJS parts the layout uses
-    rows = sum(1 for child in getattr(layout, "children", [layout]) if _shown(child, LayoutDOM))
+    rows = sum(1 for child in getattr(layout, "children", [layout]) if _shown(child))
     height = max(rows, 1) * ROW_PX + 20
     frame = (f'<iframe class="taco-static-plots" title="{html.escape(title)}" srcdoc="{html.escape(page)}" '
              f'style="width:100%;height:{height}px;border:0" loading="eager"></iframe>')  # fmt: skip
