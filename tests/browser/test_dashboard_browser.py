@@ -370,7 +370,7 @@ def _picture(page, index: int, path: Path) -> None:
     markup = cell_output(page, index).locator(STATIC).first.evaluate("(e) => e.outerHTML")
     alone = page.context.new_page()
     try:
-        alone.set_viewport_size({"width": 1200, "height": 900})
+        alone.set_viewport_size({"width": 1200, "height": 200})  # full_page: as tall as the picture
         alone.set_content(f'<html><body style="margin:8px">{markup}</body></html>')
         frame = alone.locator(FRAME).first.element_handle().content_frame()
         assert frame is not None

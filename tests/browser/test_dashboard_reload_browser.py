@@ -103,3 +103,36 @@ def test_a_notebook_saved_mid_run_and_reloaded_shows_the_dashboard_then_the_fina
 
     _picture(page, 1, DOCS / "dashboard-long-run.png")  # a 300-step run's final picture, for the docs
     print(f"mid-run reload: saved at step {before}; after the reload, the final picture at the cell's end")
+
+
+VISIBLE_FIGURES_JS = """
+() => {
+  const out = [];
+  for (const doc of (window.Bokeh?.documents || []))
+    for (const model of doc.all_models)
+      if (model.type === 'Figure' && model.visible) out.push(model.title?.text ?? '');
+  return out;
+}
+"""
+
+
+def test_a_loop_that_sends_nothing_shows_its_progress_and_step_rate_only(lab, page):
+    """Issue 25: such a loop got a full dashboard of empty plots and "step 0" beside "85/600"."""
+    from playwright.sync_api import expect
+
+    loop = "%%taco_run -np 2\nimport time\nfor i in taco.progress(range(300)):\n    time.sleep(0.01)\n"
+    lab.write_notebook("quiet.ipynb", ["%load_ext taco_notebook", loop])
+    open_notebook(page, lab, "quiet.ipynb")
+    run_all_cells(page)
+    final = cell_output(page, 1).locator(STATIC).first
+    expect(final).to_be_visible(timeout=240_000)
+    wait_for_kernel_idle(page, timeout=60)
+    expect(final.locator(".taco-status")).to_contain_text(" · step 300 · ")  # the progress line's step
+    expect(final.locator(".taco-progress-text")).to_contain_text("300/300")
+    frame = static_frame(page, 1)
+    points = frame_sources(frame, ["taco-throughput"])["taco-throughput"]["total"]
+    assert len(points) >= 20 and points[-1] > 0, points
+    painted_canvases(frame)
+    shown = frame.evaluate(VISIBLE_FIGURES_JS)
+    assert len(shown) == 1 and shown[0].startswith("Step rate (steps/s"), f"figures shown: {shown}"
+    _picture(page, 1, DOCS / "dashboard-no-communication.png")
