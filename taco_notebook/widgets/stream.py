@@ -25,7 +25,8 @@ from typing import Any
 
 from bokeh.models.annotations import Title
 
-from .plots import STRAGGLER_OUTLINE, Plot, build_plots, format_bytes, format_rate, plural
+from .links import fill_heatmap, link_rates, link_rates_between
+from .plots import STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural
 from .series import SeriesBook
 
 __all__ = [
@@ -185,63 +186,6 @@ def gpu_text(gpu: Mapping[str, Any]) -> str:
     return text
 
 
-def link_rates(latest: Mapping[int, Snapshot]) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-    """Bytes/s since the cell started, ``(by rank pair, by node pair)``: the heatmaps' colours and the summary's
-    link rates alike. A rank's bytes count over its own elapsed seconds; a node pair's bytes (all its ranks')
-    over its longest-running rank's."""
-    by_rank: dict[tuple[int, int], float] = {}
-    node_bytes: defaultdict[tuple[int, int], int] = defaultdict(int)
-    node_seconds: defaultdict[tuple[int, int], float] = defaultdict(float)
-    for rank, snap in latest.items():
-        seconds = float(snap["elapsed_seconds"])
-        if seconds <= 0:
-            continue
-        for peer, nbytes in _int_keys(snap.get("sent_by_rank")).items():
-            by_rank[rank, peer] = nbytes / seconds
-        if snap.get("node") is None:
-            continue
-        for node, nbytes in _int_keys(snap.get("sent_by_node")).items():
-            key = (int(snap["node"]), node)
-            node_bytes[key] += nbytes
-            node_seconds[key] = max(node_seconds[key], seconds)
-    return by_rank, {key: node_bytes[key] / node_seconds[key] for key in node_bytes}
-
-
-def link_rates_between(
-    previous: Mapping[int, Snapshot],
-    latest: Mapping[int, Snapshot],
-) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-    """Bytes/s of each rank's last interval (between its two latest snapshots), by rank pair and by node pair."""
-    by_rank: dict[tuple[int, int], float] = {}
-    by_node: defaultdict[tuple[int, int], float] = defaultdict(float)
-    for rank, snap in latest.items():
-        before = previous.get(rank)
-        if before is None or snap["elapsed_seconds"] <= before["elapsed_seconds"]:
-            continue
-        seconds = snap["elapsed_seconds"] - before["elapsed_seconds"]
-        sent = _int_keys(before.get("sent_by_rank"))
-        for peer, nbytes in _int_keys(snap.get("sent_by_rank")).items():
-            by_rank[rank, peer] = (nbytes - sent.get(peer, 0)) / seconds
-        sent = _int_keys(before.get("sent_by_node"))
-        if snap.get("node") is not None:
-            for node, nbytes in _int_keys(snap.get("sent_by_node")).items():
-                by_node[int(snap["node"]), node] += (nbytes - sent.get(node, 0)) / seconds
-    return by_rank, dict(by_node)
-
-
-def _fill_heatmap(plot: Plot, bps: Mapping[tuple[int, int], float], last: Mapping[tuple[int, int], float]) -> None:
-    """Set every cell of a link heatmap (rate since the start, the last interval's on hover); show the figure once
-    one of its links carried bytes."""
-    source = plot.sources["links"]
-    keys = [(int(src), int(dst)) for src, dst in zip(source.data["src"], source.data["dst"], strict=True)]
-    values = [bps.get(key, 0.0) for key in keys]
-    recent = [last.get(key, 0.0) for key in keys]
-    source.data.update(bps=values, label=[format_rate(v) for v in values], last=recent,
-                       last_label=[format_rate(v) for v in recent])  # fmt: skip
-    if any(v > 0 for v in values):
-        plot.figure.visible = True
-
-
 def _gpu_label(gpu: Mapping[str, Any]) -> str:
     name = str(gpu.get("name") or "GPU").removeprefix("NVIDIA ")
     return name if gpu.get("utilization") is None else f"{name} · {float(gpu['utilization']):.0f}% busy"
@@ -320,7 +264,7 @@ class MetricsStream:
             for source in plot.sources.values():
                 source.data = {name: [] for name in source.data}
         for plot in (self.plots.node_links, self.plots.rank_links, self.plots.rank_links_across):
-            _fill_heatmap(plot, {}, {})
+            fill_heatmap(plot, {}, {})
         bars = self.plots.step_time.sources["step_time"]
         n = len(bars.data["rank"])
         bars.data.update(compute=[0.0] * n, comm=[0.0] * n, wait=[0.0] * n, total=[0.0] * n, note=[""] * n,
@@ -374,8 +318,8 @@ class MetricsStream:
         by_rank, by_node = link_rates(self.latest)
         last_rank, last_node = link_rates_between(self.previous, self.latest)
         for plot in (self.plots.rank_links, self.plots.rank_links_across):
-            _fill_heatmap(plot, by_rank, last_rank)
-        _fill_heatmap(self.plots.node_links, by_node, last_node)
+            fill_heatmap(plot, by_rank, last_rank)
+        fill_heatmap(self.plots.node_links, by_node, last_node)
         if any(s.get("raw_bytes", 0) > 0 for s in self.latest.values()):
             self.plots.step_time.figure.visible = True
 
