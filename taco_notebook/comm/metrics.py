@@ -7,6 +7,13 @@ can read: totals since ``reset()``, the last step, and per-link bytes by rank an
 
 Recording is a few dict updates per collective (never per element), so it stays on in the hot path.
 
+The *series* is what the dashboard plots: at most every ``RECORD_S`` seconds, as a step closes or a
+``taco.progress`` loop turns (``iteration()``), the rank appends one record of its cumulative counters
+(``SERIES_FIELDS``: elapsed seconds, steps, loop iterations, samples, tokens, raw and wire bytes) to a ring of
+the last ``SERIES_SENT``. Every snapshot carries that ring with the number of its first record, so the notebook
+rebuilds each rank's history at a fixed cadence whatever the sends' timing, and a payload it missed (only the
+latest one is kept on its side) costs nothing as long as a later one arrives within the ring's reach.
+
 A *sender* (``set_sender``) is how snapshots leave the rank while a cell runs: ``step()`` and
 ``taco.progress`` call it at most once per interval with ``{"metrics": snapshot(), "progress": ...}``. Under
 ``%%taco_run`` the engine installs one that sends the payload to the notebook (ipyparallel's datapub, see
@@ -18,12 +25,36 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["record", "add_wait", "step", "snapshot", "reset", "gpu_snapshot", "steps",
-           "Sender", "set_sender", "sender", "set_progress", "progress_state", "send", "maybe_send"]
+__all__ = [
+    "record",
+    "add_wait",
+    "step",
+    "iteration",
+    "mark",
+    "snapshot",
+    "reset",
+    "gpu_snapshot",
+    "steps",
+    "Sender",
+    "set_sender",
+    "sender",
+    "set_progress",
+    "progress_state",
+    "send",
+    "maybe_send",
+    "SERIES_FIELDS",
+    "RECORD_S",
+    "SERIES_SENT",
+]
+
+# One series record, in this order: cumulative since reset() (``t`` is the rank's elapsed seconds).
+SERIES_FIELDS = ("t", "steps", "iterations", "samples", "tokens", "raw_bytes", "wire_bytes")
+RECORD_S = 0.05  # 20 records a second at most: a 5 s, 120-step cell gets ~100, a slower loop one per step
+SERIES_SENT = 64  # records each snapshot carries: 3 s at full cadence, 8 sends' worth at the default interval
 
 
 class _Counters:
@@ -56,7 +87,37 @@ class _Metrics:
         self.current = _Counters()
         self.last: dict[str, Any] = {}
         self.steps = 0
+        self.iterations = 0  # taco.progress turns, all loops together: a position that never goes back
         self.started = self.step_started = time.perf_counter()
+        self.series: deque[list[float]] = deque(maxlen=SERIES_SENT)
+        self.records = 0  # records made since reset (the number of the next one)
+        self.recorded_at = self.started
+        self.append_record(self.started)  # the origin: every counter at zero when the cell started
+
+    def append_record(self, now: float, with_current: bool = True) -> None:
+        """One series record of the counters now (caller holds the lock); ``with_current=False``: as they were
+        before the open step's collectives."""
+        total = _Counters()
+        total.add(self.total)
+        if with_current:
+            total.add(self.current)
+        self.series.append(
+            [
+                round(now - self.started, 4),
+                self.steps,
+                self.iterations,
+                total.samples,
+                total.tokens,
+                total.raw,
+                total.wire,
+            ]
+        )
+        self.records += 1
+        self.recorded_at = now
+
+    def maybe_record(self, now: float) -> None:
+        if now - self.recorded_at >= RECORD_S:
+            self.append_record(now)
 
 
 _metrics = _Metrics()
@@ -100,6 +161,10 @@ def step(samples: int = 0, tokens: int = 0) -> None:
     """Close a training step that processed ``samples`` (and ``tokens``) on this rank."""
     now = time.perf_counter()
     with _metrics.lock:
+        if _metrics.step_started - _metrics.recorded_at >= RECORD_S:
+            # the counters as the previous step closed (a record throttled then): this step's samples are spread
+            # over this step, not over the steps before it
+            _metrics.append_record(_metrics.step_started, with_current=False)
         current = _metrics.current
         current.samples += samples
         current.tokens += tokens
@@ -121,21 +186,51 @@ def step(samples: int = 0, tokens: int = 0) -> None:
         _metrics.current = _Counters()
         _metrics.steps += 1
         _metrics.step_started = now
+        _metrics.maybe_record(now)
+    if _sending.sender is not None and now - _sending.last >= _sending.interval:
+        send()
+
+
+def mark(now: float | None = None) -> None:
+    """Record the counters now (at the series' cadence): a loop starts, and what it does counts from here, not
+    from the model building before it (``taco.progress`` calls it)."""
+    now = now or time.perf_counter()
+    with _metrics.lock:
+        _metrics.maybe_record(now)
+        _metrics.step_started = max(_metrics.step_started, now) if _metrics.steps == 0 else _metrics.step_started
+
+
+def iteration(now: float | None = None) -> None:
+    """One turn of a ``taco.progress`` loop: counted, recorded at the series' cadence, sent at the interval."""
+    now = now or time.perf_counter()
+    with _metrics.lock:
+        _metrics.iterations += 1
+        _metrics.maybe_record(now)
     if _sending.sender is not None and now - _sending.last >= _sending.interval:
         send()
 
 
 def snapshot() -> dict[str, Any]:
-    """Everything recorded since ``reset()``, as plain data (JSON-serialisable but for int dict keys)."""
+    """Everything recorded since ``reset()``, as plain data (JSON-serialisable but for int dict keys).
+
+    ``series`` holds the latest records (``{"fields": SERIES_FIELDS, "first": number of the first record,
+    "records": [[t, steps, ...], ...]}``); the end of a loop or a cell adds one for the state at that moment.
+    """
     from .state import state
 
     with _metrics.lock:
+        now = time.perf_counter()
+        if _metrics.series and _record_changed(_metrics):
+            _metrics.append_record(now)
         total = _Counters()
         total.add(_metrics.total)
         total.add(_metrics.current)
-        elapsed = time.perf_counter() - _metrics.started
+        elapsed = now - _metrics.started
         last = dict(_metrics.last)
         steps = _metrics.steps
+        iterations = _metrics.iterations
+        series = {"fields": SERIES_FIELDS, "first": _metrics.records - len(_metrics.series),
+                  "records": [list(r) for r in _metrics.series]}  # fmt: skip
     topology = state.topology
     by_node: defaultdict[int, int] = defaultdict(int)
     if topology is not None:
@@ -146,6 +241,7 @@ def snapshot() -> dict[str, Any]:
         "rank": topology.rank if topology else None,
         "node": topology.node if topology else None,
         "steps": steps,
+        "iterations": iterations,
         "elapsed_seconds": elapsed,
         "collectives": total.collectives,
         "comm_seconds": total.comm_s,
@@ -161,7 +257,20 @@ def snapshot() -> dict[str, Any]:
         "tokens": total.tokens,
         "last_step": last,
         "gpu": gpu_snapshot(state.device),
+        "series": series,
     }
+
+
+def _record_changed(m: _Metrics) -> bool:
+    """Whether a counter the series records moved since its last record (a snapshot then records the moment)."""
+    last = m.series[-1]
+    total, current = m.total, m.current
+    return (
+        last[1] != m.steps
+        or last[2] != m.iterations
+        or last[3] != total.samples + current.samples
+        or last[5] != total.raw + current.raw
+    )
 
 
 _gpu_names: dict[int, str] = {}
@@ -207,8 +316,12 @@ def gpu_snapshot(device: Any) -> dict[str, Any] | None:
     name = _gpu_names.get(index)
     if name is None:
         name = _gpu_names[index] = torch.cuda.get_device_name(index)
-    return {"name": name, "memory_bytes": int(torch.cuda.memory_allocated(index)),
-            "peak_bytes": int(torch.cuda.max_memory_allocated(index)), "utilization": _utilization(index)}
+    return {
+        "name": name,
+        "memory_bytes": int(torch.cuda.memory_allocated(index)),
+        "peak_bytes": int(torch.cuda.max_memory_allocated(index)),
+        "utilization": _utilization(index),
+    }
 
 
 def reset() -> None:

@@ -31,8 +31,9 @@ class progress(Generic[T]):  # noqa: N801 - named like tqdm, used like a functio
     ``print_every`` (seconds) only matters where no notebook receives the progress (plain ``mpiexec``).
     """
 
-    def __init__(self, iterable: Iterable[T], total: int | None = None, desc: str = "",
-                 print_every: float = 10.0) -> None:
+    def __init__(
+        self, iterable: Iterable[T], total: int | None = None, desc: str = "", print_every: float = 10.0
+    ) -> None:
         if total is None and hasattr(iterable, "__len__"):
             total = len(iterable)  # type: ignore[arg-type]
         if total is not None and (not isinstance(total, int) or total < 0):
@@ -53,6 +54,7 @@ class progress(Generic[T]):  # noqa: N801 - named like tqdm, used like a functio
 
     def __iter__(self) -> Iterator[T]:
         started = last_print = time.perf_counter()
+        metrics.mark(started)  # the loop's work counts from here in the dashboard's series
         metrics.set_progress(self._state(started, started))
         printing = metrics.sender() is None and _is_rank_zero()
         try:
@@ -64,7 +66,7 @@ class progress(Generic[T]):  # noqa: N801 - named like tqdm, used like a functio
                 if state is not None:  # a plain dict update: the sender reads it when it next sends
                     state["n"] = self.n
                     state["elapsed_seconds"] = now - started
-                metrics.maybe_send(now)
+                metrics.iteration(now)  # counts the turn, records the series, sends at the interval
                 if printing and now - last_print >= self.print_every:
                     last_print = now
                     self._print(now - started)

@@ -32,8 +32,15 @@ from ..model import cell_progress, slowest_rank
 from .plots import plural
 from .stream import MetricsStream
 
-__all__ = ["Dashboard", "CellDashboard", "ProgressView", "DASHBOARD_MODES", "aggregate_progress", "dashboard_mode",
-           "last_dashboard"]
+__all__ = [
+    "Dashboard",
+    "CellDashboard",
+    "ProgressView",
+    "DASHBOARD_MODES",
+    "aggregate_progress",
+    "dashboard_mode",
+    "last_dashboard",
+]
 
 DASHBOARD_MODES = ("auto", "widget", "text", "off")
 log = logging.getLogger("taco_notebook")
@@ -108,8 +115,9 @@ def aggregate_progress(states: Mapping[int, Mapping[str, Any]]) -> ProgressView 
     if rank is None:
         return None
     progress, slowest = cell_progress(payloads), states[rank]
-    return ProgressView(progress["step"], progress["total"], str(slowest.get("desc") or ""),
-                        float(slowest.get("elapsed_seconds", 0.0)))
+    return ProgressView(
+        progress["step"], progress["total"], str(slowest.get("desc") or ""), float(slowest.get("elapsed_seconds", 0.0))
+    )
 
 
 class Dashboard:
@@ -127,36 +135,37 @@ class Dashboard:
         self.membership: str | None = None  # the last elastic change ("rank 2 lost: 3 ranks from step 20")
         self.running = len(self.ranks)
         self.elapsed = 0.0
+        self.payloads: dict[int, Mapping[str, Any]] = {}  # every rank's latest payload: the status line's step
         self.status = w.HTML(_dom_classes=("taco-status",))
         self.bar = w.IntProgress(min=0, max=1, value=0, layout=w.Layout(width="40%", min_width="200px"),
                                  _dom_classes=("taco-progress",))  # fmt: skip
         self.bar_text = w.HTML(_dom_classes=("taco-progress-text",))
         self.layout = self._bokeh_layout()
         self._live: list[Any] = []  # live BokehModels made by widget()
+        self._views: list[Any] = []  # the VBoxes widget() returned: at the cell's end they hold the final picture
         self._render_status()
 
     def _bokeh_layout(self) -> Any:
         from bokeh.layouts import column, row
 
         p = self.stream.plots
-        return column(row(p.throughput.figure, p.compression.figure, sizing_mode="stretch_width"),
-                      row(p.node_links.figure, p.rank_links.figure, sizing_mode="stretch_width"),
-                      p.step_time.figure, p.gpu.figure, sizing_mode="stretch_width")  # fmt: skip
+        rows = [row(p.throughput.figure, p.compression.figure, sizing_mode="stretch_width"),
+                row(p.node_links.figure, p.rank_links_across.figure, p.rank_links.figure, sizing_mode="stretch_width"),
+                row(p.step_time.figure, p.gpu.figure, sizing_mode="stretch_width")]  # fmt: skip
+        layout = column(*rows, sizing_mode="stretch_width")
+        _show_rows(layout)
+        return layout
 
     # ------------------------------------------------------------ updates
     def update(self, payloads: Mapping[int, Mapping[str, Any]], *, running: int, elapsed: float) -> None:
         """One poll's worth of ``{rank: {"metrics": snapshot, "progress": state}}`` (latest per rank)."""
         self.running, self.elapsed = running, elapsed
+        self.payloads.update(payloads)
         snapshots = [p["metrics"] for p in payloads.values() if p.get("metrics")]
-        document = self.layout.document
-        if document is not None:
-            document.hold("combine")  # one patch message per poll, not one per changed column
-        try:
+        with _held(self.layout):
             if snapshots:
                 self.stream.push(snapshots)
-        finally:
-            if document is not None:
-                document.unhold()
+            _show_rows(self.layout)
         progress = aggregate_progress({r: p.get("progress") or {} for r, p in payloads.items()})
         if progress is not None:
             self.progress = progress
@@ -166,6 +175,9 @@ class Dashboard:
     def finish(self, outcome: str, elapsed: float) -> None:
         """The cell ended (``finished``, ``failed: …``, ``interrupted``, …): freeze the picture with its outcome."""
         self.outcome, self.elapsed, self.running = outcome, elapsed, 0
+        with _held(self.layout):
+            self.stream.finish()
+            _show_rows(self.layout)
         self.bar.bar_style = "success" if outcome == "finished" else "danger"
         self._render_progress()
         self._render_status()
@@ -182,18 +194,21 @@ class Dashboard:
         self.bar_text.value = view.text()
 
     def _status_text(self) -> str:
-        # the slowest rank's optimizer step, by the same definition as the bar and the sidebar
-        step = cell_progress({r: {"metrics": s} for r, s in self.stream.latest.items()})["step"]
+        # the slowest rank's position, by the same definition as the bar and the sidebar (model.cell_progress)
+        step = cell_progress(self.payloads)["step"]
         state = self.outcome or "running"
         ranks = len(self.ranks)
         alive = f"{self.running}/{ranks} ranks running" if self.outcome is None else plural(ranks, "rank")
         change = f" · {self.membership}" if self.membership else ""
-        return (f"{self.title + ' · ' if self.title else ''}{state} · {alive} on {plural(self.nodes, 'node')}"
-                f"{change} · step {step} · {self.elapsed:.1f} s since the cell started")
+        return (
+            f"{self.title + ' · ' if self.title else ''}{state} · {alive} on {plural(self.nodes, 'node')}"
+            f"{change} · step {step} · {self.elapsed:.1f} s since the cell started"
+        )
 
     def membership_changed(self, text: str, node_of_rank: Mapping[int, int]) -> None:
         """An elastic cell lost or gained ranks (``text`` says which): count the new ones from here."""
         self.membership = text
+        self.payloads = {r: p for r, p in self.payloads.items() if r in node_of_rank}
         self.ranks = sorted(node_of_rank)
         self.nodes = len(set(node_of_rank.values()))
         self._render_status()
@@ -222,7 +237,9 @@ class Dashboard:
         plots = KernelFedBokehModel(self.layout, combine_events=True, layout=w.Layout(width="100%"))
         self._live.append(plots)
         head = w.HBox([self.bar, self.bar_text], layout=w.Layout(align_items="center"))
-        return w.VBox([self.status, head, plots], _dom_classes=("taco-dashboard",), layout=w.Layout(width="100%"))
+        view = w.VBox([self.status, head, plots], _dom_classes=("taco-dashboard",), layout=w.Layout(width="100%"))
+        self._views.append(view)
+        return view
 
     def static_bundle(self) -> dict[str, str]:
         """The final picture as a display bundle: ``text/html`` (status, progress and the plots, self-contained)
@@ -235,8 +252,19 @@ class Dashboard:
             header += f'<div class="taco-progress-text" style="{style}">{_escape(self.progress.text())}</div>'
         return {"text/plain": self.summary(), "text/html": static_html(self.layout, header)}
 
-    def close_live_views(self) -> None:
-        """Close the live ``BokehModel`` widgets: the cell's output no longer shows them (see ``finish``)."""
+    def close_live_views(self, picture: str | None = None) -> None:
+        """Close the live ``BokehModel`` widgets: the cell's output no longer shows them (see ``finish``).
+
+        With ``picture`` (the final picture's HTML) each live view (its ``VBox`` stays open) shows that picture
+        instead: a page reloaded from a notebook saved mid-run holds the live view's output, whose widget the page
+        can only fetch from the kernel once the cell has ended (the kernel reads a page's widget requests between
+        cells), and then it finds the final picture, not a closed model."""
+        if picture is not None:
+            import ipywidgets as w
+
+            for view in self._views:
+                view.children = (w.HTML(picture, layout=w.Layout(width="100%")),)
+                view.remove_class("taco-dashboard")
         for plots in self._live:
             plots.close()
         self._live.clear()
@@ -263,6 +291,27 @@ class Dashboard:
         return self.summary()
 
 
+def _show_rows(layout: Any) -> None:
+    """A row of the layout shows when one of its figures does (the stream shows a figure once it has data)."""
+    for child in layout.children:
+        child.visible = any(figure.visible for figure in child.children)
+
+
+class _held:
+    """Hold a bokeh document's change events while updating (one patch message per poll, not one per column)."""
+
+    def __init__(self, layout: Any) -> None:
+        self.document = layout.document
+
+    def __enter__(self) -> None:
+        if self.document is not None:
+            self.document.hold("combine")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.document is not None:
+            self.document.unhold()
+
+
 def _escape(text: str) -> str:
     import html
 
@@ -278,8 +327,9 @@ class CellDashboard:
 
     wants_metrics = True
 
-    def __init__(self, node_of_rank: Mapping[int, int], mode: str, *, title: str = "",
-                 capacity_bps: float | None = None) -> None:
+    def __init__(
+        self, node_of_rank: Mapping[int, int], mode: str, *, title: str = "", capacity_bps: float | None = None
+    ) -> None:
         if mode not in ("widget", "text"):
             raise ValueError(f"mode must be 'widget' or 'text', got {mode!r}")
         self.node_of_rank = dict(node_of_rank)
@@ -330,7 +380,7 @@ class CellDashboard:
                 return
             live.update(picture, raw=True)
             loader.update({"text/plain": ""}, raw=True)
-            self.dashboard.close_live_views()
+            self.dashboard.close_live_views(picture["text/html"])
         if self.mode == "text":
             sys.stdout.write(self.dashboard.summary() + "\n")
             sys.stdout.flush()

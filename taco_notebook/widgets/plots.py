@@ -17,12 +17,13 @@ from bokeh.models import (
     ColumnDataSource,
     CustomJSTickFormatter,
     DataRange1d,
+    HoverTool,
     LinearAxis,
     LinearColorMapper,
     NumeralTickFormatter,
 )
 from bokeh.models.annotations import ColorBar
-from bokeh.palettes import Category10_10, Greens256, Viridis256
+from bokeh.palettes import Blues256, Category10_10, Greens256
 from bokeh.plotting import figure
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "throughput_plot",
     "node_heatmap",
     "rank_heatmap",
+    "rank_heatmap_across",
     "compression_plot",
     "step_time_plot",
     "gpu_plot",
@@ -42,15 +44,15 @@ __all__ = [
     "plural",
 ]
 
-TOOLS = "pan,wheel_zoom,box_zoom,reset,save,hover"
+TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
 MAX_LABELLED_CELLS = 16  # above this many rows a heatmap shows colours only: numbers would overlap
-CELL_COLUMNS = ("src", "dst", "bps", "label")
+CELL_COLUMNS = ("src", "dst", "bps", "label", "last", "last_label")
 STEP_COLUMNS = ("rank", "compute", "comm", "wait", "total", "note", "outline")
 GPU_COLUMNS = ("rank", "memory", "peak", "label")
 STRAGGLER_OUTLINE = "black"  # the straggler's bar; the others get no outline
-INTER_PALETTE = Viridis256
+# light to dark: 0 B/s is the page's own near-white, the busiest link the darkest cell
+INTER_PALETTE = Blues256[::-1]
 INTRA_PALETTE = Greens256[::-1]
-SWATCH_AT = {"inter": 80, "intra": 170}  # legend swatches: each palette's colour at a mid rate, told apart
 
 # Decimal bytes as format_bytes writes them ("1.5 MB"), for axis ticks and colour bars: no "1.500e+8".
 _BYTES_JS = """
@@ -75,15 +77,24 @@ class DashboardPlots:
     """Every plot of the dashboard for one cluster layout."""
 
     throughput: Plot
-    node_links: Plot
-    rank_links: Plot
+    node_links: Plot  # between nodes
+    rank_links: Plot  # between ranks of the same node
+    rank_links_across: Plot  # between ranks of different nodes
     compression: Plot
     step_time: Plot
     gpu: Plot
 
     def all(self) -> tuple[Plot, ...]:
         """The plots in display order."""
-        return (self.throughput, self.node_links, self.rank_links, self.compression, self.step_time, self.gpu)
+        return (
+            self.throughput,
+            self.compression,
+            self.node_links,
+            self.rank_links_across,
+            self.rank_links,
+            self.step_time,
+            self.gpu,
+        )
 
 
 def rank_column(rank: int) -> str:
@@ -133,16 +144,23 @@ def _legend_below(fig: figure) -> None:
 
 
 def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s)") -> Plot:
-    """Samples/s over elapsed time: a thick ``total`` line and one line per rank (click the legend to hide).
+    """Samples/s over elapsed time (see :mod:`.series`): a thick ``total`` line (the rate over the smoothing window)
+    over the ``raw`` rate of each grid step (faint), the ``average`` since the cell started (dashed, what the
+    summary says), and one line per rank (click the legend to hide).
 
-    One source ``"throughput"`` with columns ``time``, ``total``, ``tokens`` (tokens/s of all ranks; its line and
-    axis stay hidden until tokens are reported) and ``rank_column(r)`` for each rank.
+    One source ``"throughput"`` with columns ``time``, ``total``, ``raw``, ``average``, ``tokens`` (tokens/s of all
+    ranks; its line and axis stay hidden until tokens are reported) and ``rank_column(r)`` for each rank.
     """
-    source = ColumnDataSource(data={"time": [], "total": [], "tokens": [], **{rank_column(r): [] for r in ranks}},
-                              name="taco-throughput")  # fmt: skip
+    columns = ("time", "total", "raw", "average", "tokens", *(rank_column(r) for r in ranks))
+    source = ColumnDataSource(data={name: [] for name in columns}, name="taco-throughput")
     fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="samples/s")
-    total = fig.line("time", "total", source=source, line_width=3, color="black", legend_label="total", name="total")
-    fig.y_range = DataRange1d(renderers=[total], start=0)
+    raw = fig.line("time", "raw", source=source, line_width=1, color="black", alpha=0.18, legend_label="raw",
+                   name="raw")  # fmt: skip
+    total = fig.line("time", "total", source=source, line_width=3, color="black", legend_label="total (smoothed)",
+                     name="total")  # fmt: skip
+    average = fig.line("time", "average", source=source, line_width=2, color="#7f7f7f", line_dash="dashed",
+                       legend_label="average since start", name="average")  # fmt: skip
+    fig.y_range = DataRange1d(renderers=[total, average, raw], start=0)
     fig.yaxis[0].formatter = NumeralTickFormatter(format="0,0.[0]")  # 12,500 rather than 1.250e+4
     # tokens/s has another scale; hidden (with its axis) until a rank reports tokens
     token_range = DataRange1d(start=0)
@@ -157,6 +175,9 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
         column = rank_column(rank)
         color = Category10_10[i % len(Category10_10)]
         fig.line("time", column, source=source, color=color, legend_label=f"rank {rank}", name=column)
+    fig.add_tools(HoverTool(renderers=[total], mode="vline", tooltips=[
+        ("elapsed", "@time{0.0} s"), ("smoothed", "@total{0,0.0}"), ("raw", "@raw{0,0.0}"),
+        ("average", "@average{0,0.0}")]))  # fmt: skip
     fig.legend.click_policy = "hide"
     _legend_below(fig)
     return Plot(fig, {"throughput": source})
@@ -164,80 +185,95 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
 
 def _cell_source(cells: Sequence[tuple[str, str]], name: str) -> ColumnDataSource:
     n = len(cells)
-    return ColumnDataSource(
-        data={"src": [s for s, _ in cells], "dst": [d for _, d in cells], "bps": [0.0] * n, "label": [""] * n},
-        name=name,
-    )
+    return ColumnDataSource(data={"src": [s for s, _ in cells], "dst": [d for _, d in cells], "bps": [0.0] * n,
+                                  "label": [""] * n, "last": [0.0] * n, "last_label": [""] * n},
+                            name=name)  # fmt: skip
 
 
 def _link_heatmap(
-    names: Sequence[str], intra: set[tuple[str, str]], capacity_bps: float | None, title: str, unit: str
+    names: Sequence[str],
+    cells: Sequence[tuple[str, str]],
+    title: str,
+    unit: str,
+    *,
+    palette: Sequence[str],
+    scale: str,
+    high: float | None = None,
+    name: str,
 ) -> Plot:
-    """A src×dst grid of bytes/s; ``intra`` cells (same node) use a green palette and hatching, the rest viridis.
+    """A src×dst grid of bytes/s since the cell started (the last interval's on hover), ``cells`` only, one colour
+    scale (0 in its lightest colour, ``high`` pinning its top, else the busiest link) and one colour bar.
 
-    Intra-node links (shared memory, NVLink) are far faster than the network, so they get their own colour
-    scale (and colour bar); ``capacity_bps`` (the NIC's bytes/s) pins the inter-node scale's maximum so a
-    saturated link reads as saturated rather than as "the brightest cell". The legend's swatches are fixed
-    colours from each scale (not the first cell's colour, which is whatever that link happens to carry).
+    The figure stays hidden until a link of it carried bytes (``stream.py``): no panel of zeros. One source
+    ``"links"`` with columns ``src``, ``dst``, ``bps``, ``label`` and ``last``, ``last_label`` (the last interval).
     """
-    cells = [(s, d) for s in names for d in names]
-    sources = {
-        "inter": _cell_source([c for c in cells if c not in intra], f"taco-{unit}-links-inter"),
-        "intra": _cell_source([c for c in cells if c in intra], f"taco-{unit}-links-intra"),
-    }
-    fig = _figure(title, x_range=list(names), y_range=list(reversed(names)))
+    source = _cell_source(cells, f"taco-{name}")
+    fig = _figure(title, x_range=list(names), y_range=list(reversed(names)), visible=False, name=name)
     fig.xaxis.axis_label, fig.yaxis.axis_label = f"to {unit}", f"from {unit}"
     fig.grid.grid_line_color = None
-    mappers = {
-        "inter": LinearColorMapper(palette=INTER_PALETTE, low=0, high=capacity_bps, nan_color="#dddddd"),
-        "intra": LinearColorMapper(palette=INTRA_PALETTE, low=0, nan_color="#dddddd"),
-    }
-    for role, legend in (("inter", "inter-node"), ("intra", "intra-node (own scale)")):
-        hatch = "/" if role == "intra" else " "
-        fig.rect("dst", "src", width=1, height=1, source=sources[role], line_color="white", name=role,
-                 fill_color={"field": "bps", "transform": mappers[role]}, hatch_pattern=hatch,
-                 hatch_alpha=0.3)  # fmt: skip
-        # one zero-size rect: nothing on the grid, but a legend swatch (an empty renderer draws none)
-        fig.rect(x=[names[0]], y=[names[0]], width=0, height=0, line_alpha=0, name=f"{role}_swatch",
-                 hatch_pattern=hatch, hatch_alpha=0.3, fill_color=mappers[role].palette[SWATCH_AT[role]],
-                 legend_label=legend)  # fmt: skip
-        if len(names) <= MAX_LABELLED_CELLS:
-            fig.text("dst", "src", text="label", source=sources[role], text_align="center", text_baseline="middle",
-                     text_font_size="9pt", color="black", background_fill_color="white",
-                     background_fill_alpha=0.7,  # type: ignore[call-arg]  # readable on any cell colour
-                     name=f"{role}_label")  # fmt: skip
-    scale = "inter-node"
-    if capacity_bps is not None:
-        scale += f" (max = capacity {format_rate(capacity_bps)})"
-    fig.add_layout(ColorBar(color_mapper=mappers["inter"], title=scale, width=8, formatter=bytes_formatter("/s"),
-                            name="inter_scale"), "right")  # fmt: skip
-    fig.add_layout(ColorBar(color_mapper=mappers["intra"], title="intra-node", width=8,
-                            formatter=bytes_formatter("/s"), name="intra_scale"), "right")  # fmt: skip
-    _legend_below(fig)
-    return Plot(fig, sources)
+    mapper = LinearColorMapper(palette=list(palette), low=0, high=high, name=f"{name}_mapper")
+    cells_renderer = fig.rect("dst", "src", width=1, height=1, source=source, line_color="white", name="cells",
+                              fill_color={"field": "bps", "transform": mapper})  # fmt: skip
+    if len(names) <= MAX_LABELLED_CELLS:
+        fig.text("dst", "src", text="label", source=source, text_align="center", text_baseline="middle",
+                 text_font_size="9pt", color="black", background_fill_color="white",
+                 background_fill_alpha=0.7,  # type: ignore[call-arg]  # readable on any cell colour
+                 name="labels")  # fmt: skip
+    fig.add_tools(HoverTool(renderers=[cells_renderer], tooltips=[
+        (unit, "@src → @dst"), ("since the cell started", "@label"), ("last interval", "@last_label")]))  # fmt: skip
+    fig.add_layout(ColorBar(color_mapper=mapper, title=scale, width=8, formatter=bytes_formatter("/s"),
+                            name="scale"), "right")  # fmt: skip
+    return Plot(fig, {"links": source})
 
 
 def node_heatmap(nodes: Sequence[int], *, capacity_bps: float | None = None) -> Plot:
-    """Node→node bytes/s of the last interval; the diagonal is intra-node traffic (sources ``inter``/``intra``)."""
+    """Node→node bytes/s between nodes since the cell started (traffic within a node is :func:`rank_heatmap`'s,
+    on its own scale: shared memory is far faster than the network); ``capacity_bps`` (the NIC's bytes/s) pins
+    the scale's top so a saturated link reads as saturated rather than as "the brightest cell"."""
     names = [str(n) for n in nodes]
-    return _link_heatmap(names, {(n, n) for n in names}, capacity_bps, "Node links (rate, last interval)", "node")
+    scale = "bytes/s" if capacity_bps is None else f"bytes/s (max = capacity {format_rate(capacity_bps)})"
+    return _link_heatmap(names, [(s, d) for s in names for d in names if s != d],
+                         "Node links (rate since the cell started)", "node", palette=INTER_PALETTE, scale=scale,
+                         high=capacity_bps, name="node-links")  # fmt: skip
 
 
-def rank_heatmap(node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None) -> Plot:
-    """Rank→rank bytes/s of the last interval; pairs on the same node are the ``intra`` cells."""
+def rank_heatmap(node_of_rank: Mapping[int, int]) -> Plot:
+    """Rank→rank bytes/s since the cell started between ranks of the same node (shared memory, NVLink)."""
     ranks = sorted(node_of_rank)
-    intra = {(str(a), str(b)) for a in ranks for b in ranks if node_of_rank[a] == node_of_rank[b]}
-    return _link_heatmap([str(r) for r in ranks], intra, capacity_bps, "Rank links (rate, last interval)", "rank")
+    names = [str(r) for r in ranks]
+    cells = [(str(a), str(b)) for a in ranks for b in ranks if a != b and node_of_rank[a] == node_of_rank[b]]
+    return _link_heatmap(names, cells, "Rank links within nodes (rate since the cell started)", "rank",
+                         palette=INTRA_PALETTE, scale="bytes/s", name="rank-links")  # fmt: skip
+
+
+def rank_heatmap_across(node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None) -> Plot:
+    """Rank→rank bytes/s since the cell started between ranks of different nodes (the network)."""
+    ranks = sorted(node_of_rank)
+    names = [str(r) for r in ranks]
+    cells = [(str(a), str(b)) for a in ranks for b in ranks if node_of_rank[a] != node_of_rank[b]]
+    scale = "bytes/s" if capacity_bps is None else f"bytes/s (max = capacity {format_rate(capacity_bps)})"
+    return _link_heatmap(
+        names,
+        cells,
+        "Rank links across nodes (rate since the cell started)",
+        "rank",
+        palette=INTER_PALETTE,
+        scale=scale,
+        high=capacity_bps,
+        name="rank-links-across",
+    )
 
 
 def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
-    """The interval's compression ratio (left axis) and cumulative bytes saved (right axis) over elapsed time.
+    """The compression ratio over the smoothing window (left axis) and the bytes saved since the cell started (right
+    axis) over elapsed time; hidden until something was compressed.
 
-    One source ``"compression"`` with columns ``time``, ``ratio`` (NaN for an interval without communication)
+    One source ``"compression"`` with columns ``time``, ``ratio`` (NaN for a window without communication)
     and ``saved_bytes``.
     """
     source = ColumnDataSource(data={"time": [], "ratio": [], "saved_bytes": []}, name="taco-compression")
-    fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="compression ratio")
+    fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="compression ratio", visible=False,
+                  name="compression")  # fmt: skip
     ratio = fig.line("time", "ratio", source=source, line_width=2, color="#1f77b4", legend_label="ratio", name="ratio")
     saved = fig.line("time", "saved_bytes", source=source, y_range_name="saved", color="#ff7f0e", line_dash="dashed",
                      legend_label="bytes saved", name="saved_bytes")  # fmt: skip
@@ -259,7 +295,8 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
     (communication that overlapped compute), ``wait`` (the loop blocked on communication), ``total``, ``note``
     (``"slowest"`` on the straggler, else empty) and ``outline`` (its bar's outline colour). In synchronous
     training every rank's step lasts about as long, so bar heights hardly differ: the straggler is the rank with
-    the tallest *compute* part (``stream.straggler``), the one its peers wait for.
+    the tallest *compute* part (``stream.straggler``), the one its peers wait for. Hidden until a rank
+    communicated (a loop that sends nothing has nothing to split).
     """
     names = [str(r) for r in ranks]
     n = len(names)
@@ -267,7 +304,7 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
                                     "total": [0.0] * n, "note": [""] * n, "outline": [None] * n},
                               name="taco-step-time")  # fmt: skip
     fig = _figure(title, x_range=names, y_range=DataRange1d(start=0, range_padding=0.15), x_axis_label="rank",
-                  y_axis_label="seconds per step")  # fmt: skip
+                  y_axis_label="seconds per step", visible=False, name="step_time")  # fmt: skip
     fig.yaxis[0].formatter = NumeralTickFormatter(format="0.[000]")
     fig.vbar_stack(["compute", "comm", "wait"], x="rank", width=0.8, source=source,
                    color=["#2ca02c", "#98df8a", "#d62728"], line_color="outline", line_width=2,
@@ -310,7 +347,8 @@ def build_plots(node_of_rank: Mapping[int, int], *, capacity_bps: float | None =
     return DashboardPlots(
         throughput=throughput_plot(ranks),
         node_links=node_heatmap(sorted(set(node_of_rank.values())), capacity_bps=capacity_bps),
-        rank_links=rank_heatmap(node_of_rank, capacity_bps=capacity_bps),
+        rank_links=rank_heatmap(node_of_rank),
+        rank_links_across=rank_heatmap_across(node_of_rank, capacity_bps=capacity_bps),
         compression=compression_plot(),
         step_time=step_time_plot(ranks),
         gpu=gpu_plot(ranks),

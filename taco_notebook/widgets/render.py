@@ -70,16 +70,25 @@ def display_bokehjs() -> Any:
     return display(data, raw=True, display_id=True)
 
 
+def _shown(child: Any) -> bool:
+    """A row shows when one of its figures does; a figure when it is visible."""
+    from bokeh.models import LayoutDOM
+
+    if not isinstance(child, LayoutDOM):
+        return False
+    children: list[Any] | None = getattr(child, "children", None)
+    return any(c.visible for c in children) if children else bool(child.visible)
+
+
 def static_html(layout: Any, header: str = "", title: str = "taco dashboard") -> str:
     """The plots as one self-contained HTML fragment: an ``<iframe srcdoc>`` holding a standalone bokeh page
     (BokehJS inline), under ``header`` (HTML). The frame keeps that BokehJS apart from the notebook page's
     own (live views, other cells)."""
     from bokeh.embed import file_html
-    from bokeh.models import LayoutDOM
     from bokeh.resources import INLINE
 
     page = file_html(layout, resources=INLINE, title=title)  # INLINE: only the BokehJS parts the layout uses
-    rows = sum(1 for child in getattr(layout, "children", [layout]) if isinstance(child, LayoutDOM) and child.visible)
+    rows = sum(1 for child in getattr(layout, "children", [layout]) if _shown(child))
     height = max(rows, 1) * ROW_PX + 20
     frame = (f'<iframe class="taco-static-plots" title="{html.escape(title)}" srcdoc="{html.escape(page)}" '
              f'style="width:100%;height:{height}px;border:0" loading="eager"></iframe>')  # fmt: skip

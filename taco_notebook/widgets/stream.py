@@ -25,9 +25,20 @@ from typing import Any
 
 from bokeh.models.annotations import Title
 
-from .plots import STRAGGLER_OUTLINE, Plot, build_plots, format_bytes, format_rate, plural, rank_column
+from .links import fill_heatmap, link_rates, link_rates_between
+from .plots import STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural
+from .series import SeriesBook
 
-__all__ = ["Interval", "MetricsStream", "interval_between", "is_new_run", "straggler", "gpu_text"]
+__all__ = [
+    "Interval",
+    "MetricsStream",
+    "interval_between",
+    "is_new_run",
+    "straggler",
+    "gpu_text",
+    "link_rates",
+    "link_rates_between",
+]
 
 Snapshot = Mapping[str, Any]
 COUNTERS = ("elapsed_seconds", "samples", "steps", "raw_bytes", "wire_bytes", "wait_seconds", "comm_seconds")
@@ -166,22 +177,13 @@ def straggler(compute_seconds: Mapping[int, float]) -> int | None:
 def gpu_text(gpu: Mapping[str, Any]) -> str:
     """``NVIDIA H100: 1.2 GB in use, peak 3.4 GB, 87% busy`` for a snapshot's ``gpu`` field (utilization in
     percent; left out when None)."""
-    text = f"{gpu.get('name') or 'GPU'}: {format_bytes(float(gpu.get('memory_bytes') or 0))} in use, " \
-           f"peak {format_bytes(float(gpu.get('peak_bytes') or 0))}"
+    text = (
+        f"{gpu.get('name') or 'GPU'}: {format_bytes(float(gpu.get('memory_bytes') or 0))} in use, "
+        f"peak {format_bytes(float(gpu.get('peak_bytes') or 0))}"
+    )
     if gpu.get("utilization") is not None:
         text += f", {float(gpu['utilization']):.0f}% busy"
     return text
-
-
-def _fill_heatmap(plot: Plot, bps: Mapping[tuple[int, int], float], reported: set[int] | None) -> None:
-    """Set every cell of a link heatmap: the interval's bytes/s, 0 for a silent link, NaN for a silent source."""
-    for source in plot.sources.values():
-        values = [
-            NAN if reported is not None and int(src) not in reported else bps.get((int(src), int(dst)), 0.0)
-            for src, dst in zip(source.data["src"], source.data["dst"], strict=True)
-        ]
-        labels = ["" if reported is None else format_rate(v) for v in values]
-        source.data.update(bps=values, label=labels)
 
 
 def _gpu_label(gpu: Mapping[str, Any]) -> str:
@@ -190,9 +192,12 @@ def _gpu_label(gpu: Mapping[str, Any]) -> str:
 
 
 class MetricsStream:
-    """Feeds metric snapshot batches into a :class:`DashboardPlots`; keeps only what rates need.
+    """Feeds metric snapshot batches into a :class:`DashboardPlots`; keeps each rank's series (:mod:`.series`) and
+    its two latest snapshots (for the heatmaps' last interval and the step-time bars).
 
-    ``rollover`` caps the points kept by the time-series sources, so a long run's dashboard stays cheap.
+    ``rollover`` caps the points the time-series sources keep (the grid also coarsens past ``series.MAX_POINTS``).
+    A plot shows once it has something to say: compression once something was compressed, the link heatmaps
+    once their links carried bytes, the step-time bars once a rank communicated, GPU memory once a rank used CUDA.
     """
 
     def __init__(self, node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None, rollover: int = 600):
@@ -202,8 +207,12 @@ class MetricsStream:
         self.capacity_bps = capacity_bps
         self.rollover = rollover
         self.plots = build_plots(self.node_of_rank, capacity_bps=capacity_bps)
+        self.book = SeriesBook()
         self.latest: dict[int, Snapshot] = {}
+        self.previous: dict[int, Snapshot] = {}  # each rank's snapshot before its latest one
         self.last_interval: Interval | None = None
+        self.last_point: dict[str, float] = {}  # the plotted series' values at their last time: what summary() says
+        self.drawn_until = 0.0
         self.new_runs = 0  # how many times counters went backwards and history was dropped
         self.unit = "steps"  # throughput in steps/s until some rank reports samples (a batch size)
         self.tokens_shown = False
@@ -218,68 +227,101 @@ class MetricsStream:
         return stream
 
     def push(self, snapshots: Iterable[Snapshot]) -> Interval | None:
-        """Add one batch (one snapshot per reporting rank); returns the interval it closed, if any."""
+        """Add one batch (one snapshot per reporting rank); returns the interval it closed for the step-time bars,
+        if any. The time series grow by the records the batch brought, up to the time every rank has reached."""
         current = {int(s["rank"]): s for s in snapshots if s.get("rank") is not None}
         if any(is_new_run(self.latest[r], s) for r, s in current.items() if r in self.latest):
             self.clear()
             self.new_runs += 1
+        for rank, snap in current.items():
+            before = self.latest.get(rank)
+            if before is not None and snap["elapsed_seconds"] > before["elapsed_seconds"]:
+                self.previous[rank] = before
+            self.book.add(rank, snap.get("series"))
         interval = interval_between(self.latest, current)
         self.latest.update(current)
         self._render_gpu()
+        self._render_series()
+        self._render_links()
         if interval is not None:
             self.last_interval = interval
-            self._render(interval)
+            self._render_steps(interval)
         return interval
+
+    def finish(self) -> None:
+        """The run ended: draw the series up to the last record of every rank (the final picture's last point)."""
+        self._render_series(final=True)
 
     def clear(self) -> None:
         """Drop all history: empty the time series, blank the heatmaps and bars."""
         self.latest.clear()
+        self.previous.clear()
+        self.book.clear()
         self.last_interval = None
+        self.last_point = {}
+        self.drawn_until = 0.0
         for plot in (self.plots.throughput, self.plots.compression):
             for source in plot.sources.values():
                 source.data = {name: [] for name in source.data}
-        for plot in (self.plots.node_links, self.plots.rank_links):
-            _fill_heatmap(plot, {}, None)
+        for plot in (self.plots.node_links, self.plots.rank_links, self.plots.rank_links_across):
+            fill_heatmap(plot, {}, {})
         bars = self.plots.step_time.sources["step_time"]
         n = len(bars.data["rank"])
         bars.data.update(compute=[0.0] * n, comm=[0.0] * n, wait=[0.0] * n, total=[0.0] * n, note=[""] * n,
                          outline=[None] * n)  # fmt: skip
         self.step_split.clear()
 
-    def _use_units(self) -> None:
-        """Switch the throughput plot to samples/s once a rank reports samples, and show tokens/s once reported."""
+    def _use_units(self) -> bool:
+        """Switch the throughput plot to samples/s once a rank reports samples, and show tokens/s once reported;
+        True when the unit changed (the drawn series are then redrawn in the new one)."""
         fig = self.plots.throughput.figure
-        if self.unit == "steps" and any(s.get("samples", 0) > 0 for s in self.latest.values()):
-            self.unit = "samples"
+        unit = self.book.unit()
+        changed = unit != self.unit
+        self.unit = unit
         assert isinstance(fig.title, Title)  # figure(title=str) makes one
-        fig.title.text = f"Throughput ({self.unit}/s)"
-        fig.yaxis[0].axis_label = f"{self.unit}/s"
+        name = "Throughput" if unit == "samples" else "Step rate"
+        fig.title.text = f"{name} ({unit}/s, smoothed over {self.book.window:g} s)"
+        fig.yaxis[0].axis_label = f"{unit}/s"
         if not self.tokens_shown and any(s.get("tokens", 0) > 0 for s in self.latest.values()):
             self.tokens_shown = True
             for model in [*fig.select(name="tokens"), *fig.select(name="tokens_axis")]:
                 model.visible = True  # type: ignore[attr-defined]  # a renderer and an axis
+        return changed
 
-    def _render(self, interval: Interval) -> None:
-        self._use_units()
-        rates = interval.samples_per_s if self.unit == "samples" else interval.steps_per_s
-        total = sum(rates.values()) if self.unit == "samples" else interval.total_steps_per_s
-        # An interval ends at the latest rank's clock. When only ranks behind it advanced, it ends where the last
-        # point did: drawing it would repeat an x (a line back in time), so only the heatmaps and bars take it.
-        drawn = self.plots.throughput.sources["throughput"].data["time"]
-        if not drawn or interval.time > drawn[-1]:
-            point: dict[str, Any] = {"time": [interval.time], "total": [total], "tokens": [interval.total_tokens_per_s]}
-            for rank in self.node_of_rank:
-                point[rank_column(rank)] = [rates.get(rank, NAN)]
-            self.plots.throughput.sources["throughput"].stream(point, rollover=self.rollover)
-            self.plots.compression.sources["compression"].stream(
-                {"time": [interval.time], "ratio": [interval.compression_ratio], "saved_bytes": [interval.bytes_saved]},
-                rollover=self.rollover,
-            )
-        reported = set(interval.samples_per_s)
-        _fill_heatmap(self.plots.rank_links, interval.rank_bps, reported)
-        reported_nodes = {interval.node_of_rank.get(r, self.node_of_rank.get(r, -1)) for r in reported}
-        _fill_heatmap(self.plots.node_links, interval.node_bps, reported_nodes)
-        self._render_steps(interval)
+    def _render_series(self, final: bool = False) -> None:
+        """Draw the grid points the records now cover (:meth:`SeriesBook.points`); all of them again when the unit
+        changed or the grid coarsened."""
+        redraw = self._use_units()
+        while self.book.needs_coarser_grid(self.drawn_until):
+            self.book.grid *= 2
+            redraw = True
+        after = 0.0 if redraw else self.drawn_until
+        times = self.book.times(after, final)
+        throughput = self.plots.throughput.sources["throughput"]
+        compression = self.plots.compression.sources["compression"]
+        if redraw:
+            for source in (throughput, compression):
+                source.data = {name: [] for name in source.data}
+        if len(times) == 0:
+            return
+        points = self.book.points(times, sorted(self.node_of_rank))
+        keep = self.rollover
+        throughput.stream({name: points[name][-keep:] for name in throughput.data}, rollover=keep)
+        sent = [i for i, ratio in enumerate(points["ratio"]) if not math.isnan(ratio)][-keep:]  # no gap, no NaN
+        if sent:
+            compression.stream({name: [points[name][i] for i in sent] for name in compression.data}, rollover=keep)
+        self.drawn_until = float(times[-1])
+        self.last_point = {name: values[-1] for name, values in points.items()}  # what the summary quotes
+        self.plots.compression.figure.visible = self.plots.compression.figure.visible or self.book.compressed()
+
+    def _render_links(self) -> None:
+        by_rank, by_node = link_rates(self.latest)
+        last_rank, last_node = link_rates_between(self.previous, self.latest)
+        for plot in (self.plots.rank_links, self.plots.rank_links_across):
+            fill_heatmap(plot, by_rank, last_rank)
+        fill_heatmap(self.plots.node_links, by_node, last_node)
+        if any(s.get("raw_bytes", 0) > 0 for s in self.latest.values()):
+            self.plots.step_time.figure.visible = True
 
     def _render_steps(self, interval: Interval) -> None:
         """Update the bars of ranks that reported (the others keep their last values) and mark the straggler
@@ -313,31 +355,43 @@ class MetricsStream:
         plot.figure.visible = True
 
     def summary(self) -> str:
-        """A few lines for a notebook without widgets: throughput, bytes per node link, compression, straggler."""
+        """A few lines for a notebook without widgets: throughput, bytes per node link, compression, straggler. The
+        figures are the plotted series' last values (:attr:`last_point`) and the heatmaps' rates, so the text and
+        the picture say the same."""
         if not self.latest:
             return "taco metrics: no snapshot yet"
         snaps = self.latest.values()
         elapsed = max(s["elapsed_seconds"] for s in snaps)
         nodes = {s.get("node") for s in snaps}
-        rate = sum(s.get("samples", 0) / s["elapsed_seconds"] for s in snaps if s["elapsed_seconds"] > 0)
-        if rate > 0:
-            throughput = f"throughput: {rate:,.1f} samples/s total"
+        point = self.last_point
+        window = f"{self.book.window:g} s"
+        if not point:
+            throughput = "throughput: no record yet"
+        elif self.unit == "samples":
+            throughput = (
+                f"throughput: {point['average']:,.1f} samples/s total since the start, "
+                f"{point['total']:,.1f} over the last {window}"
+            )
         else:  # no batch size given: steps/s of the slowest rank
-            step_rate = min((s.get("steps", 0) / s["elapsed_seconds"] for s in snaps if s["elapsed_seconds"] > 0),
-                            default=0.0)  # fmt: skip
-            throughput = f"throughput: {step_rate:,.2f} steps/s (give the optimizer samples_per_step for samples/s)"
-        tokens = sum(s.get("tokens", 0) / s["elapsed_seconds"] for s in snaps if s["elapsed_seconds"] > 0)
-        if tokens > 0:
-            throughput += f", {tokens:,.0f} tokens/s"
+            throughput = (
+                f"step rate: {point['average']:,.2f} steps/s since the start, {point['total']:,.2f} over "
+                f"the last {window} (give the optimizer samples_per_step for samples/s)"
+            )
+        if point and self.tokens_shown:
+            throughput += f", {point['tokens']:,.0f} tokens/s over the last {window}"
+        steps = min(s.get("steps", 0) for s in snaps)
         lines = [
             f"taco metrics: {plural(len(self.latest), 'rank')} on {plural(len(nodes), 'node')}, {elapsed:.1f} s, "
-            f"{plural(min(s.get('steps', 0) for s in snaps), 'step')}",  # the slowest rank's, like the bar
+            f"{plural(steps, 'optimizer step')}",  # the slowest rank's
             throughput,
-            "links: " + (", ".join(self._link_totals()) or "no traffic"),
-            self._compression_line(),
         ]
+        links = self._link_totals()
+        if links:
+            lines.append("links: " + ", ".join(links))
+        if self.book.compressed():
+            lines.append(self._compression_line())
         rank = straggler({r: split[0] for r, split in self.step_split.items()})
-        if rank is not None:
+        if rank is not None and self.plots.step_time.figure.visible:
             compute, comm, wait = self.step_split[rank]
             median = statistics.median(sum(split) for split in self.step_split.values())
             lines.append(
@@ -350,22 +404,28 @@ class MetricsStream:
         return "\n".join(lines)
 
     def _link_totals(self) -> list[str]:
-        """``node 0->1 1.0 MB (2.0 MB/s)`` for every node link, bytes since the run started."""
+        """``node 0->1 1.0 MB (2.0 MB/s)`` for every node link that carried bytes: since the run started, at the
+        rate the node heatmap shows (:func:`link_rates`)."""
         totals: defaultdict[tuple[int, int], int] = defaultdict(int)
-        seconds: defaultdict[tuple[int, int], float] = defaultdict(float)
         for snap in self.latest.values():
-            src = int(snap["node"])
+            if snap.get("node") is None:
+                continue
             for dst, nbytes in _int_keys(snap.get("sent_by_node")).items():
-                totals[src, dst] += nbytes
-                seconds[src, dst] = max(seconds[src, dst], snap["elapsed_seconds"])
+                totals[int(snap["node"]), dst] += nbytes
+        rates = link_rates(self.latest)[1]
         return [
-            f"node {s}->{d}{' (intra)' if s == d else ''} {format_bytes(n)}"
-            f" ({format_rate(n / seconds[s, d]) if seconds[s, d] > 0 else '-'})"
+            f"node {s}->{d}{' (intra)' if s == d else ''} {format_bytes(n)} ({format_rate(rates.get((s, d), 0.0))})"
             for (s, d), n in sorted(totals.items())
+            if n > 0
         ]
 
     def _compression_line(self) -> str:
         raw = sum(s.get("raw_bytes", 0) for s in self.latest.values())
         wire = sum(s.get("wire_bytes", 0) for s in self.latest.values())
-        ratio = raw / wire if wire else math.nan
-        return f"compression: {ratio:.2f}x, {format_bytes(raw - wire)} saved ({format_bytes(wire)} on the wire)"
+        ratio = self.last_point.get("ratio", math.nan)
+        saved = self.last_point.get("saved_bytes", float(raw - wire))
+        overall = raw / wire if wire else math.nan
+        return (
+            f"compression: {ratio:.2f}x over the last {self.book.window:g} s ({overall:.2f}x since the start), "
+            f"{format_bytes(saved)} saved ({format_bytes(wire)} on the wire)"
+        )

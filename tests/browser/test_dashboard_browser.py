@@ -282,8 +282,11 @@ _plots = taco.dashboard().stream.plots
 print(f"TACO-CHECK {_taco_checks} " + json.dumps({
     "throughput": list(_plots.throughput.sources["throughput"].data["time"]),
     "compression": list(_plots.compression.sources["compression"].data["time"]),
+    "summary": taco.dashboard().summary(),
 }))
 """
+
+DOCS = REPO / "docs" / "images"
 
 
 COUNT_SENDS_JS = """
@@ -331,20 +334,52 @@ def test_run_all_on_the_example_draws_each_series_once(lab, page):
     wait_for_cells_executed(page, timeout=420)
     wait_for_kernel_idle(page, timeout=120)
 
+    pictures = {}
     for index in (1, 2):  # the training cell's final picture, and taco.dashboard()'s
         frame = static_frame(page, index)
-        sources = frame_sources(frame, ["taco-throughput", "taco-compression"])
+        sources = pictures[index] = frame_sources(frame, ["taco-throughput", "taco-compression"])
         for name, columns in sources.items():
-            # a fast loop may close a single interval; a repeated point (the bug) breaks the order even then
-            assert columns["time"] and strictly_increasing(columns["time"]), (
-                f"cell {index}: {name} goes back in time (a line back to its first point): {columns['time']}")
+            # what a person sees: a line of points (issue 25: one point per series, so no line at all), in order
+            assert len(columns["time"]) >= 20 and strictly_increasing(columns["time"]), (
+                f"cell {index}: {name} has too few points or goes back in time: {columns['time']}")
+        ratios = [r for r in sources["taco-compression"]["ratio"] if r is not None and r == r]
+        assert len(ratios) >= 20 and ratios[-1] > 1.8, f"cell {index}: compression ratios {ratios}"  # fp16
+        assert all(v is not None and v == v for v in sources["taco-throughput"]["total"]), "a gap in the line"
         painted_canvases(frame)
+    _picture(page, 1, DOCS / "dashboard-example-02.png")
 
     kernel = _check_after_the_pages_last_message(page)
-    for name, times in kernel.items():
-        assert times and strictly_increasing(times), f"kernel-side {name} times repeat: {times}"
+    for name in ("throughput", "compression"):
+        assert kernel[name] and strictly_increasing(kernel[name]), f"kernel-side {name} times repeat: {kernel[name]}"
+    # the summary under the picture quotes the picture's last values
+    last = {name: columns[-1] for name, columns in pictures[1]["taco-throughput"].items()}
+    compression = {name: columns[-1] for name, columns in pictures[1]["taco-compression"].items()}
+    summary = kernel["summary"]
+    assert f"{last['average']:,.1f} samples/s total since the start, {last['total']:,.1f} over the last" in summary
+    assert f"compression: {compression['ratio']:.2f}x over the last" in summary
+    final_text = cell_output(page, 1).locator(f"{STATIC} .taco-status").first.text_content() or ""
+    assert summary.splitlines()[0].removeprefix("taco dashboard: ") in final_text  # status line, as shown
     assert page.evaluate("() => window.__tacoErrors") == []
-    print(f"run all: {len(kernel['throughput'])} throughput points, each once")
+    print(f"run all: {len(kernel['throughput'])} throughput points, each once; summary: {summary}")
+
+
+def _picture(page, index: int, path: Path) -> None:
+    """Screenshot of the ``index``-th cell's final picture (status, progress and plots) for the docs: its HTML on a
+    page of its own, 1200 px wide, so the whole picture is in one image."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    markup = cell_output(page, index).locator(STATIC).first.evaluate("(e) => e.outerHTML")
+    alone = page.context.new_page()
+    try:
+        alone.set_viewport_size({"width": 1200, "height": 200})  # full_page: as tall as the picture
+        alone.set_content(f'<html><body style="margin:8px">{markup}</body></html>')
+        frame = alone.locator(FRAME).first.element_handle().content_frame()
+        assert frame is not None
+        frame_sources(frame, ["taco-throughput"])
+        painted_canvases(frame)
+        time.sleep(1.0)  # the last animation frame
+        alone.screenshot(path=str(path), full_page=True)
+    finally:
+        alone.close()
 
 
 def _save(page, lab, name: str, timeout: float = 60.0) -> dict[str, Any]:

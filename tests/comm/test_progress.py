@@ -112,3 +112,26 @@ def test_snapshot_reports_tokens():
     metrics.step(samples=4, tokens=512)
     assert metrics.snapshot()["tokens"] == 512
     metrics.reset()
+
+
+def test_the_series_records_the_counters_at_a_fixed_cadence_and_the_moment_of_a_snapshot():
+    metrics.reset()
+    time.sleep(0.2)  # building the model: the first step's samples must not be spread back over this
+    for _ in progress(range(60)):
+        time.sleep(0.01)
+        metrics.record(0.001, 1000, 250, {1: 250})
+        metrics.step(samples=8)
+    snap = metrics.snapshot()
+    series = snap["series"]
+    assert tuple(series["fields"]) == metrics.SERIES_FIELDS
+    records = series["records"]
+    assert len(records) <= metrics.SERIES_SENT and series["first"] + len(records) >= 12  # >= 0.6 s at 20/s
+    times = [r[0] for r in records]
+    assert times == sorted(times) and all(b - a < 0.2 for a, b in zip(times[1:], times[2:], strict=False))
+    assert records[-1][1:] == [60, 60, 480, 0, 60_000, 15_000]  # the moment of the snapshot: every counter
+    if series["first"] == 0:
+        first_step = next(r for r in records if r[1] > 0)
+        idle = records[records.index(first_step) - 1]
+        assert idle[0] >= 0.19 and idle[1] == 0  # "nothing happened until the first step began"
+    metrics.reset()
+    assert metrics.snapshot()["series"]["records"] == [[0.0, 0, 0, 0, 0, 0, 0]]

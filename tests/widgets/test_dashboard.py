@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,12 +99,35 @@ def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, c
     # text/plain (the summary), once (changed with issue 10: the final picture replaces the live view)
     assert "VBox(" in out and out.count("taco dashboard:") == 1
     throughput = board.stream.plots.throughput.sources["throughput"].data
-    assert len(throughput["time"]) >= 2 and all(v > 0 for v in throughput["total"])
-    ratio = board.stream.plots.compression.sources["compression"].data["ratio"]
-    assert ratio and ratio[-1] == pytest.approx(2.0, rel=0.2)  # fp16 halves what crosses nodes
+    # 80 steps of 30 ms: the ranks' records draw a point every 0.05 s, whatever reached the notebook when
+    assert len(throughput["time"]) >= 40 and throughput["total"][-1] > 0
+    assert all(b > a for a, b in zip(throughput["time"], throughput["time"][1:], strict=False))
+    assert not any(math.isnan(v) for name in ("total", "rank_0", "rank_3") for v in throughput[name])
+    compression = board.stream.plots.compression.sources["compression"].data
+    ratios = [r for r in compression["ratio"] if not math.isnan(r)]
+    assert len(ratios) >= 20 and ratios[-1] == pytest.approx(2.0, rel=0.2)  # fp16 halves what crosses nodes
+    summary = board.summary()  # the text says what the plots end on
+    assert f"{throughput['average'][-1]:,.1f} samples/s total since the start" in summary
+    assert f"{throughput['total'][-1]:,.1f} over the last 1 s" in summary
+    assert f"compression: {compression['ratio'][-1]:.2f}x over the last 1 s" in summary
+    assert all(p.figure.visible for p in (board.stream.plots.compression, board.stream.plots.node_links,
+                                          board.stream.plots.step_time))  # fmt: skip
     assert board.nodes == 2 and board.bar.bar_style == "success" and "finished" in board.status.value
     colour_bar = board.stream.plots.node_links.figure.right[0]
     assert colour_bar.color_mapper.high == 25e9 / 8 and "capacity 3.1 GB/s" in colour_bar.title
+
+
+def test_a_loop_that_sends_nothing_gets_its_progress_and_step_rate_only(ip, shared_cluster, monkeypatch, capsys):
+    monkeypatch.setenv("TACO_DASHBOARD", "widget")
+    ip.run_cell_magic("taco_run", "", "import time\nfor i in taco.progress(range(100)):\n    time.sleep(0.01)\n")
+    capsys.readouterr()
+    board = taco_notebook.dashboard()
+    plots = board.stream.plots
+    assert [p for p in plots.all() if p.figure.visible] == [plots.throughput]
+    assert plots.throughput.figure.title.text.startswith("Step rate (steps/s")
+    rate = plots.throughput.sources["throughput"].data["total"]
+    assert len(rate) >= 15 and rate[-1] > 0  # ~1 s of loop: a point per 0.05 s
+    assert " · step 100 · " in board.status.value and "100/100" in board.bar_text.value
 
 
 def test_a_failing_rank_freezes_the_dashboard_with_the_failure(ip, shared_cluster, capsys):
