@@ -145,7 +145,7 @@ def _legend_below(fig: figure) -> None:
 
 def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s)") -> Plot:
     """Samples/s over elapsed time (see :mod:`.series`): a thick ``total`` line (the rate over the smoothing window)
-    over the ``raw`` rate of each grid step (faint), the ``average`` since the cell started (dashed, what the
+    over the ``raw`` rate of each grid step (faint), the ``average`` since training began (dashed, what the
     summary says), and one line per rank (click the legend to hide).
 
     One source ``"throughput"`` with columns ``time``, ``total``, ``raw``, ``average``, ``tokens`` (tokens/s of all
@@ -159,7 +159,7 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
     total = fig.line("time", "total", source=source, line_width=3, color="black", legend_label="total (smoothed)",
                      name="total")  # fmt: skip
     average = fig.line("time", "average", source=source, line_width=2, color="#7f7f7f", line_dash="dashed",
-                       legend_label="average since start", name="average")  # fmt: skip
+                       legend_label="average since training began", name="average")  # fmt: skip
     fig.y_range = DataRange1d(renderers=[total, average, raw], start=0)
     fig.yaxis[0].formatter = NumeralTickFormatter(format="0,0.[0]")  # 12,500 rather than 1.250e+4
     # tokens/s has another scale; hidden (with its axis) until a rank reports tokens

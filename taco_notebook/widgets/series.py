@@ -8,7 +8,8 @@ counters linearly interpolated between its records and held after its last one, 
 
 - ``total``: all ranks' samples (or the slowest rank's steps, without samples) over the ``window`` before ``t``;
 - ``raw``: the same over one grid step (drawn faint behind ``total``);
-- ``average``: since the cell started, ``count(t) / t``: what the summary calls the throughput;
+- ``average``: since training started (the first record before any rank moved: the model building and
+  data loading before the loop are not counted), ``count(t) / (t - start)``: what the summary calls the throughput;
 - ``rank_N``: rank N's own rate over the window;
 - ``ratio``: raw over wire bytes of the window (since the start where the window sent nothing; NaN before anything
   went on the wire: the compression plot starts at the first bytes); ``saved_bytes``: since the start.
@@ -130,6 +131,13 @@ class SeriesBook:
         starts = [s.moved_at for s in self.ranks.values() if s.moved_at is not None]
         return max(min(starts) - self.grid, 0.0) if starts else None
 
+    def began(self) -> float:
+        """When training began: the last record before the first rank's first step, loop turn or sample (0.0
+        while nothing moved). The average counts from here: a cell that builds its model for 15 s and then trains
+        at 12,500 samples/s averages 12,500, not a fraction of it."""
+        starts = [s.moved_at for s in self.ranks.values() if s.moved_at is not None]
+        return min(starts) if starts else 0.0
+
     def times(self, after: float, final: bool = False) -> np.ndarray:
         """Grid times after ``after`` (and after :meth:`start`) up to :meth:`end`; with ``final`` the end itself
         closes the grid."""
@@ -178,7 +186,8 @@ class SeriesBook:
                 return series.at(field, ts)
 
         now = count(times)
-        safe_t = np.maximum(times, 1e-9)
+        began = self.began()
+        safe_t = np.maximum(times - began, 1e-9)
         columns: dict[str, Any] = {
             "time": times,
             "total": (now - count(before)) / span,

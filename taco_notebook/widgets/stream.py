@@ -369,12 +369,12 @@ class MetricsStream:
             throughput = "throughput: no record yet"
         elif self.unit == "samples":
             throughput = (
-                f"throughput: {point['average']:,.1f} samples/s total since the start, "
+                f"throughput: {point['average']:,.1f} samples/s total since training began, "
                 f"{point['total']:,.1f} over the last {window}"
             )
         else:  # no batch size given: steps/s of the slowest rank
             throughput = (
-                f"step rate: {point['average']:,.2f} steps/s since the start, {point['total']:,.2f} over "
+                f"step rate: {point['average']:,.2f} steps/s since training began, {point['total']:,.2f} over "
                 f"the last {window} (give the optimizer samples_per_step for samples/s)"
             )
         if point and self.tokens_shown:

@@ -355,7 +355,7 @@ def test_run_all_on_the_example_draws_each_series_once(lab, page):
     last = {name: columns[-1] for name, columns in pictures[1]["taco-throughput"].items()}
     compression = {name: columns[-1] for name, columns in pictures[1]["taco-compression"].items()}
     summary = kernel["summary"]
-    assert f"{last['average']:,.1f} samples/s total since the start, {last['total']:,.1f} over the last" in summary
+    assert f"{last['average']:,.1f} samples/s total since training began, {last['total']:,.1f} over the last" in summary
     assert f"compression: {compression['ratio']:.2f}x over the last" in summary
     final_text = cell_output(page, 1).locator(f"{STATIC} .taco-status").first.text_content() or ""
     assert summary.splitlines()[0].removeprefix("taco dashboard: ") in final_text  # status line, as shown

@@ -107,7 +107,7 @@ def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, c
     ratios = [r for r in compression["ratio"] if not math.isnan(r)]
     assert len(ratios) >= 20 and ratios[-1] == pytest.approx(2.0, rel=0.2)  # fp16 halves what crosses nodes
     summary = board.summary()  # the text says what the plots end on
-    assert f"{throughput['average'][-1]:,.1f} samples/s total since the start" in summary
+    assert f"{throughput['average'][-1]:,.1f} samples/s total since training began" in summary
     assert f"{throughput['total'][-1]:,.1f} over the last 1 s" in summary
     assert f"compression: {compression['ratio'][-1]:.2f}x over the last 1 s" in summary
     assert all(p.figure.visible for p in (board.stream.plots.compression, board.stream.plots.node_links,
