@@ -140,14 +140,16 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
         if board is None:  # a group made by torch.distributed directly, not by taco's init(): nothing to watch
             return work()
         board.seq += 1
-        if not settings().stall_timeout:
-            return work()
         label = _label(kind, name)
-        board.publish(board.seq, label)
-        if board.abandoned():
-            _late(board, board.seq, label)
+        watched = bool(settings().stall_timeout)
+        if watched:
+            board.publish(board.seq, label)
+            if board.abandoned():
+                _late(board, board.seq, label)
+        # recorded even when the watchdog is off: the hang autopsy (autopsy.py) reports it
         job = _watchdog.current = _InFlight(board.seq, label, time.monotonic())
-        _watchdog.ensure_running()
+        if watched:
+            _watchdog.ensure_running()
         try:
             return work()
         except Exception as exc:
@@ -255,6 +257,9 @@ def _warn(job: _InFlight, waited: float, timeout: float) -> None:
 def _fire(job: _InFlight, waited: float) -> None:
     """Fail the stalled collective and everything behind it, and tear the group down (module docstring)."""
     error = diagnose(job.seq, job.label, waited)
+    from .autopsy import remember_stall
+
+    remember_stall(job.seq, job.label, waited)  # the hang autopsy shows this rank as it waited, not after
     if state.board is not None:
         state.board.give_up(job.seq)
         # a TCPStore lives in rank 0's process: kept until the group is rebuilt, so that a late rank can still

@@ -146,8 +146,16 @@ def setup_joiner() -> None:
     shell = _shell()
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)
+    _listen_for_autopsy()
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
+
+
+def _listen_for_autopsy() -> None:
+    """The hang autopsy's listener thread (comm/autopsy.py): answers while the main thread is blocked."""
+    from ...comm.autopsy import listen
+
+    listen()
 
 
 def setup_namespace() -> None:
@@ -164,6 +172,7 @@ def setup_namespace() -> None:
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)  # what a cell sees as `taco`: the rank's API (module docstring)
     taco.init()
+    _listen_for_autopsy()
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 
