@@ -37,6 +37,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..errors import StallError
+from . import stall
+
 __all__ = ["DIR_ENV", "MAX_REPLY_BYTES", "socket_dir", "socket_path", "snapshot", "remember_stall", "listen",
            "stop_listening", "ask", "library_file"]
 
@@ -91,7 +94,6 @@ def _user_place(frames: list[list[Any]]) -> list[Any] | None:
 def snapshot() -> dict[str, Any]:
     """This process now: ``{rank, pid, host, taken_at, collective, place, threads}``; ``collective`` is
     ``{name, seq, waited_s}`` or None; ``place`` the main thread's innermost frame of user code."""
-    from . import stall
     from .state import state
 
     names = {t.ident: t for t in threading.enumerate()}
@@ -121,15 +123,18 @@ _at_stall: dict[str, Any] | None = None
 
 
 def remember_stall(seq: int, label: str, waited: float) -> None:
-    """Called by the stall watchdog as it fires, before it tears the group down: what this rank looked like
-    while it waited, kept for the next reader (afterwards the rank is no longer in the collective)."""
+    """What this rank looked like while it waited in collective ``seq`` (``label``: ``allreduce 'step'``), kept
+    for the next reader: afterwards the rank is no longer in the collective."""
     global _at_stall
-    try:
-        taken = snapshot()
-    except Exception:  # noqa: BLE001 - the watchdog must go on whatever happened here
-        return
+    taken = snapshot()
     taken["collective"] = {"seq": seq, "name": label, "waited_s": round(waited, 3)}
     _at_stall = taken
+
+
+def _on_stall(error: StallError) -> None:
+    """The stall watchdog's hook (:func:`.stall.on_stall`): called as it fires, before it tears the group down."""
+    title, seq = error.collective or "", error.seq or 0
+    remember_stall(seq, title.replace(f" #{seq}", "", 1), error.waited_s or 0.0)
 
 
 class _Listener:
@@ -159,6 +164,7 @@ def listen(directory: Path | None = None) -> Path:
         _listener.sock, _listener.path = server, path
         threading.Thread(target=_serve, args=(server,), name=_THREAD_NAME, daemon=True).start()
         atexit.register(stop_listening)
+        stall.on_stall(_on_stall)
         return path
 
 
@@ -214,7 +220,7 @@ def ask(path: Path | str, timeout: float) -> dict[str, Any]:
             conn.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 chunk = conn.recv(1 << 16)
-            except socket.timeout:
+            except TimeoutError:
                 raise TimeoutError(f"no answer in {timeout:g} s") from None
             if not chunk:
                 break

@@ -257,9 +257,6 @@ def _warn(job: _InFlight, waited: float, timeout: float) -> None:
 def _fire(job: _InFlight, waited: float) -> None:
     """Fail the stalled collective and everything behind it, and tear the group down (module docstring)."""
     error = diagnose(job.seq, job.label, waited)
-    from .autopsy import remember_stall
-
-    remember_stall(job.seq, job.label, waited)  # the hang autopsy shows this rank as it waited, not after
     if state.board is not None:
         state.board.give_up(job.seq)
         # a TCPStore lives in rank 0's process: kept until the group is rebuilt, so that a late rank can still

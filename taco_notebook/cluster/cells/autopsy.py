@@ -29,11 +29,21 @@ from typing import Any
 
 from ...comm.autopsy import ask, library_file, socket_dir, socket_path
 
-__all__ = ["TIMEOUT_S", "RankStacks", "Autopsy", "collect", "rank_span"]
+__all__ = ["TIMEOUT_S", "RankAddress", "RankStacks", "Autopsy", "collect", "after_stall", "rank_span"]
 
+AFTER_STALL_TIMEOUT_S = 5.0  # the cell has failed already: a loaded rank gets longer to answer than on demand
 _LIBRARY_FRAMES = 3  # shown of a thread that runs no user code: enough to see what it waits on
 TIMEOUT_S = 1.5  # every rank is asked at once: the whole autopsy takes at most this, well within 2 s
 _CELL_FILE = re.compile(r"(^<ipython-input-\d+-[0-9a-f]+>$)|(/ipykernel_\d+/\d+\.py$)|(^<string>$)")
+
+
+@dataclass(frozen=True)
+class RankAddress:
+    """Where a rank is: what :func:`collect` needs of it (a cluster's RankInfo has these fields too)."""
+
+    rank: int
+    pid: int
+    host: str
 
 
 @dataclass
@@ -132,6 +142,19 @@ def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | Non
     return autopsy
 
 
+def after_stall(ranks: Iterable[Any], targets: Sequence[int], sink: Any, since: float) -> None:
+    """The cell runner's autopsy when a rank raised a StallError (while its peers still run): the ranks that
+    gave up as their watchdog saw them (if it fired after ``since``, a ``time.time()``), the others as they are
+    now, shown as a warning under the cell."""
+    chosen = [r for r in ranks if r.rank in targets]
+    try:
+        report = collect(chosen, timeout=AFTER_STALL_TIMEOUT_S, since=since)
+    except Exception as exc:  # noqa: BLE001 - the cell's own failure is what must reach the user
+        sink.warn(f"hang autopsy failed: {type(exc).__name__}: {exc}")
+        return
+    sink.warn(f"hang autopsy: {report.text()}")
+
+
 def _ask_rank(info: Any, directory: Path, timeout: float, since: float | None) -> RankStacks:
     stacks = RankStacks(info.rank, info.pid, info.host)
     path = socket_path(info.pid, directory)
@@ -177,7 +200,7 @@ def _suspects(ranks: Sequence[RankStacks]) -> tuple[list[int], str]:
     waiting = [r for r in ranks if r.collective is not None]
     if not waiting:
         if silent:
-            return silent, "they did not answer; no rank is in a collective"
+            return silent, f"{rank_span(silent)} did not answer; no rank is in a collective"
         return [], "no rank is in a collective"
     places = _grouped(waiting, lambda r: (r.collective["seq"], r.collective["name"]))
     (seq, name), crowd = max(places, key=lambda p: (len(p[1]), p[0][0]))

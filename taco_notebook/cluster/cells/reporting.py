@@ -7,11 +7,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...errors import CellTimeoutError, RankDiedError, RankFailedError
+
 if TYPE_CHECKING:
     from ...model import RunModel
     from ..session import TacoCluster
 
-__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds", "stalled_ranks"]
+__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds", "stalled_ranks",
+           "cell_outcome"]
 
 SNIPPET_CHARS = 120
 WRITE_EVERY_S = 1.0  # the sidebar polls every ~2 s: writing the entry more often would only cost the kernel
@@ -102,3 +105,17 @@ def stalled_ranks(errors: Mapping[int, Any]) -> list[int]:
     named = {rank for error in errors.values() if getattr(error, "ename", None) == "StallError"
              for rank in StallError.missing_in(str(getattr(error, "evalue", "")))}
     return sorted(named)
+
+def cell_outcome(error: BaseException | None) -> str:
+    """How a cell ended, in a few words for the dashboard's status line."""
+    if error is None:
+        return "finished"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, CellTimeoutError):
+        return "timed out"
+    if isinstance(error, RankFailedError):
+        return f"failed: rank {error.first_rank} raised"
+    if isinstance(error, RankDiedError):
+        return f"failed: rank {error.rank} died" if error.rank is not None else "failed: a rank died"
+    return f"failed: {type(error).__name__}"

@@ -32,10 +32,11 @@ from typing import Any, Protocol
 
 from ipyparallel.error import RemoteError
 
-from ...errors import CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
+from ...errors import CellTimeoutError, ClusterStartError, RankFailedError
 from ..session import TacoCluster
 from . import engine
-from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, were
+from .autopsy import after_stall
+from .reporting import cell_outcome, error_kinds, error_line, ranks_phrase, stalled_ranks, were
 from .result import capture_last_expression, unwrap_result
 from .script import Script
 
@@ -141,7 +142,7 @@ class _CellRun:
         if not self.options.monitors:
             return
         self.report(force=True)
-        outcome = _outcome(error)
+        outcome = cell_outcome(error)
         for monitor in self.options.monitors:
             monitor.finish(outcome)
 
@@ -175,6 +176,8 @@ class _CellRun:
                     self.failure_deadline = time.monotonic() + self.options.failure_grace
                 if len(self.errors) == 1 and self.running():
                     self.sink.warn(f"rank {rank} raised {error_line(result)}; waiting for the other ranks")
+                if result.ename == "StallError" and [e.ename for e in self.errors.values()].count("StallError") == 1:
+                    after_stall(self.cluster.ranks, self.targets, self.sink, self.submitted_at)  # cells/autopsy.py
 
     def release_peers(self) -> None:
         """Shut the process group down on finished ranks so peers blocked on them fail fast (ladder step 1)."""
@@ -267,6 +270,7 @@ class _CellRun:
                 self.cluster.client[live].apply_async(engine.reset_settings)
 
     def _execute(self, submit: Callable[[Any], Any], captured: bool) -> Any:
+        self.submitted_at = time.time()  # the hang autopsy's "since" (split() may wait: not a start time)
         self.ar = submit(self.cluster.client[self.engines])
         self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
         self.started = time.monotonic()
@@ -331,20 +335,6 @@ class _CellRun:
     def _host(self, rank: int) -> str:
         return next((r.host for r in self.cluster.ranks if r.rank == rank), "?")
 
-
-def _outcome(error: BaseException | None) -> str:
-    """How a cell ended, in a few words for the dashboard's status line."""
-    if error is None:
-        return "finished"
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted"
-    if isinstance(error, CellTimeoutError):
-        return "timed out"
-    if isinstance(error, RankFailedError):
-        return f"failed: rank {error.first_rank} raised"
-    if isinstance(error, RankDiedError):
-        return f"failed: rank {error.rank} died" if error.rank is not None else "failed: a rank died"
-    return f"failed: {type(error).__name__}"
 
 
 def _earliest(a: float | None, b: float) -> float:
