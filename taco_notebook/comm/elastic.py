@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import bootstrap
+from .replicas import track_state
 from .state import state as process
 
 __all__ = ["State", "MembershipChanged", "run", "live_states", "restore_all", "sync_all", "request_update",
@@ -96,6 +97,7 @@ class State:
         self._saved: dict[str, Any] = {}
         self.save()
         _states.add(self)
+        track_state(model, optimizer)  # the replica check after each cell (replicas.py)
 
     def __getattr__(self, name: str) -> Any:
         counters = object.__getattribute__(self, "_counters")

@@ -35,7 +35,8 @@ from typing import Any
 from .script import Script
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "run_script", "ScriptExit",
+           "configure_cell", "check_replicas", "reset_settings", "reinit", "abort", "fetch_result", "run_script",
+           "ScriptExit",
            "elastic_mode", "placement", "open_group", "join_group", "elastic_restore", "setup_joiner",
            "export_namespace", "import_namespace"]
 
@@ -190,11 +191,20 @@ def rank_info() -> dict[str, Any]:
 
 def begin_cell(dashboard: bool = True, interval: float = SEND_S) -> None:
     """Before a ``%%taco_run`` cell: count from zero, and send metrics only if the cell has a dashboard."""
-    from ...comm import metrics
+    from ...comm import metrics, replicas
 
     metrics.reset()
+    replicas.begin_cell()
     _sender.sent = None
     metrics.set_sender(_sender if dashboard else None, interval)
+
+
+def check_replicas() -> dict[str, Any] | None:
+    """After a cell on every rank: the replica check (comm/replicas.py), collective when the cell trained
+    through taco; None (no collective) when it did not."""
+    from ...comm.replicas import after_cell
+
+    return after_cell()
 
 
 def configure_cell(settings: dict[str, Any]) -> None:

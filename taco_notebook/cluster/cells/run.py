@@ -36,6 +36,7 @@ from ...errors import CellTimeoutError, ClusterStartError, RankFailedError
 from ..session import TacoCluster
 from . import engine
 from .autopsy import after_stall
+from .replicas import check_replicas
 from .reporting import cell_outcome, error_kinds, error_line, ranks_phrase, stalled_ranks, were
 from .result import capture_last_expression, unwrap_result
 from .script import Script
@@ -70,6 +71,7 @@ class CellOptions:
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
     runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
+    check_replicas: bool = True  # after a cell on every rank that trained: compare them (cells/replicas.py)
 
 
 class OutputSink(Protocol):
@@ -289,6 +291,8 @@ class _CellRun:
         self.collect_errors()
         if self.errors:
             raise self.failure()
+        if self.options.check_replicas and self.options.targets is None:
+            check_replicas(self.cluster.client[self.engines], self.sink)
         if not captured:
             return None
         values = [unwrap_result(v) for v in self.cluster.client[self.engines].apply_sync(engine.fetch_result)]
