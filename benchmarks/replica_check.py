@@ -67,8 +67,8 @@ def main() -> None:
         prints.append(slowest(time.perf_counter() - began))
     if taco.rank() == 0:
         cell, check, fingerprints = (statistics.median(v) for v in (cells, checks, prints))
-        print("| ranks | parameters | tensors checked | cell (s, %d steps) | check (s) | of which fingerprints (s) | "
-              "check / cell |" % args.steps)
+        print(f"| ranks | parameters | tensors checked | cell (s, {args.steps} steps) | check (s) | of which "
+              "fingerprints (s) | check / cell |")
         print(f"| {taco.size()} | {params / 1e6:.1f}M | {report['tensors']} | {cell:.2f} | {check:.3f} | "
               f"{fingerprints:.3f} | {check / cell:.2%} |")
 

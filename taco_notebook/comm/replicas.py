@@ -39,7 +39,8 @@ CAUSES = ("usual causes: a rank-dependent seed or data before the model was buil
 
 _order = itertools.count()
 _params: dict[int, tuple[weakref.ref[torch.Tensor], str | None, int]] = {}  # id -> (param, its name, order)
-_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+# id -> (optimizer, order): in registration order, the same on every rank (a WeakSet's order is its addresses')
+_optimizers: dict[int, tuple[weakref.ref[Any], int]] = {}
 _seq_at_cell: int | None = None
 
 
@@ -54,7 +55,10 @@ def track(named: Iterable[tuple[str | None, torch.Tensor]], optimizer: Any = Non
             continue
         _params[id(param)] = (weakref.ref(param), name, next(_order))
     if optimizer is not None:
-        _optimizers.add(getattr(optimizer, "optimizer", optimizer))  # a DistributedOptimizer: the one it wraps
+        inner = getattr(optimizer, "optimizer", optimizer)  # a DistributedOptimizer: the one it wraps
+        seen = _optimizers.get(id(inner))
+        if seen is None or seen[0]() is not inner:
+            _optimizers[id(inner)] = (weakref.ref(inner), next(_order))
 
 
 def track_state(model: Any, optimizer: Any) -> None:
@@ -66,7 +70,9 @@ def track_state(model: Any, optimizer: Any) -> None:
 def tracked_tensors() -> list[tuple[str, torch.Tensor]]:
     """The live registered parameters, then their optimizers' state tensors, named, in registration order."""
     live = sorted(((order, name, ref()) for ref, name, order in list(_params.values())), key=lambda e: e[0])
-    params = [(name or f"parameter #{i} {tuple(p.shape)}", p) for i, (_, name, p) in enumerate(live) if p is not None]
+    unnamed = itertools.count()  # the DDP hook's: a bucket knows its parameters, not their names
+    params = [(name or f"unnamed parameter #{next(unnamed)} {tuple(p.shape)}", p) for _, name, p in live
+              if p is not None]
     for key in [k for k, (ref, _, _) in _params.items() if ref() is None]:
         _params.pop(key, None)
     names = {id(p): name for name, p in params}
@@ -75,7 +81,12 @@ def tracked_tensors() -> list[tuple[str, torch.Tensor]]:
 
 def _optimizer_state(names: dict[int, str]) -> list[tuple[str, torch.Tensor]]:
     found: list[tuple[str, torch.Tensor]] = []
-    for optimizer in list(_optimizers):
+    for key in [k for k, (ref, _) in _optimizers.items() if ref() is None]:
+        _optimizers.pop(key, None)
+    for ref, _ in sorted(_optimizers.values(), key=lambda entry: entry[1]):
+        optimizer = ref()
+        if optimizer is None:
+            continue
         for index, (param, values) in enumerate(optimizer.state.items()):
             owner = names.get(id(param), f"#{index}")
             found.extend((f"optimizer {owner}.{key}", value) for key, value in values.items()

@@ -84,3 +84,45 @@ def test_a_rank_changed_by_a_targets_cell_is_named_after_the_next_training_cell(
     ip.run_cell_magic("taco_run", "", "taco.broadcast_parameters(model)\n"
                       "for s in opt.state.values():\n    taco.broadcast(s['momentum_buffer'], 0)\ntrain(1)")
     assert "replicas differ" not in capsys.readouterr().err
+
+
+DDP_AND_STATE = """\
+torch.manual_seed(1)
+net = torch.nn.Linear(8, 4)
+ddp = torch.nn.parallel.DistributedDataParallel(net)
+ddp.register_comm_hook(taco.hooks.TacoHookState(), taco.hooks.allreduce_hook)
+sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+torch.manual_seed(2)
+head = torch.nn.Linear(4, 1)
+adam = torch.optim.Adam(head.parameters(), lr=0.01)
+state = taco.elastic.State(model=head, optimizer=adam, step=0)
+def train_both(steps):
+    for _ in range(steps):
+        sgd.zero_grad()
+        ddp(torch.randn(4, 8)).pow(2).mean().backward()   # each rank its own data: DDP averages the gradients
+        sgd.step()
+        adam.zero_grad()
+        head(torch.ones(2, 4)).sum().backward()            # the same on every rank
+        adam.step()
+        state.step += 1
+train_both(2)
+"""
+
+
+@pytest.mark.cluster
+def test_the_ddp_hook_and_elastic_state_register_what_they_train(ip, shared_cluster, capsys) -> None:
+    """DDP with taco's comm hook (its parameters, unnamed) and a taco.elastic.State (its model and Adam's state,
+    named): both checked after the cell; a rank changed behind their back is named."""
+    ip.run_cell_magic("taco_run", "", DDP_AND_STATE)
+    assert "replicas differ" not in capsys.readouterr().err
+    ip.run_cell_magic("taco_run", "--targets 2", "with torch.no_grad():\n    net.bias[0] -= 0.5\n    head.weight[0, 1] "
+                      "+= 0.25")
+    ip.run_cell_magic("taco_run", "", "train_both(1)")
+    err = capsys.readouterr().err
+    # of 2 + 2 parameters, Adam's step, exp_avg and exp_avg_sq of the State's 2 (its gradients do not depend on
+    # the weights: they stayed equal), and whatever earlier tests left on the shared cluster
+    assert re.search(r"^\[taco\] replicas differ: rank 2 holds other values than ranks 0, 1, 3 in 2 of \d+ tensors",
+                     err, re.M), err
+    assert re.search(r"^  weight: norm .* on rank 2 .*, sum off by 0\.25$", err, re.M), err  # the State's, named
+    assert re.search(r"^  unnamed parameter #\d \(4,\): norm [\d.]+ on ranks 0, 1, 3; norm [\d.]+ on rank 2 .* sum "
+                     r"off by 0\.5$", err, re.M), err  # the DDP bias (the hook sees no names)
