@@ -106,7 +106,7 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     squares = torch.linalg.vector_norm(blocks, dim=1).double().square().sum() + tail.dot(tail)
     sample = flat[:: max(1, n // _SAMPLES)][:_SAMPLES].double()
     sample = (sample * torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=flat.device)).sum()
-    return torch.stack([total, squares, sample]).cpu()
+    return torch.stack([total, squares, sample])
 
 
 @dataclass
@@ -219,6 +219,7 @@ def check_replicas(model: Any = None, optimizer: Any = None, *, show: bool = Tru
     >>> taco.check_replicas(model).ok  # doctest: +SKIP
     True
     """
+    from .bootstrap import device
     from .collectives import allgather
     from .state import state
 
@@ -233,8 +234,10 @@ def check_replicas(model: Any = None, optimizer: Any = None, *, show: bool = Tru
             named = params + [(f"optimizer {names.get(id(p), f'#{i}')}.{key}", value)
                               for i, (p, values) in enumerate(inner.state.items())
                               for key, value in values.items() if isinstance(value, torch.Tensor)]
-    rows = [fingerprint(t) for _, t in named] + [torch.full((len(FIELDS),), float(len(named)), dtype=torch.float64)]
-    report = compare([name for name, _ in named], _blocks(allgather(torch.stack(rows))))
+    here = device()  # the backend's device: NCCL takes no CPU tensor; nothing waits for the host before the gather
+    rows = [fingerprint(t).to(here) for _, t in named]
+    rows.append(torch.full((len(FIELDS),), float(len(named)), dtype=torch.float64, device=here))
+    report = compare([name for name, _ in named], _blocks(allgather(torch.stack(rows)).cpu()))
     if show and not report.ok and state.ensure_topology().rank == 0:
         import sys
 
