@@ -197,6 +197,7 @@ def _serve(server: socket.socket) -> None:
         except OSError:  # closed by stop_listening
             return
         with conn:
+            conn.settimeout(2.0)  # a reader that stops reading must not hold the listener
             try:
                 uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                           struct.calcsize("3i")))[1]

@@ -153,10 +153,14 @@ def setup_joiner() -> None:
 
 
 def _listen_for_autopsy() -> None:
-    """The hang autopsy's listener thread (comm/autopsy.py): answers while the main thread is blocked."""
+    """The hang autopsy's listener thread (comm/autopsy.py): answers while the main thread is blocked. Without
+    it (its directory refused as unsafe) the engine still runs: the autopsy then says this rank has no listener."""
     from ...comm.autopsy import listen
 
-    listen()
+    try:
+        listen()
+    except OSError as exc:
+        print(f"[taco] no hang autopsy for this rank: {exc}", file=sys.stderr, flush=True)
 
 
 def setup_namespace() -> None:
