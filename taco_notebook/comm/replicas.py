@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 __all__ = ["FIELDS", "CAUSES", "ReplicaReport", "track", "track_state", "tracked_tensors", "compare",
-           "fingerprint", "check_replicas", "begin_cell", "after_cell"]
+           "fingerprint", "check_replicas", "begin_cell", "wanted", "after_cell"]
 
 FIELDS = ("sum", "sum of squares", "strided sample")
 _BLOCK = 1 << 16  # elements reduced in the tensor's dtype before float64 takes over
@@ -253,15 +253,19 @@ def begin_cell() -> None:
     _seq_at_cell = state.board.seq if state.board is not None else None
 
 
-def after_cell() -> dict[str, Any] | None:
-    """After a cell that ran on every rank: the check of everything tracked (:meth:`ReplicaReport.to_dict`),
-    or None, with no collective, when nothing is tracked or no collective ran in the cell. Every rank decides
-    alike: they ran the same cell, whose collectives would have hung if some ranks had skipped them."""
+def wanted() -> bool:
+    """Whether this rank has something to check after the cell: tracked parameters, and collectives run in the
+    cell on a group that is not broken. No collective: the kernel asks every rank first and runs
+    :func:`after_cell` only when all say yes (ranks that joined or were rebuilt since may say no)."""
     from .state import state
 
     board = state.board
     if board is None or _seq_at_cell is None or board.seq == _seq_at_cell or state.stalled is not None:
-        return None
-    if not any(ref() is not None for ref, _, _ in list(_params.values())):
-        return None
-    return check_replicas(show=False).to_dict()
+        return False
+    return any(ref() is not None for ref, _, _ in list(_params.values()))
+
+
+def after_cell() -> dict[str, Any] | None:
+    """After a cell in which every rank is :func:`wanted`: the check of everything tracked
+    (:meth:`ReplicaReport.to_dict`), collective; None (no collective) on a rank with nothing to check."""
+    return check_replicas(show=False).to_dict() if wanted() else None

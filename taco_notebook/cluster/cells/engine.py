@@ -203,12 +203,12 @@ def begin_cell(dashboard: bool = True, interval: float = SEND_S) -> None:
     metrics.set_sender(_sender if dashboard else None, interval)
 
 
-def check_replicas() -> dict[str, Any] | None:
-    """After a cell on every rank: the replica check (comm/replicas.py), collective when the cell trained
-    through taco; None (no collective) when it did not."""
-    from ...comm.replicas import after_cell
+def check_replicas(run: bool) -> dict[str, Any] | bool | None:
+    """After a cell on every rank, the replica check (comm/replicas.py): ``run`` False, whether this rank has
+    something to check (no collective); True, the check itself (collective: only when every rank said yes)."""
+    from ...comm.replicas import after_cell, wanted
 
-    return after_cell()
+    return after_cell() if run else wanted()
 
 
 def configure_cell(settings: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """The replica check after a cell, from the kernel's side: ask every rank (one call), warn if they differ.
 
-The ranks decide whether the cell trained through taco and compare their fingerprints in one collective
-(:mod:`taco_notebook.comm.replicas`); every rank returns the same report, or None when there was nothing to check.
+Every rank says whether the cell trained through taco (no collective); only when all say so do they compare their
+fingerprints in one collective (:mod:`taco_notebook.comm.replicas`) and return the same report. Not after a cell
+of an elastic cluster, whose members may change under the cell (cells/run.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ log = logging.getLogger("taco_notebook")
 
 
 def check_replicas(view: Any, sink: Any) -> dict[str, Any] | None:
-    """Run the check on the ranks of ``view``; a warning under the cell when they differ. The report, or None."""
+    """Run the check on the ranks of ``view`` if every one has something to check (two calls: the collective
+    runs only where no rank would be left out of it); a warning under the cell when they differ. The report,
+    or None."""
     try:
-        reports = view.apply_sync(engine.check_replicas)
+        wanted = view.apply_sync(engine.check_replicas, False)
+        if not wanted or not all(wanted):
+            return None
+        reports = view.apply_sync(engine.check_replicas, True)
     except Exception as exc:  # noqa: BLE001 - the cell succeeded: a failed check is a warning, not its failure
         sink.warn(f"the replica check after this cell failed: {type(exc).__name__}: {exc}")
         return None

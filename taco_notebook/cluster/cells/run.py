@@ -291,7 +291,7 @@ class _CellRun:
         self.collect_errors()
         if self.errors:
             raise self.failure()
-        if self.options.check_replicas and self.options.targets is None:
+        if self.options.check_replicas and self.options.targets is None and self.cluster.elastic is None:
             check_replicas(self.cluster.client[self.engines], self.sink)
         if not captured:
             return None
