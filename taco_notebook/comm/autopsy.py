@@ -102,9 +102,9 @@ def snapshot() -> dict[str, Any]:
     threads = []
     place = None
     for ident, frame in sys._current_frames().items():
-        if ident == me:
-            continue
         thread = names.get(ident)
+        if ident == me or (thread is not None and thread.name == _THREAD_NAME):
+            continue
         frames = _frames(frame)
         if ident == main:
             place = _user_place(frames)

@@ -142,11 +142,14 @@ def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | Non
     return autopsy
 
 
-def after_stall(ranks: Iterable[Any], targets: Sequence[int], sink: Any, since: float) -> None:
+def after_stall(cluster: Any, targets: Sequence[int], sink: Any, since: float) -> None:
     """The cell runner's autopsy when a rank raised a StallError (while its peers still run): the ranks that
     gave up as their watchdog saw them (if it fired after ``since``, a ``time.time()``), the others as they are
-    now, shown as a warning under the cell."""
-    chosen = [r for r in ranks if r.rank in targets]
+    now, shown as a warning under the cell. Not on an elastic cluster: there a stalled rank is a lost member,
+    ended at once (cluster/elastic/recovery.py), and the run must not wait for its stacks."""
+    if cluster.elastic is not None:
+        return
+    chosen = [r for r in cluster.ranks if r.rank in targets]
     try:
         report = collect(chosen, timeout=AFTER_STALL_TIMEOUT_S, since=since)
     except Exception as exc:  # noqa: BLE001 - the cell's own failure is what must reach the user

@@ -179,7 +179,7 @@ class _CellRun:
                 if len(self.errors) == 1 and self.running():
                     self.sink.warn(f"rank {rank} raised {error_line(result)}; waiting for the other ranks")
                 if result.ename == "StallError" and [e.ename for e in self.errors.values()].count("StallError") == 1:
-                    after_stall(self.cluster.ranks, self.targets, self.sink, self.submitted_at)  # cells/autopsy.py
+                    after_stall(self.cluster, self.targets, self.sink, self.submitted_at)  # cells/autopsy.py
 
     def release_peers(self) -> None:
         """Shut the process group down on finished ranks so peers blocked on them fail fast (ladder step 1)."""
