@@ -72,6 +72,7 @@ __all__ = [
     "StallError",
     "stall",
     "elastic",
+    "check_replicas",
 ]
 
 _excepthook.install()  # under plain mpiexec an uncaught exception on one rank ends the whole job (excepthook.py)
@@ -125,6 +126,10 @@ def __getattr__(name: str) -> object:
         from .optimizer import DistributedOptimizer
 
         return DistributedOptimizer
+    if name == "check_replicas":
+        from .replicas import check_replicas
+
+        return check_replicas
     if name in ("hooks", "elastic"):
         import importlib
 

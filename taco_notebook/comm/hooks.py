@@ -35,6 +35,7 @@ import torch.distributed as dist
 from .algorithms import allreduce_async, single_rank
 from .compression.spec import CompressionSpec
 from .config import check_algorithm, compressor_for
+from .replicas import track
 
 __all__ = ["TacoHookState", "allreduce_hook"]
 
@@ -140,6 +141,7 @@ def _bucket_name(state: TacoHookState, bucket: dist.GradBucket) -> Any:
         name = ("ddp-bucket", next(_names))
         state.names[packed] = (name, (weakref.ref(params[0]), weakref.ref(params[-1])))
         state.owners.update((i, packed) for i in packed)
+        track((None, p) for p in params)  # the replica check after each cell (replicas.py)
     shapes = tuple(p.shape for p in params)
     compressor.describe_buffer(name, shapes)
     state.layouts[name] = (compressor, shapes)

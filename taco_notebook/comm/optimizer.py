@@ -27,6 +27,7 @@ from .algorithms import allreduce_async, single_rank
 from .compression.spec import CompressionSpec
 from .config import check_algorithm, compressor_for, settings
 from .fusion import Bucket, bucket_of, build_buckets
+from .replicas import track
 
 __all__ = ["DistributedOptimizer"]
 
@@ -95,6 +96,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buckets: list[Bucket] = build_buckets(reversed(_named(optimizer, named_parameters)),
                                                    int(mb * 1024 * 1024))
         self._bucket_of = bucket_of(self.buckets)
+        track(((n, p) for b in self.buckets for n, p in zip(b.names, b.params, strict=True)), optimizer)  # replicas.py
         compressor = compressor_for(self.compression)
         for bucket in self.buckets:  # a new model: nothing kept from the last one under the same bucket name
             compressor.forget(("bucket", bucket.index))

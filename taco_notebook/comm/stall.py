@@ -140,14 +140,16 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
         if board is None:  # a group made by torch.distributed directly, not by taco's init(): nothing to watch
             return work()
         board.seq += 1
-        if not settings().stall_timeout:
-            return work()
         label = _label(kind, name)
-        board.publish(board.seq, label)
-        if board.abandoned():
-            _late(board, board.seq, label)
+        watched = bool(settings().stall_timeout)
+        if watched:
+            board.publish(board.seq, label)
+            if board.abandoned():
+                _late(board, board.seq, label)
+        # recorded even when the watchdog is off: the hang autopsy (autopsy.py) reports it
         job = _watchdog.current = _InFlight(board.seq, label, time.monotonic())
-        _watchdog.ensure_running()
+        if watched:
+            _watchdog.ensure_running()
         try:
             return work()
         except Exception as exc:

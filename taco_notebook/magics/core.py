@@ -92,9 +92,10 @@ class TacoMagics(Magics, TacoSettings):
         return link_capacity(self, option)
 
     @magic_arguments()
-    @argument("action", choices=["start", "stop", "restart", "scale", "status", "list", "manifest"],
+    @argument("action", choices=["start", "stop", "restart", "scale", "status", "list", "manifest", "stacks"],
               help="what to do (manifest: a Kubernetes MPIJob; %%taco_cluster manifest --help; scale N: on a "
-                   "cluster that ran an --elastic cell, add engines that join at the next commit)")
+                   "cluster that ran an --elastic cell, add engines that join at the next commit; stacks: every "
+                   "rank's stacks and collective, read without stopping them)")
     @argument("count", nargs="?", default=None, metavar="N", help="scale: the new number of ranks")
     @argument("-n", "-np", dest="np", default=None, metavar="N", help="ranks for start/restart")
     @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
@@ -103,6 +104,7 @@ class TacoMagics(Magics, TacoSettings):
     @usage_errors()
     def taco_cluster(self, line: str) -> None:
         """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | scale N | status | list [--cluster NAME]``;
+        ``%taco_cluster stacks [--cluster NAME]``: the hang autopsy (also of another kernel's cluster);
         ``%taco_cluster manifest --k8s -np 16 --gpus-per-node 8 …`` prints a Kubernetes MPIJob."""
         words = line.split(None, 1)
         if words and words[0] == "manifest":  # its own options: see magics/manifest.py
@@ -132,6 +134,29 @@ class TacoMagics(Magics, TacoSettings):
             print(f"cluster {name!r}: stopped (start it with %taco_cluster start -n N)")
         else:
             print(format_status(cluster))
+
+    def _cluster_stacks(self, name: str, size: int | None, args: Any) -> None:
+        from ..cluster.cells.autopsy import collect
+
+        cluster = clusters.get(name)
+        if cluster is not None and cluster.running:
+            print(collect(cluster.ranks).text())
+            return
+        # another kernel's cluster (this one may be stuck in a cell): its ranks from the registry
+        from ..server.manager import ClusterManager
+        from ..server.requests import ManagerError
+
+        manager = ClusterManager(max_workers=1)
+        try:
+            models = [m for m in manager.list()["clusters"] if m["name"] == name and m["state"] == "running"]
+            if not models:
+                raise UsageError(f"%taco_cluster stacks needs a running cluster; no cluster named {name!r} runs "
+                                 "in this kernel or in the registry (--cluster NAME picks another)")
+            print(manager.stacks(models[-1]["id"])["text"])
+        except ManagerError as exc:
+            raise UsageError(f"%taco_cluster stacks: {exc}") from None
+        finally:
+            manager.shutdown()
 
     def _cluster_stop(self, name: str, size: int | None, args: Any) -> None:
         names = list(clusters) if args.all else [name]

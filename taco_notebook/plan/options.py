@@ -192,6 +192,10 @@ OPTIONS: tuple[Option, ...] = (
                               "(collectives need every rank)"),)),
     Option("stream", (Flag(("--no-stream",), "show each rank's output when the cell ends instead of live",
                            action="store_false"),)),
+    Option("check_replicas", (Flag(("--no-check-replicas",), "after the cell, do not compare the parameters and "
+                                   "optimizer state that taco trained across ranks (the check warns, naming the "
+                                   "ranks and tensors that differ; it runs only after a cell that ran collectives "
+                                   "on every rank)", action="store_false"),)),
     Option("gather", (Flag(("--gather",), "return every rank's value of the last expression (default: rank 0's)",
                            action="store_true"),)),
     Option("quiet", (Flag(("--quiet",), "print no cluster start/resize messages", action="store_true"),)),

@@ -119,5 +119,5 @@ def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
 
         runner = partial(run_elastic, spec=elastic)
     options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
-                          monitors=monitors, runner=runner)  # fmt: skip
+                          monitors=monitors, runner=runner, check_replicas=args.check_replicas)  # fmt: skip
     return RunPlan(cluster, options, started)

@@ -5,6 +5,7 @@ stops the manager's clusters at shutdown.
 ``GET  clusters``             → ClusterList             ``GET    clusters/{id}`` → ClusterModel
 ``POST clusters`` {size,name?} → 202 ClusterModel        ``PATCH  clusters/{id}`` {size} → 202 ClusterModel
 ``GET  version``   → {"version", "max_ranks"}           ``DELETE clusters/{id}`` → 202 ClusterModel
+``GET  clusters/{id}/stacks`` → the hang autopsy: every rank's stacks and collective, grouped, suspects named
 
 Every verb is ``async`` and awaits the manager's ``*_async`` twins, which run in worker threads: reading and
 pruning the registry, killing a stale cluster's processes or starting one never blocks the event loop.
@@ -35,7 +36,8 @@ from . import API_PATH, MANAGER_SETTING
 from .manager import ClusterManager
 from .requests import MAX_BODY_BYTES, ManagerError, TooLarge
 
-__all__ = ["AUTH_RESOURCE", "VersionHandler", "ClustersHandler", "ClusterHandler", "routes", "TacoServerExtension"]
+__all__ = ["AUTH_RESOURCE", "VersionHandler", "ClustersHandler", "ClusterHandler", "StacksHandler", "routes",
+           "TacoServerExtension"]
 
 AUTH_RESOURCE = "taco_notebook.clusters"  # the resource an Authorizer is asked about, as "kernels" for kernels
 
@@ -125,6 +127,13 @@ class ClusterHandler(_ManagerHandler):
         self.reply(await self.call(self.manager.scale_async, cluster_id, self.body), 202)
 
 
+class StacksHandler(_ManagerHandler):
+    @tornado.web.authenticated
+    @authorized
+    async def get(self, cluster_id: str) -> None:
+        self.reply(await self.call(self.manager.stacks_async, cluster_id))
+
+
 def routes() -> list[tuple[str, type[_ManagerHandler]]]:
     """The API's routes, relative to the server's base URL (the extension app prepends it and passes each
     handler the extension's name, as :class:`ExtensionHandlerMixin` expects)."""
@@ -132,6 +141,7 @@ def routes() -> list[tuple[str, type[_ManagerHandler]]]:
         (url_path_join(API_PATH, "version"), VersionHandler),
         (url_path_join(API_PATH, "clusters"), ClustersHandler),
         (url_path_join(API_PATH, "clusters", "([^/]+)"), ClusterHandler),
+        (url_path_join(API_PATH, "clusters", "([^/]+)", "stacks"), StacksHandler),
     ]
 
 

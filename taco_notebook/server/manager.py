@@ -147,6 +147,27 @@ class ClusterManager:
             raise NotFound(f"No such cluster: {cluster_id}")
         return self._served(model)
 
+    def stacks(self, cluster_id: str) -> dict[str, Any]:
+        """The hang autopsy of a running cluster (:mod:`taco_notebook.cluster.cells.autopsy`): read from the
+        ranks' own listeners, so it works while a cell holds the kernel; the ranks are the registry's (a
+        kernel's cluster) or this server's. Never stops or changes a rank."""
+        from ..cluster.cells.autopsy import RankAddress, collect
+
+        model = self.get(cluster_id)
+        if model["state"] not in ("running", "broken"):
+            raise Conflict(f"cluster {cluster_id} is {model['state']}: it has no ranks to read stacks from")
+        with self._lock:
+            owned = self._clusters.get(cluster_id)
+            ranks = [RankAddress(r.rank, r.pid, r.host) for r in owned.ranks] if owned is not None else None
+        if ranks is None:
+            entry = self._read(registry_files.read_entry, cluster_id)
+            hosts = {rank: node["host"] for node in model["nodes"] for rank in node["ranks"]}
+            ranks = [RankAddress(rank, pid, hosts.get(rank, "?")) for rank, pid in (entry or {}).get("rank_pids", [])]
+        if not ranks:
+            raise Conflict(f"cluster {cluster_id} has no ranks yet; ask again once it runs")
+        report: dict[str, Any] = collect(ranks).to_dict()
+        return report
+
     # ---------------------------------------------------------------- actions
     def start(self, body: Body) -> ClusterModel:
         """Start a cluster owned by this server; returns at once with state ``starting``."""
@@ -258,6 +279,7 @@ class ClusterManager:
     version_async = _off_loop(version)
     list_async = _off_loop(list)
     get_async = _off_loop(get)
+    stacks_async = _off_loop(stacks)
     start_async = _off_loop(start)
     stop_async = _off_loop(stop)
     scale_async = _off_loop(scale)

@@ -35,7 +35,8 @@ from typing import Any
 from .script import Script
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "reset_settings", "reinit", "abort", "fetch_result", "run_script", "ScriptExit",
+           "configure_cell", "check_replicas", "reset_settings", "reinit", "abort", "fetch_result", "run_script",
+           "ScriptExit",
            "elastic_mode", "placement", "open_group", "join_group", "elastic_restore", "setup_joiner",
            "export_namespace", "import_namespace"]
 
@@ -146,8 +147,20 @@ def setup_joiner() -> None:
     shell = _shell()
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)
+    _listen_for_autopsy()
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
+
+
+def _listen_for_autopsy() -> None:
+    """The hang autopsy's listener thread (comm/autopsy.py): answers while the main thread is blocked. Without
+    it (its directory refused as unsafe) the engine still runs: the autopsy then says this rank has no listener."""
+    from ...comm.autopsy import listen
+
+    try:
+        listen()
+    except OSError as exc:
+        print(f"[taco] no hang autopsy for this rank: {exc}", file=sys.stderr, flush=True)
 
 
 def setup_namespace() -> None:
@@ -164,6 +177,7 @@ def setup_namespace() -> None:
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)  # what a cell sees as `taco`: the rank's API (module docstring)
     taco.init()
+    _listen_for_autopsy()
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 
@@ -181,11 +195,20 @@ def rank_info() -> dict[str, Any]:
 
 def begin_cell(dashboard: bool = True, interval: float = SEND_S) -> None:
     """Before a ``%%taco_run`` cell: count from zero, and send metrics only if the cell has a dashboard."""
-    from ...comm import metrics
+    from ...comm import metrics, replicas
 
     metrics.reset()
+    replicas.begin_cell()
     _sender.sent = None
     metrics.set_sender(_sender if dashboard else None, interval)
+
+
+def check_replicas(run: bool) -> dict[str, Any] | bool | None:
+    """After a cell on every rank, the replica check (comm/replicas.py): ``run`` False, whether this rank has
+    something to check (no collective); True, the check itself (collective: only when every rank said yes)."""
+    from ...comm.replicas import after_cell, wanted
+
+    return after_cell() if run else wanted()
 
 
 def configure_cell(settings: dict[str, Any]) -> str | None:

@@ -1,5 +1,5 @@
 """Report a cell: tell the cluster registry (and so the JupyterLab sidebar) what runs on a cluster and how far it
-got, and word the one-line summaries of how it failed (which ranks, which error)."""
+got, word the one-line summaries of how it failed (which ranks, which error), and render a rank's traceback."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...errors import CellTimeoutError, RankDiedError, RankFailedError
+from .result import RESULT_NAME
+
 if TYPE_CHECKING:
     from ...model import RunModel
     from ..session import TacoCluster
 
-__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds", "stalled_ranks"]
+__all__ = ["RegistryRun", "cell_snippet", "ranks_phrase", "were", "error_line", "error_kinds", "stalled_ranks",
+           "cell_outcome", "render_traceback"]
 
 SNIPPET_CHARS = 120
 WRITE_EVERY_S = 0.5  # the sidebar polls every 0.5 s while a cell runs: its step stays within a second of the cell's
@@ -114,3 +118,35 @@ def stalled_ranks(errors: Mapping[int, Any]) -> list[int]:
     named = {rank for error in errors.values() if getattr(error, "ename", None) == "StallError"
              for rank in StallError.missing_in(str(getattr(error, "evalue", "")))}
     return sorted(named)
+
+def cell_outcome(error: BaseException | None) -> str:
+    """How a cell ended, in a few words for the dashboard's status line."""
+    if error is None:
+        return "finished"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, CellTimeoutError):
+        return "timed out"
+    if isinstance(error, RankFailedError):
+        return f"failed: rank {error.first_rank} raised"
+    if isinstance(error, RankDiedError):
+        return f"failed: rank {error.rank} died" if error.rank is not None else "failed: a rank died"
+    return f"failed: {type(error).__name__}"
+
+
+# the kernel's rewrite of a cell's last expression (result.capture_last_expression), as a traceback quotes it
+_RESULT_LINE = re.compile(rf"{RESULT_NAME} = \((.*)\)((?:\x1b\[[0-9;]*m)*)$")
+
+
+def render_traceback(error: Any, origin: str | None = None) -> str:
+    """A rank's traceback as text, quoting the cell's last line as the user wrote it; from the first frame in file
+    ``origin`` on, when given and found (a script's traceback then starts in the script, not in the engine's
+    machinery that ran it)."""
+    try:
+        text = "\n".join(error.render_traceback()[1:])
+    except Exception:
+        return f"{type(error).__name__}: {error}"
+    lines = [_RESULT_LINE.sub(r"\1\2", line) for line in text.splitlines()]
+    text = "\n".join(lines)
+    first = next((i for i, line in enumerate(lines) if i and "File" in line and origin and origin in line), None)
+    return text if first is None else "\n".join([lines[0], *lines[first:]])

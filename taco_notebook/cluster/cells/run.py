@@ -24,7 +24,6 @@ and ``AsyncResult.split()`` (one AsyncResult per rank, each done when its rank i
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,11 +31,13 @@ from typing import Any, Protocol
 
 from ipyparallel.error import RemoteError
 
-from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankDiedError, RankFailedError
+from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankFailedError
 from ..session import TacoCluster
 from . import engine
-from .reporting import error_kinds, error_line, ranks_phrase, stalled_ranks, were
-from .result import RESULT_NAME, capture_last_expression, unwrap_result
+from .autopsy import after_stall
+from .replicas import check_replicas
+from .reporting import cell_outcome, error_kinds, error_line, ranks_phrase, render_traceback, stalled_ranks, were
+from .result import capture_last_expression, unwrap_result
 from .script import Script
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
@@ -69,6 +70,7 @@ class CellOptions:
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
     runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
+    check_replicas: bool = True  # after a cell on every rank that trained: compare them (cells/replicas.py)
 
 
 class OutputSink(Protocol):
@@ -141,7 +143,7 @@ class _CellRun:
         if not self.options.monitors:
             return
         self.report(force=True)
-        outcome = _outcome(error)
+        outcome = cell_outcome(error)
         for monitor in self.options.monitors:
             monitor.finish(outcome)
 
@@ -175,6 +177,8 @@ class _CellRun:
                     self.failure_deadline = time.monotonic() + self.options.failure_grace
                 if len(self.errors) == 1 and self.running():
                     self.sink.warn(f"rank {rank} raised {error_line(result)}; waiting for the other ranks")
+                if result.ename == "StallError" and [e.ename for e in self.errors.values()].count("StallError") == 1:
+                    after_stall(self.cluster, self.targets, self.sink, self.submitted_at)  # cells/autopsy.py
 
     def release_peers(self) -> None:
         """Shut the process group down on finished ranks so peers blocked on them fail fast (ladder step 1)."""
@@ -269,6 +273,7 @@ class _CellRun:
                 self.cluster.client[live].apply_async(engine.reset_settings)
 
     def _execute(self, submit: Callable[[Any], Any], captured: bool) -> Any:
+        self.submitted_at = time.time()  # the hang autopsy's "since" (split() may wait: not a start time)
         self.ar = submit(self.cluster.client[self.engines])
         self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
         self.started = time.monotonic()
@@ -287,6 +292,8 @@ class _CellRun:
         self.collect_errors()
         if self.errors:
             raise self.failure()
+        if self.options.check_replicas and self.options.targets is None and self.cluster.elastic is None:
+            check_replicas(self.cluster.client[self.engines], self.sink)
         if not captured:
             return None
         values = [unwrap_result(v) for v in self.cluster.client[self.engines].apply_sync(engine.fetch_result)]
@@ -326,7 +333,7 @@ class _CellRun:
         ok = [r for r in self.targets if r not in self.errors and r not in self.killed]
         if ok:
             message += f"; {ranks_phrase(ok)} finished"
-        tracebacks = {r: _render(e, self.origin) for r, e in self.errors.items()}
+        tracebacks = {r: render_traceback(e, self.origin) for r, e in self.errors.items()}
         tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
         return RankFailedError(message, tracebacks, first_rank=first)
 
@@ -338,47 +345,14 @@ class _CellRun:
         message = f"the cell was interrupted on {ranks_phrase(self.targets)}"
         if self.killed:
             message += f"; {ranks_phrase(self.killed)} ignored SIGINT and {were(self.killed)} killed"
-        return CellInterrupted(message, {rank: _render(error, self.origin) for rank, error in reached.items()})
+        return CellInterrupted(message, {rank: render_traceback(error, self.origin) for rank, error in reached.items()})
 
     def _host(self, rank: int) -> str:
         return next((r.host for r in self.cluster.ranks if r.rank == rank), "?")
 
 
-def _outcome(error: BaseException | None) -> str:
-    """How a cell ended, in a few words for the dashboard's status line."""
-    if error is None:
-        return "finished"
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted"
-    if isinstance(error, CellTimeoutError):
-        return "timed out"
-    if isinstance(error, RankFailedError):
-        return f"failed: rank {error.first_rank} raised"
-    if isinstance(error, RankDiedError):
-        return f"failed: rank {error.rank} died" if error.rank is not None else "failed: a rank died"
-    return f"failed: {type(error).__name__}"
-
-
 def _earliest(a: float | None, b: float) -> float:
     return b if a is None else min(a, b)
-
-
-# the kernel's rewrite of a cell's last expression (result.capture_last_expression), as a traceback quotes it
-_RESULT_LINE = re.compile(rf"{RESULT_NAME} = \((.*)\)((?:\x1b\[[0-9;]*m)*)$")
-
-
-def _render(error: Any, origin: str | None = None) -> str:
-    """A rank's traceback as text, quoting the cell's last line as the user wrote it; from the first frame in file
-    ``origin`` on, when given and found (a script's traceback then starts in the script, not in the engine's
-    machinery that ran it)."""
-    try:
-        text = "\n".join(error.render_traceback()[1:])
-    except Exception:
-        return f"{type(error).__name__}: {error}"
-    lines = [_RESULT_LINE.sub(r"\1\2", line) for line in text.splitlines()]
-    text = "\n".join(lines)
-    first = next((i for i, line in enumerate(lines) if i and "File" in line and origin and origin in line), None)
-    return text if first is None else "\n".join([lines[0], *lines[first:]])
 
 
 def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:

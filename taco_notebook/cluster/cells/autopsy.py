@@ -1,0 +1,272 @@
+"""The hang autopsy, read from outside the ranks: every rank's stacks and collective, grouped, suspects named.
+
+Each rank serves its state on a Unix socket (:mod:`taco_notebook.comm.autopsy`, a listener thread started at
+engine setup), so the autopsy needs neither the ranks' main threads nor the notebook kernel's: the kernel's cell
+runner reads it when a rank raises a StallError (the ranks that waited report themselves as they were when
+their watchdog fired), ``%taco_cluster stacks`` reads it on demand, and the Jupyter server reads it for the
+sidebar while a cell holds the kernel (``GET /taco-notebook/api/clusters/{id}/stacks``). Every rank is asked at
+once, so 16 ranks take as long as the slowest (at most ``timeout``). A rank that does not answer is described
+by the OS: its ``/proc/PID/status`` state and its main thread's ``wchan``.
+
+    >>> print(collect(cluster.ranks).text())  # doctest: +SKIP
+    stacks of 4 ranks, read in 0.05 s
+    ranks 0-2: allreduce #5 'step' (waited 3.0 s) in cell:6
+    rank 3: cell:5 in <module>, no collective
+    suspect: rank 3 (in no collective while ranks 0-2 wait in allreduce #5 'step')
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...comm.autopsy import ask, library_file, socket_dir, socket_path
+
+__all__ = ["TIMEOUT_S", "RankAddress", "RankStacks", "Autopsy", "collect", "after_stall", "rank_span"]
+
+AFTER_STALL_TIMEOUT_S = 5.0  # the cell has failed already: a loaded rank gets longer to answer than on demand
+_LIBRARY_FRAMES = 3  # shown of a thread that runs no user code: enough to see what it waits on
+TIMEOUT_S = 1.5  # every rank is asked at once: the whole autopsy takes at most this, well within 2 s
+_CELL_FILE = re.compile(r"(^<ipython-input-\d+-[0-9a-f]+>$)|(/ipykernel_\d+/\d+\.py$)|(^<string>$)")
+
+
+@dataclass(frozen=True)
+class RankAddress:
+    """Where a rank is: what :func:`collect` needs of it (a cluster's RankInfo has these fields too)."""
+
+    rank: int
+    pid: int
+    host: str
+
+
+@dataclass
+class RankStacks:
+    """One rank's answer (``snapshot``, from :func:`taco_notebook.comm.autopsy.snapshot`) or why there is none
+    (``missing``: what the OS says of the process)."""
+
+    rank: int
+    pid: int
+    host: str
+    snapshot: dict[str, Any] | None = None
+    missing: str | None = None
+    at_stall: bool = False  # the snapshot is the one the rank's watchdog took as it fired
+
+    @property
+    def collective(self) -> dict[str, Any] | None:
+        return None if self.snapshot is None else self.snapshot.get("collective")
+
+    def summary(self) -> str:
+        """``allreduce #5 'step' in cell:6`` or ``cell:5 in <module>, no collective`` (without the wait)."""
+        if self.snapshot is None:
+            return f"no answer: {self.missing}"
+        place = self.snapshot.get("place")
+        where = f"{_short(place[0])}:{place[1]} in {place[2]}" if place else "idle (no user code running)"
+        collective = self.collective
+        if collective is None:
+            return f"{where}, no collective"
+        return f"{_title(collective)} at {where}"
+
+
+@dataclass
+class Autopsy:
+    """Every rank's :class:`RankStacks`, how long reading them took, and the ranks it suspects."""
+
+    ranks: list[RankStacks]
+    seconds: float
+    suspects: list[int] = field(default_factory=list)
+    why: str = ""
+
+    def text(self, stacks: bool = True) -> str:
+        """The report: one line per group of ranks in the same place, the suspects, then (``stacks``) every
+        distinct thread stack with the ranks that share it."""
+        lines = [f"stacks of {len(self.ranks)} rank{'s' if len(self.ranks) != 1 else ''}, read in "
+                 f"{self.seconds:.2f} s" + (" (ranks marked * as their stall watchdog fired)"
+                                            if any(r.at_stall for r in self.ranks) else "")]
+        for summary, group in _grouped(self.ranks, lambda r: r.summary()):
+            waits = [r.collective["waited_s"] for r in group if r.collective is not None]
+            wait = f" (waited {max(waits):.1f} s)" if waits else ""
+            star = "*" if all(r.at_stall for r in group) else ""
+            if wait and " at " in summary:
+                head, _, tail = summary.partition(" at ")
+                summary = f"{head}{wait} at {tail}"
+            lines.append(f"{rank_span([r.rank for r in group])}{star}: {summary}")
+        lines.append(f"suspect: {rank_span(self.suspects)} ({self.why})" if self.suspects else
+                     f"no suspect: {self.why}")
+        if stacks:
+            lines.extend(self._stacks())
+        return "\n".join(lines)
+
+    def _stacks(self) -> list[str]:
+        threads: list[tuple[int, str, tuple[tuple[Any, ...], ...]]] = []
+        for rank in self.ranks:
+            for thread in (rank.snapshot or {}).get("threads", []):
+                frames = tuple((_short(f[0]), f[1], f[2], f[3]) for f in _shown(thread["frames"]))
+                threads.append((rank.rank, thread["name"], frames))
+        lines = []
+        for (name, frames), group in _grouped(threads, lambda t: (t[1], t[2])):
+            lines.append(f"--- {rank_span([t[0] for t in group])}, thread {name}:")
+            lines.extend(f"    {f[0]}:{f[1]} in {f[2]}" + (f": {f[3]}" if f[3] else "") for f in frames)
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON for the REST API: ``text``, ``suspects``, ``seconds`` and each rank's answer."""
+        return {"text": self.text(), "suspects": self.suspects, "why": self.why, "seconds": self.seconds,
+                "ranks": [{"rank": r.rank, "pid": r.pid, "host": r.host, "summary": r.summary(),
+                           "collective": r.collective, "missing": r.missing, "at_stall": r.at_stall,
+                           "threads": (r.snapshot or {}).get("threads", [])} for r in self.ranks]}
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.text())
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | None = None) -> Autopsy:
+    """Ask every rank (objects with ``rank``, ``pid`` and ``host``: a cluster's RankInfo) at once. With
+    ``since`` (a ``time.time()``), a rank whose stall watchdog fired after it reports itself as it was then."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    began = time.monotonic()
+    directory = socket_dir()
+    with ThreadPoolExecutor(max(1, min(64, len(ranks))), thread_name_prefix="taco-autopsy") as pool:
+        found = list(pool.map(lambda r: _ask_rank(r, directory, timeout, since), ranks))
+    autopsy = Autopsy(found, time.monotonic() - began)
+    autopsy.suspects, autopsy.why = _suspects(found)
+    return autopsy
+
+
+def after_stall(cluster: Any, targets: Sequence[int], sink: Any, since: float) -> None:
+    """The cell runner's autopsy when a rank raised a StallError (while its peers still run): the ranks that
+    gave up as their watchdog saw them (if it fired after ``since``, a ``time.time()``), the others as they are
+    now, shown as a warning under the cell. Not on an elastic cluster: there a stalled rank is a lost member,
+    ended at once (cluster/elastic/recovery.py), and the run must not wait for its stacks."""
+    if cluster.elastic is not None:
+        return
+    chosen = [r for r in cluster.ranks if r.rank in targets]
+    try:
+        report = collect(chosen, timeout=AFTER_STALL_TIMEOUT_S, since=since)
+    except Exception as exc:  # noqa: BLE001 - the cell's own failure is what must reach the user
+        sink.warn(f"hang autopsy failed: {type(exc).__name__}: {exc}")
+        return
+    sink.warn(f"hang autopsy: {report.text()}")
+
+
+def _ask_rank(info: Any, directory: Path, timeout: float, since: float | None) -> RankStacks:
+    stacks = RankStacks(info.rank, info.pid, info.host)
+    path = socket_path(info.pid, directory)
+    try:
+        reply = ask(path, timeout)
+    except TimeoutError as exc:
+        stacks.missing = f"its listener did not answer ({exc}; its main thread may hold the GIL in C); " + \
+                         _os_state(info.pid, info.host)
+        return stacks
+    except (OSError, ValueError) as exc:
+        reason = "no listener" if isinstance(exc, FileNotFoundError | ConnectionRefusedError) else str(exc)
+        stacks.missing = f"{reason} at {path}; " + _os_state(info.pid, info.host)
+        return stacks
+    stall = reply.get("at_stall")
+    if since is not None and stall is not None and stall.get("taken_at", 0) >= since:
+        stacks.snapshot, stacks.at_stall = stall, True
+    else:
+        stacks.snapshot = reply.get("now")
+    return stacks
+
+
+def _os_state(pid: int, host: str) -> str:
+    """What this host's OS says of process ``pid``: its state and where its main thread sleeps in the kernel."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        here = socket.gethostname()
+        where = f" (it runs on host {host}; stacks are read on the host the autopsy runs on)" if host != here else ""
+        return f"no process {pid} on {here}{where}"
+    except OSError as exc:
+        return f"/proc/{pid}/status unreadable: {exc.strerror}"
+    state = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")), "?")
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "0"
+    except OSError:
+        wchan = "unreadable"
+    return f"process {pid} is {state} (/proc/{pid}/status), wchan {wchan if wchan != '0' else 'none (running)'}"
+
+
+def _suspects(ranks: Sequence[RankStacks]) -> tuple[list[int], str]:
+    """The ranks that are not where the others wait: in no collective, or another one, or silent."""
+    silent = [r.rank for r in ranks if r.snapshot is None]
+    waiting = [r for r in ranks if r.collective is not None]
+    if not waiting:
+        if silent:
+            return silent, f"{rank_span(silent)} did not answer; no rank is in a collective"
+        return [], "no rank is in a collective"
+    places = _grouped(waiting, lambda r: (r.collective["seq"], r.collective["name"]))
+    (seq, name), crowd = max(places, key=lambda p: (len(p[1]), p[0][0]))
+    title = _title({"seq": seq, "name": name})
+    crowd_ranks = {r.rank for r in crowd}
+    elsewhere = [r for r in ranks if r.rank not in crowd_ranks and r.snapshot is not None]
+    if not elsewhere and not silent:
+        return [], f"every rank is in {title}: the network or the backend is stuck, not a rank"
+    reasons = []
+    idle = [r.rank for r in elsewhere if r.collective is None]
+    other = [r.rank for r in elsewhere if r.collective is not None]
+    who = f"{rank_span(sorted(crowd_ranks))} wait{'s' if len(crowd_ranks) == 1 else ''} in {title}"
+    if idle:
+        reasons.append(f"in no collective while {who}")
+    if other:
+        reasons.append(f"{rank_span(other)} in another collective while {who}")
+    if silent:
+        reasons.append(f"{rank_span(silent)} did not answer")
+    return sorted(idle + other + silent), "; ".join(reasons)
+
+
+def _shown(frames: list[list[Any]]) -> list[list[Any]]:
+    """A thread's frames from the outermost frame of user code on (the engine's machinery above it is the same
+    on every rank); a thread with no user code: its innermost frames, where it waits."""
+    first = next((i for i, frame in enumerate(frames) if not library_file(frame[0])), None)
+    return frames[first:] if first is not None else frames[-_LIBRARY_FRAMES:]
+
+
+def _title(collective: dict[str, Any]) -> str:
+    kind, _, name = str(collective["name"]).partition(" ")
+    return f"{kind} #{collective['seq']}" + (f" {name}" if name else "")
+
+
+def _short(filename: str) -> str:
+    """``cell`` for a notebook cell, a script's base name, a library file from its package on."""
+    if _CELL_FILE.search(filename):
+        return "cell"
+    if library_file(filename):
+        parts = Path(filename).parts
+        for anchor in ("site-packages", "dist-packages"):
+            if anchor in parts:
+                return "/".join(parts[parts.index(anchor) + 1:])
+        if "taco_notebook" in parts:
+            return "/".join(parts[parts.index("taco_notebook"):])
+        return "/".join(parts[-2:])
+    return os.path.basename(filename) or filename
+
+
+def _grouped(items: Iterable[Any], key: Any) -> list[tuple[Any, list[Any]]]:
+    groups: dict[Any, list[Any]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.items())
+
+
+def rank_span(ranks: Sequence[int]) -> str:
+    """``rank 7``, ``ranks 0-6, 8-15``: consecutive ranks as ranges."""
+    ordered = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for rank in ordered:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"rank{'s' if len(ordered) != 1 else ''} {text}"

@@ -1,0 +1,145 @@
+"""The hang autopsy with real MPI-launched engines: a rank hung in plain Python (blocked in C, or busy) while the
+others wait in an allreduce, a rank hung in another collective, a rank that cannot answer; read on demand
+(``%taco_cluster stacks``, :func:`collect`) and when the stall watchdog fires (under the cell)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from taco_notebook.cluster.cells.autopsy import Autopsy, RankAddress, collect, rank_span
+from taco_notebook.errors import RankFailedError
+
+pytestmark = pytest.mark.cluster
+
+# rank 3 stays in `where` until the flag file exists; the others enter allreduce 'step' and wait for it
+HANG_CELL = """\
+import os, time
+t = torch.ones(2)
+taco.allreduce(t)
+def load_batch(flag):
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+def spin(flag):
+    x = 0
+    while not os.path.exists(flag):
+        x += 1
+if taco.rank() == 3:
+    {where}({flag!r})
+taco.allreduce(t, name='step')
+"""
+
+
+@pytest.fixture
+def released(tmp_path: Path) -> Iterator[Path]:
+    flag = tmp_path / "release"
+    yield flag
+    flag.touch()  # whatever happened, the hung rank goes on
+
+
+def until(found: Callable[[], Autopsy], ok: Callable[[Autopsy], bool], seconds: float = 60) -> Autopsy:
+    """Read the stacks until ``ok`` (the ranks need a moment to reach their places), or the last reading."""
+    deadline = time.monotonic() + seconds
+    while True:
+        report = found()
+        if ok(report) or time.monotonic() > deadline:
+            return report
+        time.sleep(0.2)
+
+
+def hung_cell(cluster, where: str, flag: Path) -> Autopsy:
+    if cluster.needs_reinit:
+        cluster.reinit()
+    result = cluster.client[cluster.engine_ids()].execute(HANG_CELL.format(where=where, flag=str(flag)), block=False)
+    try:
+        report = until(lambda: collect(cluster.ranks),
+                       lambda found: len({r.summary() for r in found.ranks}) == 2 and found.suspects == [3])
+    finally:
+        flag.touch()
+        result.get(60)  # the cell ends normally once released: the autopsy changed nothing
+    return report
+
+
+@pytest.mark.parametrize("where", ["load_batch", "spin"])
+def test_a_rank_hung_in_python_is_named_with_its_place(shared_cluster, released: Path, where: str) -> None:
+    """load_batch: the main thread sleeps in C (GIL released); spin: it is busy in Python (GIL held, handed over
+    every switch interval). Either way the listener answers, and the report names rank 3 and its line."""
+    report = hung_cell(shared_cluster, where, released)
+    text = report.text()
+    line = "(5|6)" if where == "load_batch" else "(9|10)"  # the loop's test, or its body
+    assert re.search(r"^ranks 0-2: allreduce #\d+ 'step' \(waited \d+\.\d s\) at cell:13 in <module>$", text,
+                     re.M), text
+    assert re.search(rf"^rank 3: cell:{line} in {where}, no collective$", text, re.M), text
+    assert re.search(r"^suspect: rank 3 \(in no collective while ranks 0-2 wait in allreduce #\d+ 'step'\)$",
+                     text, re.M), text
+    assert f"--- rank 3, thread MainThread:\n    cell:12 in <module>: {where}(" in text, text
+    assert re.search(r"--- ranks 0-2, thread taco-comm:\n(    .*\n)*    torch/distributed/distributed_c10d\.py:\d+ "
+                     r"in all_reduce", text), text
+
+
+def test_the_stall_watchdog_shows_where_every_rank_was(ip, shared_cluster, capsys) -> None:
+    """Rank 3 broadcasts while the others allreduce: every watchdog fires at 3 s; the autopsy under the cell shows
+    each rank in its collective as it was then (marked *), and names rank 3."""
+    cell = ("t = torch.ones(2)\ntaco.allreduce(t)\nif taco.rank() == 3:\n    taco.broadcast(t)\nelse:\n"
+            "    taco.allreduce(t, name='step')")
+    with pytest.raises(RankFailedError):
+        ip.run_cell_magic("taco_run", "--stall-timeout 3", cell)
+    err = capsys.readouterr().err
+    assert "[taco] hang autopsy: stacks of 4 ranks" in err, err
+    assert re.search(r"^ranks 0-2\*?: allreduce #(\d+) 'step' \(waited [3-9]\.\d s\) at cell:6 in <module>$", err,
+                     re.M), err
+    assert re.search(r"^rank 3\*?: broadcast #\d+ \(waited \d+\.\d s\) at cell:4 in <module>$", err, re.M), err
+    assert re.search(r"^suspect: rank 3 \(rank 3 in another collective while ranks 0-2 wait in allreduce #\d+ "
+                     r"'step'\)$", err, re.M), err
+    assert ip.run_cell_magic("taco_run", "", "t = torch.ones(2)\ntaco.allreduce(t)\nt.tolist()") == [4.0, 4.0]
+
+
+def test_a_rank_that_cannot_answer_is_described_by_the_os(ip, shared_cluster, capsys) -> None:
+    """The test stops rank 2 itself (SIGSTOP: a process that no longer runs); the autopsy says what /proc says,
+    names it, and the other ranks' stacks still come."""
+    ip.run_line_magic("taco_cluster", "stacks")
+    assert re.search(r"^ranks 0-3: idle \(no user code running\), no collective$", capsys.readouterr().out, re.M)
+    pid = next(r.pid for r in shared_cluster.ranks if r.rank == 2)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        report = collect(shared_cluster.ranks, timeout=5.0)  # a loaded machine: the others must answer
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    text = report.text(stacks=False)
+    assert re.search(rf"^rank 2: no answer: its listener did not answer \(no answer in 5 s; .*\); process {pid} "
+                     rf"is T \(stopped\) \(/proc/{pid}/status\), wchan ", text, re.M), text
+    assert re.search(r"^ranks 0, 1, 3: idle \(no user code running\), no collective$", text, re.M), text
+    assert report.suspects == [2] and "rank 2 did not answer" in text
+    ip.run_line_magic("taco_cluster", "stacks")  # it answers again
+    assert "ranks 0-3: idle" in capsys.readouterr().out
+
+
+def test_stacks_of_a_cluster_that_does_not_run_is_a_usage_error(ip) -> None:
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="no cluster named 'nosuch' runs in this kernel or in the registry"):
+        ip.run_line_magic("taco_cluster", "stacks --cluster nosuch")
+
+
+def test_a_process_gone_is_said_so() -> None:
+    """A rank whose process no longer exists (as after a crash): no listener, and the OS has no such process."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    report = collect([RankAddress(0, gone.pid, "elsewhere")], timeout=0.5)
+    assert re.search(rf"no listener at .*/{gone.pid}\.sock; no process {gone.pid} on .* \(it runs on host elsewhere;",
+                     report.ranks[0].missing or ""), report.ranks[0].missing
+
+
+@pytest.mark.parametrize(("ranks", "text"), [([7], "rank 7"), ([0, 1], "ranks 0, 1"), (list(range(16)), "ranks 0-15"),
+                                             ([*range(7), *range(8, 16)], "ranks 0-6, 8-15")])
+def test_rank_spans(ranks: list[int], text: str) -> None:
+    assert rank_span(ranks) == text
