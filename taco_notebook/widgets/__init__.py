@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
+from .interval import Interval, interval_between
 from .plots import DashboardPlots, Plot, build_plots
-from .stream import Interval, MetricsStream, interval_between
+from .stream import MetricsStream
 
 __all__ = ["DashboardPlots", "Interval", "MetricsStream", "Plot", "build_plots", "interval_between"]
