@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import bootstrap
+from .replicas import track_state
 from .state import state as process
 
 __all__ = ["State", "MembershipChanged", "run", "live_states", "restore_all", "sync_all", "request_update",
@@ -96,6 +97,7 @@ class State:
         self._saved: dict[str, Any] = {}
         self.save()
         _states.add(self)
+        track_state(model, optimizer)  # the replica check after each cell (replicas.py)
 
     def __getattr__(self, name: str) -> Any:
         counters = object.__getattribute__(self, "_counters")
@@ -173,7 +175,7 @@ class State:
         process.comm_thread.run(lambda: dist.broadcast_object_list(rest, src=root))
         if self.optimizer is not None:
             self.optimizer.load_state_dict(rest[0]["optimizer"])
-        counters = dict(rest[0]["counters"])  # on the root this is its own: copy before clearing
+        counters: dict[str, Any] = dict(rest[0]["counters"] or {})  # on the root its own: copy before clearing
         self._counters.clear()
         self._counters.update(counters)
         with torch.no_grad():
