@@ -59,7 +59,7 @@ def reducescatter_async(
 
     def finish(part: torch.Tensor) -> torch.Tensor:
         if integer_mean:
-            part = part.floor_divide_(members)
+            part = part.div_(members, rounding_mode="trunc")
         return part * postscale_factor if postscale_factor != 1.0 else part
 
     return _handle(future, finish, reserved)
