@@ -54,6 +54,7 @@ from .basics import (
     rocm_built,
     shutdown,
     size,
+    sycl_built,
 )
 from .compression import Compression, Compressor
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -113,6 +114,7 @@ __all__ = [
     "nccl_built",
     "ddl_built",
     "ccl_built",
+    "sycl_built",
     "cuda_built",
     "rocm_built",
     "ReduceOp",

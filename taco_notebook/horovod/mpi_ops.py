@@ -5,7 +5,8 @@ Horovod's meaning, taco's engine: ``allreduce`` returns a new tensor and average
 works in place; ``*_async`` calls return an integer handle for :func:`poll` and :func:`synchronize`. Every
 call goes through :mod:`taco_notebook.comm.collectives` on comm/'s one communication thread, so Horovod calls,
 ``taco.*`` calls and ``DistributedOptimizer`` buckets keep one order on every rank. Out-of-place calls are
-differentiable. ``name=`` keys TopK's error feedback; integers averaged are summed then floor-divided.
+differentiable. ``name=`` keys TopK's error feedback; integers averaged are summed, then divided and truncated
+toward zero (as Horovod).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _start_allreduce(
     members = size() if group is None else group.size
 
     def finish(result: torch.Tensor) -> torch.Tensor:
-        return result.floor_divide_(members) if integer_mean else result
+        return result.div_(members, rounding_mode="trunc") if integer_mean else result
 
     return future, finish
 

@@ -129,6 +129,17 @@ class DistributedOptimizer(_CommOptimizer):
             raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
         if named_parameters is not None:
             named_parameters = _all_named(optimizer, named_parameters)
+        # Horovod's table, which programs read: one unique name per parameter, "allreduce.noname.<group>.<index>"
+        # when none are given (unique across param groups, the same on every rank).
+        self._parameter_names: dict[torch.nn.Parameter, str] = (
+            {p: name for name, p in named_parameters}
+            if named_parameters is not None
+            else {
+                p: f"allreduce.noname.{i}.{j}"
+                for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])
+            }
+        )
         spec = spec_of(compression)
         if spec is None:
             raise TypeError(

@@ -2,9 +2,9 @@
 
 ``reducescatter`` averages by default (Horovod's ``op=Average``) and hands each rank its share of the first
 dimension (the first ``rows % size`` ranks one row more); it is differentiable (the gradient is the
-allgather of the incoming gradients, scaled as the op). ``sparse_allreduce_async`` gathers the indices and
-values of a sparse tensor from every rank and returns a callable giving the sum (or average) as a sparse tensor,
-as Horovod's does (duplicate indices are left uncoalesced; ``coalesce()`` sums them).
+allgather of the incoming gradients, times the member count for Sum, as Horovod). ``sparse_allreduce_async``
+gathers the indices and values of a sparse tensor from every rank and returns a callable giving the sum (or
+average) as a sparse tensor, as Horovod's does (duplicate indices are left uncoalesced; ``coalesce()`` sums them).
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ def _scatter_op(op: Any) -> tuple[ReduceOp, str]:
     return found, comm_op(found)
 
 
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor * factor`` in Horovod's precision: float64 for integers, float32 for 16-bit floats, then cast back
+    (integers truncated toward zero), so a scaled int tensor stays an int tensor."""
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.bfloat16):
+        return tensor * factor
+    wide = torch.float32 if tensor.is_floating_point() else torch.float64
+    return (tensor.to(wide) * factor).to(tensor.dtype)
+
+
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -52,15 +63,14 @@ def reducescatter_async(
     reserved = _reserve("reducescatter", name)
     source = tensor.detach()
     integer_mean = found is Average and not (source.is_floating_point() or source.is_complex())
-    if prescale_factor != 1.0:
-        source = source * prescale_factor
+    source = _scaled(source, prescale_factor)
     future = scatter.reduce_scatter_async(source, "sum" if integer_mean else how, name, group)
     members = size() if group is None else group.size
 
     def finish(part: torch.Tensor) -> torch.Tensor:
         if integer_mean:
-            part = part.floor_divide_(members)
-        return part * postscale_factor if postscale_factor != 1.0 else part
+            part = part.div_(members, rounding_mode="trunc")
+        return _scaled(part, postscale_factor)
 
     return _handle(future, finish, reserved)
 
@@ -73,9 +83,11 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # Horovod's convention (its test_horovod_reducescatter_grad*): the allgather of the incoming gradients,
+        # times the member count for Sum, as is for Average
         gathered = collectives.allgather(grad.contiguous(), group=ctx.group)
         members = size() if ctx.group is None else ctx.group.size
-        return (gathered / members if ctx.op is Average else gathered), None, None, None
+        return (gathered if ctx.op is Average else gathered * members), None, None, None
 
 
 def reducescatter(

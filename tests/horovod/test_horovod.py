@@ -134,6 +134,8 @@ def test_built_flags_need_no_init() -> None:
     assert hvd.gloo_built() and hvd.mpi_built() and not hvd.mpi_enabled() and not hvd.ddl_built()
     assert hvd.nccl_built() == 0 or torch.cuda.is_available()
     assert hvd.cuda_built() == (torch.version.cuda is not None)
+    assert not hvd.ccl_built() and not hvd.sycl_built()  # Horovod's tests ask both before using process sets
+
 
 
 def test_imports_without_ipython_and_only_comm() -> None:

@@ -191,7 +191,12 @@ else:
     assert torch.allclose(hvd.reducescatter(torch.arange(10.0).reshape(5, 2) * (r + 1)), mine / n)
     x = torch.ones(4, 3, requires_grad=True)
     hvd.reducescatter(x, op=hvd.Sum).sum().backward()
-    assert torch.equal(x.grad, torch.ones(4, 3)), x.grad
+    assert torch.equal(x.grad, torch.full((4, 3), float(n))), x.grad  # Horovod's convention: times n for Sum
+    y = torch.ones(4, 3, requires_grad=True)
+    hvd.reducescatter(y).sum().backward()
+    assert torch.equal(y.grad, torch.ones(4, 3)), y.grad  # and as is for Average
+    scaled = hvd.reducescatter(torch.full((2 * n,), 3, dtype=torch.int32), op=hvd.Sum, prescale_factor=0.5)
+    assert scaled.dtype == torch.int32 and scaled.tolist() == [n, n], scaled  # 3 * 0.5 truncated to 1 first
     part = hvd.reducescatter(torch.ones(4, dtype=torch.int16), op=hvd.Sum)
     assert part.dtype == torch.int16 and part.tolist() == [n] * (4 // n + (1 if r < 4 % n else 0)), part
     expect_mismatch("reducescatter shape", lambda: hvd.reducescatter(torch.ones(4 + (r == 0))), RuntimeError)

@@ -76,6 +76,17 @@ check(hvd.allreduce(ints, op=hvd.Sum).tolist() == [n * (n - 1) // 2, n * n], "in
 avg_ints = hvd.allreduce(ints)
 check(avg_ints.dtype == torch.int32 and avg_ints.tolist() == [n * (n - 1) // 2 // n, n * n // n], avg_ints)
 check(hvd.allreduce(torch.tensor(r, dtype=torch.int64), op=hvd.Sum).item() == n * (n - 1) // 2, "0-d int")
+# Horovod's integer average truncates toward zero: -(2n-1)/n is -1 (floor would give -2)
+neg = hvd.allreduce(torch.tensor([-1 if r else -n], dtype=torch.int32), op=hvd.Average)
+check(neg.tolist() == [-1], ("integer average truncates toward zero", neg))
+# Horovod's _parameter_names table: with no named_parameters, one name per parameter, unique across param groups
+two = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+grouped = hvd.DistributedOptimizer(torch.optim.SGD([{"params": two[0].parameters()}, {"params": two[1].parameters()}],
+                                                   lr=0.1))
+check(sorted(grouped._parameter_names.values()) == [f"allreduce.noname.{i}.{j}" for i in range(2) for j in range(2)],
+      grouped._parameter_names)
+mine = sorted(grouped._parameter_names.values())
+check(hvd.allgather_object(mine) == [mine] * n, "parameter names differ between ranks")
 d = hvd.allreduce(torch.full((5,), r + 0.25, dtype=torch.float64))
 check(d.dtype == torch.float64 and torch.allclose(d, torch.full((5,), mean_rank + 0.25, dtype=torch.float64)), d)
 h = hvd.allreduce(torch.full((4,), float(r), dtype=torch.float16))
