@@ -101,6 +101,11 @@ export class ClusterManager implements IDisposable {
     }
   }
 
+  /** The hang autopsy of cluster `id`, read from its ranks while a cell runs (nothing is stopped or changed). */
+  async stacks(id: string): Promise<string> {
+    return this._api.stacks(id);
+  }
+
   async scale(id: string, size: number): Promise<void> {
     try {
       await this._api.scale(id, size);

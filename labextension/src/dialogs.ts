@@ -1,5 +1,6 @@
 /**
- * The dialogs of the sidebar: asking for a number of engines, and confirming a stop or a scale-down.
+ * The dialogs of the sidebar: asking for a number of engines, confirming a stop or a scale-down, and showing a
+ * running cell's stacks (the hang autopsy).
  */
 
 import { Dialog, showDialog } from '@jupyterlab/apputils';
@@ -102,4 +103,19 @@ export async function confirmScaleDown(cluster: IClusterModel, size: number): Pr
     buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Scale down' })]
   });
   return result.button.accept;
+}
+
+/** Show the hang autopsy of a cluster (`pre.taco-stacks-text` in the dialog): where each rank is, grouped. */
+export async function showStacks(cluster: IClusterModel, text: string): Promise<void> {
+  const body = new Widget();
+  body.addClass('taco-stacks-dialog');
+  const pre = document.createElement('pre');
+  pre.className = 'taco-stacks-text';
+  pre.textContent = text;
+  body.node.appendChild(pre);
+  await showDialog({
+    title: `Where the ranks of ${cluster.name} are`,
+    body,
+    buttons: [Dialog.okButton({ label: 'Close' })]
+  });
 }

@@ -322,3 +322,12 @@ export function errorMessage(status: number, statusText: string, body: unknown):
   }
   return `HTTP ${status}${statusText ? ` ${statusText}` : ''}`;
 }
+
+/** The readable report of a `stacks` answer (its `text`); the rest of the answer is for programs. */
+export function parseStacksText(body: unknown): string {
+  const text = typeof body === 'object' && body !== null ? (body as { text?: unknown }).text : undefined;
+  if (typeof text !== 'string') {
+    throw new InvalidResponseError(`stacks.text: expected a string, got ${typeof text}`);
+  }
+  return text;
+}

@@ -12,6 +12,7 @@ import {
   IVersion,
   parseCluster,
   parseClusterList,
+  parseStacksText,
   parseVersion
 } from './models';
 import { failureKind, FailureKind } from './poll';
@@ -114,6 +115,12 @@ export class ClusterAPI {
   /** `DELETE clusters/{id}`: asks the cluster to stop. */
   async stop(id: string): Promise<void> {
     await requestAPI(`clusters/${encodeURIComponent(id)}`, jsonInit('DELETE'), this._settings);
+  }
+
+  /** `GET clusters/{id}/stacks`: the hang autopsy (every rank's stack and collective, grouped), as text. */
+  async stacks(id: string): Promise<string> {
+    const endPoint = `clusters/${encodeURIComponent(id)}/stacks`;
+    return checked(endPoint, await requestAPI(endPoint, {}, this._settings), parseStacksText);
   }
 
   /** `PATCH clusters/{id}`: asks the cluster to grow or shrink to `size` engines. */

@@ -12,7 +12,8 @@
  *   `.taco-cluster-hugepages`, `.taco-cluster-mpi` (one line, full text in its title), `.taco-cluster-run` >
  *   `.taco-cluster-cell`, `.taco-cluster-step`, `.taco-cluster-throughput`, `.taco-cluster-error` (the server's
  *   explanation, e.g. of a stale entry), and the buttons `.taco-cluster-insert`, `.taco-cluster-scale`,
- *   `.taco-cluster-stop` (labelled "Remove" on a stale row).
+ *   `.taco-cluster-stacks` (while a cell runs: the hang autopsy in a dialog, `pre.taco-stacks-text`), `.taco-cluster-stop`
+ *   (labelled "Remove" on a stale row).
  * - Rows of this Jupyter server sit in `ul.taco-cluster-list`; those of other servers in
  *   `details.taco-other-servers` (collapsed at first) > `ul.taco-other-list`.
  * - Size dialogs: `.jp-Dialog input.taco-size-input` and the accept button `.jp-Dialog .jp-mod-accept` (disabled
@@ -28,7 +29,7 @@ import { ISignal } from '@lumino/signaling';
 import React, { useEffect, useState } from 'react';
 
 import { ClusterManager } from './clusters';
-import { askSize, confirmScaleDown, confirmStop } from './dialogs';
+import { askSize, confirmScaleDown, confirmStop, showStacks } from './dialogs';
 import {
   cellSnippet,
   formatElapsed,
@@ -186,6 +187,10 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
       }
       await actions.manager.scale(cluster.id, size);
     });
+  const onStacks = () =>
+    act(`Could not read the stacks of cluster ${cluster.name}`, async () => {
+      await showStacks(cluster, await actions.manager.stacks(cluster.id));
+    });
   const onInsert = () => {
     insertTacoRunCell(actions, cluster);
   };
@@ -259,6 +264,16 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
         >
           Scale
         </button>
+        {cluster.run ? (
+          <button
+            className="taco-cluster-stacks jp-Button jp-mod-styled jp-mod-reject"
+            disabled={busy}
+            title="Where every rank is now: its stack and the collective it waits in (changes nothing)"
+            onClick={onStacks}
+          >
+            Stacks
+          </button>
+        ) : null}
         <button
           className="taco-cluster-stop jp-Button jp-mod-styled jp-mod-warn"
           disabled={busy || settled}

@@ -441,3 +441,52 @@ def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
         wait_for_cells_executed(page, timeout=120)
     finally:
         _stop_every_cluster(lab, before)
+
+
+STACKS_NOTEBOOK = "stacks-from-the-sidebar.ipynb"
+
+
+def test_sidebar_stacks_button_shows_where_a_hung_cells_ranks_are(lab, page, tmp_path):
+    """While a cell hangs (rank 1 in plain Python, rank 0 waiting for it in an allreduce), the row's Stacks button
+    shows the hang autopsy: rank 0 in its collective, rank 1 in its function, rank 1 named as the suspect. Reading
+    the stacks changes nothing: released, the cell ends normally."""
+    from playwright.sync_api import expect
+
+    flag = tmp_path / "release"
+    cell = ("%%taco_run -np 2 --cluster hung\nimport os, time\nt = torch.ones(2)\ntaco.allreduce(t)\n"
+            "def load_batch(flag):\n    while not os.path.exists(flag):\n        time.sleep(0.05)\n"
+            f"if taco.rank() == 1:\n    load_batch({str(flag)!r})\ntaco.allreduce(t, name='step')\nprint('released')\n")
+    lab.write_notebook(STACKS_NOTEBOOK, ["%load_ext taco_notebook", cell])
+    before = _ids(lab)
+    try:
+        open_notebook(page, lab, STACKS_NOTEBOOK)
+        _open_sidebar(page)
+        run_all_cells(page)
+        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="hung"]')
+        button = row.locator(".taco-cluster-stacks")
+        expect(button).to_be_visible(timeout=120_000)  # shown while a cell runs on the cluster
+        text = ""
+        for _ in range(30):  # the ranks need a moment to reach their places
+            button.click()
+            report = page.locator(".jp-Dialog pre.taco-stacks-text")
+            expect(report).to_be_visible(timeout=30_000)
+            text = report.inner_text()
+            if "suspect: rank 1" in text and "'step'" in text:
+                break
+            page.locator(".jp-Dialog .jp-mod-accept").click()
+            expect(report).to_have_count(0)
+            time.sleep(0.5)
+        rank0 = r"^rank 0: allreduce #\d+ 'step' \(waited \d+\.\d s\) at cell:\d+ in <module>$"
+        assert re.search(rank0, text, re.M), text
+        assert re.search(r"^rank 1: cell:\d+ in load_batch, no collective$", text, re.M), text
+        assert re.search(r"^suspect: rank 1 \(in no collective while rank 0 waits? in allreduce", text, re.M), text
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(".jp-Dialog-content").screenshot(path=str(ARTIFACTS / "sidebar-stacks.png"))
+        page.locator(".jp-Dialog .jp-mod-accept").click()
+        flag.touch()
+        wait_for_cells_executed(page, timeout=120)
+        expect(cell_output(page, 1)).to_contain_text("released", timeout=30_000)
+        expect(button).to_have_count(0, timeout=30_000)  # the run is over: no stacks to read
+    finally:
+        flag.touch()
+        _stop_every_cluster(lab, before)
