@@ -93,7 +93,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(text if sys.stderr.isatty() else ANSI.sub("", text), file=sys.stderr)
         return FAILED_EXIT
     except KeyboardInterrupt as exc:
-        name = str(exc) or "SIGINT"  # what _signals_end_the_run raised for, else Ctrl-C
+        # what _signals_end_the_run raised for (a signal's name), else Ctrl-C (the run's CellInterrupted too)
+        name = str(exc) if str(exc) in signal.Signals.__members__ else "SIGINT"
         say.warn(f"interrupted ({name}): stopping the cluster")
         return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else INTERRUPTED_EXIT
     finally:
