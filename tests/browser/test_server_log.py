@@ -26,7 +26,10 @@ API = "/taco-notebook/api/clusters"
 
 
 def example_cells(name: str) -> list[str]:
-    return [cell.source for cell in nbformat.read(EXAMPLES / name, as_version=4).cells if cell.cell_type == "code"]
+    """The example's code cells of a normal run: not those tagged ``raises-exception`` (example 01's stall
+    demonstration fails on purpose, and its traceback is the user's, not the log's)."""
+    return [cell.source for cell in nbformat.read(EXAMPLES / name, as_version=4).cells
+            if cell.cell_type == "code" and "raises-exception" not in cell.get("metadata", {}).get("tags", [])]
 
 
 # the notebook's own kernel, which the Jupyter server starts on TCP (its KernelManager.transport, the server's
