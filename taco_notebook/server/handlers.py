@@ -171,4 +171,6 @@ class TacoServerExtension(ExtensionApp):
     async def stop_extension(self) -> None:
         """Stop every cluster this server started (each stop takes a second or two: off the event loop)."""
         if self.manager is not None:
-            await self.manager.shutdown_async()
+            stopped = await self.manager.shutdown_async()
+            if stopped:  # ipyparallel's own stop lines are not in the server's log (cluster/launch/ipplog.py)
+                self.log.info("taco_notebook: stopped the clusters this server started: %s", ", ".join(stopped))

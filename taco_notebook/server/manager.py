@@ -28,6 +28,7 @@ whether it belongs to this server (``this_server``): its own clusters and those 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import functools
 import logging
 import os
@@ -264,8 +265,8 @@ class ClusterManager:
                 with self._lock:
                     self._clusters.pop(cluster.cluster_id or "", None)
 
-    def shutdown(self) -> None:
-        """Stop every cluster this server started (waits for starts in progress). Idempotent."""
+    def shutdown(self) -> builtins.list[str]:
+        """Stop every cluster this server started (waits for starts in progress); their names. Idempotent."""
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
@@ -274,6 +275,7 @@ class ClusterManager:
             self._clusters.clear()
         for cluster in owned:
             cluster.stop()
+        return [cluster.name for cluster in owned]
 
     # ------------------------------------------------ async twins, for the event loop
     version_async = _off_loop(version)

@@ -275,7 +275,8 @@ def test_a_jupyter_server_stopped_by_sigterm_stops_its_cluster(tmp_path: Path) -
         assert test_registry.wait_for_gone(pids) == [], log.read_text()[-3000:]
         assert not (directory / f"{cluster_id}.json").exists()
         text = log.read_text()  # the cluster stopped within jupyter_server's cleanup of its extensions
-        assert 0 <= text.find(" extensions\n") < text.find("Stopping controller"), text[-3000:]
+        assert 0 <= text.find(" extensions\n") < text.find("taco_notebook: stopped the clusters this server started"), \
+            text[-3000:]
     finally:
         if server.poll() is None:
             server.kill()
