@@ -163,12 +163,26 @@ def _ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
 
 
+def _group(group: Any) -> Any:
+    """``group``, or for every rank taco's own world group (:func:`.algorithms.world_group`), never torch's
+    default one: the stall watchdog's teardown (``bootstrap.abort``) releases waiters on taco's groups, so a
+    rank waiting in the check for a peer that never comes is freed with the rest, not left blocked behind a
+    new generation's communication thread."""
+    if group is not None:
+        return group
+    from .algorithms import world_group
+
+    return world_group()
+
+
 def _exchange(sig: Signature, extra: int, group: Any) -> tuple[list[int], list[int]]:
     """Every rank's (hash, extra), in group order: one allgather of 16 bytes (CPU, so it never syncs a GPU)."""
     import torch
     import torch.distributed as dist
 
     from .transport.reduction import all_gather
+
+    group = _group(group)
 
     mine = torch.tensor([_hash(sig), extra], dtype=torch.int64)
     every = torch.empty(2 * dist.get_world_size(group), dtype=torch.int64)
@@ -180,6 +194,7 @@ def _exchange(sig: Signature, extra: int, group: Any) -> tuple[list[int], list[i
 def _signatures(sig: Signature, group: Any) -> list[Signature]:
     import torch.distributed as dist
 
+    group = _group(group)
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, pickle.dumps(sig), group=group)
     return [pickle.loads(raw) for raw in every]  # noqa: S301 - the job's own ranks sent it
