@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import agreement, bootstrap
-from .stall import tracked
+from .stall import fresh_copy, tracked
 from .state import state
 
 if TYPE_CHECKING:
@@ -78,18 +78,10 @@ def _checked(
             return work() if then is None else then([])
         extras = agreement.agree(sig, extra, group)
         if state.stalled is not None:  # the watchdog gave up on this collective while its check completed late
-            raise _stalled_again()
+            raise fresh_copy(state.stalled)
         return work() if then is None else then(extras)
 
     return run
-
-
-def _stalled_again() -> BaseException:
-    """A copy of the StallError that broke the group (one instance raised in many places chains tracebacks)."""
-    error = state.stalled
-    copy = type(error)(str(error))
-    copy.__dict__.update(error.__dict__)
-    return copy  # type: ignore[no-any-return]
 
 
 def _refuse(kind: str, error: BaseException, group: Any = None) -> BaseException:

@@ -39,7 +39,7 @@ from . import bootstrap
 from .config import settings
 from .state import state
 
-__all__ = ["StallError", "WARN_S", "tracked", "on_stall", "remove_on_stall", "in_flight"]
+__all__ = ["StallError", "WARN_S", "tracked", "on_stall", "remove_on_stall", "in_flight", "fresh_copy"]
 
 T = TypeVar("T")
 WARN_S = 60.0  # Horovod's stall warning: a collective that waits this long is reported (once) before it fails
@@ -131,7 +131,7 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
     """
     def run() -> T:
         if state.stalled is not None:
-            raise _again(state.stalled)
+            raise fresh_copy(state.stalled)
         if _kept:  # the group was rebuilt since a stall: the old store can go
             _kept.clear()
         if not bootstrap.is_initialized():
@@ -156,12 +156,12 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
             if state.stalled is not None and not isinstance(exc, StallError):
                 # this rank's own watchdog fired and its teardown failed the collective under us (a group of
                 # taco's own, like the flat algorithm's, is released by the abort): the stall is the cause
-                raise _again(state.stalled) from exc
+                raise fresh_copy(state.stalled) from exc
             if state.stalled is None and not isinstance(exc, StallError) and _peers_gave_up(board):
                 # a peer gave up and left, so the backend failed ("connection closed"): say why instead
                 error = state.stalled = _after_failure(board, job)
                 bootstrap.abort()
-                raise _again(error) from exc
+                raise fresh_copy(error) from exc
             raise
         finally:
             if _watchdog.current is job:
@@ -275,7 +275,7 @@ def _fire(job: _InFlight, waited: float) -> None:
         _log.exception("tearing the process group down after a stall failed")
     for future in pending:
         if not future.done():
-            future.set_exception(_again(error))
+            future.set_exception(fresh_copy(error))
 
 
 def _after_failure(board: Any, job: _InFlight) -> StallError:
@@ -298,10 +298,10 @@ def _late(board: Any, seq: int, label: str) -> None:
     """This rank entered collective ``seq`` after peers gave up on the group: raise, and tear the group down."""
     error = state.stalled = _gave_up(board.read(), seq, label)
     bootstrap.abort()
-    raise _again(error)
+    raise fresh_copy(error)
 
 
-def _again(error: StallError) -> StallError:
+def fresh_copy(error: StallError) -> StallError:
     """A fresh copy of ``error`` to raise (raising one instance in many places would chain their tracebacks)."""
     copy = StallError(str(error))
     copy.__dict__.update(error.__dict__)
