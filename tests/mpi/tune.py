@@ -7,6 +7,9 @@ DDP path (hook with state None: the rank default is switched and put back); and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -40,14 +43,22 @@ opt = taco.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, mom
 state = taco.elastic.State(model=model, optimizer=opt, step=0)
 
 
-def step() -> torch.Tensor:
-    x, y = data[state.step % len(data)]
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    state.step += 1
-    return loss
+def training_step(net: torch.nn.Module, optimizer: Any, counter: Any) -> Callable[[], torch.Tensor]:
+    """The user's step as taco.tune takes it: one batch (chosen by the State's counter), backward, step."""
+
+    def step() -> torch.Tensor:
+        x, y = data[counter.step % len(data)]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        counter.step += 1
+        return loss
+
+    return step
+
+
+step = training_step(model, opt, state)
 
 
 for _ in range(2):  # train a little and commit: tune must come back to this point, not to the start
@@ -114,14 +125,7 @@ ddp_state = taco.elastic.State(model=ddp, optimizer=sgd, step=0)
 start = {k: v.clone() for k, v in ddp.state_dict().items()}
 
 
-def ddp_step() -> torch.Tensor:
-    x, y = data[ddp_state.step % len(data)]
-    sgd.zero_grad()
-    loss = F.cross_entropy(ddp(x), y)
-    loss.backward()
-    sgd.step()
-    ddp_state.step += 1
-    return loss
+ddp_step = training_step(ddp, sgd, ddp_state)
 
 
 taco.configure(compression="fp16")
