@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -221,6 +222,8 @@ def _timed_steps(step: Any, device: Any, warmup: int, steps: int, counted: int =
         step()
     wait()
     ms = (time.perf_counter() - began) / steps * 1000
+    if not counted:
+        return ms, None
     with SyncCounter(device) as syncs:
         for _ in range(counted):
             step()
@@ -269,6 +272,23 @@ def _release(opt: Any) -> None:
         opt.remove_hooks()
 
 
+def _interleaved(steps_of: dict[str, Any], device: Any, warmup: int, steps: int, rounds: int = 5
+                 ) -> tuple[dict[str, float], dict[str, float | None]]:
+    """ms per step of each variant in ``steps_of`` (name -> a function doing one step) and its host syncs per
+    step. The variants are timed in turn, ``rounds`` times ``steps // rounds`` steps each, and each one's median
+    round is kept: a change of the GPU's clocks or of the machine's load then weighs on every variant alike (one
+    variant after the other, the first ones were seen 5-10% off on an H100)."""
+    for step in steps_of.values():
+        _timed_steps(step, device, warmup, 1, counted=0)
+    per_round = max(1, steps // rounds)
+    times: dict[str, list[float]] = {name: [] for name in steps_of}
+    for _ in range(rounds):
+        for name, step in steps_of.items():
+            times[name].append(_timed_steps(step, device, 0, per_round, counted=0)[0])
+    syncs = {name: _timed_steps(step, device, 0, 1)[1] for name, step in steps_of.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, syncs
+
+
 def worker_overhead(steps: int, device_kind: str) -> None:
     import torch
 
@@ -279,21 +299,23 @@ def worker_overhead(steps: int, device_kind: str) -> None:
     wide, batch = (4096, 256) if device.type == "cuda" else (64, 8)  # cpu: a self-test, not a measurement
     x = torch.randn(batch, wide // 2, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
-    ms, syncs = {}, {}
     variants = ("plain SGD", "DDP", "DDP + torch fp16 hook", "DDP + taco fp16 hook",
                 *(f"taco {c}" if c != "none" else "taco" for c in TIMED_COMPRESSIONS))
+    wrapped = {}
     for variant in variants:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(wide // 2, wide), torch.nn.ReLU(), torch.nn.Linear(wide, wide),
                                     torch.nn.ReLU(), torch.nn.Linear(wide, 10)).to(device)
-        net, opt = _wrap(variant, model, device)
-        ms[variant], syncs[variant] = _timed_steps(partial(_train_step, net, opt, x, y), device, 10, steps)
+        wrapped[variant] = _wrap(variant, model, device)
+    ms, syncs = _interleaved({v: partial(_train_step, net, opt, x, y) for v, (net, opt) in wrapped.items()},
+                             device, 10, steps)
+    for _, opt in wrapped.values():
         _release(opt)
     params = sum(p.numel() for p in model.parameters())
     kernels = _compressor_kernels(params, device, steps)
     _emit({"rank": taco.rank(), "params": params, "ms": ms, "syncs": syncs, "kernels": kernels,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (self-test)"})
-    del net, opt, model
+    del wrapped, model
     _close()
 
 
@@ -359,20 +381,21 @@ def worker_synthetic(steps: int, device_kind: str) -> None:
     data = torch.rand(batch, 3, side, side, device=device)
     target = torch.randint(0, 10 if tiny else 1000, (batch,), device=device)
     torchvision_ok = importlib.util.find_spec("torchvision") is not None
-    rows: dict[str, Any] = {}
+    wrapped = {}
     for variant in ("plain torch", "DDP", "taco", "taco fp16", "taco topk:0.01", "taco powersgd:4:warmup=0",
                     "horovod", "horovod fp16"):
         torch.manual_seed(0)
         model, name = synthetic_model(torchvision_ok, tiny)
-        model = model.to(device)
-        net, opt = _wrap(variant, model, device)
-        ms, syncs = _timed_steps(partial(_train_step, net, opt, data, target), device, 10 if not tiny else 2, steps)
-        rows[variant] = {"img_s": batch / ms * 1000, "ms": ms, "syncs": syncs}
+        wrapped[variant] = _wrap(variant, model.to(device), device)
+    ms, syncs = _interleaved({v: partial(_train_step, net, opt, data, target) for v, (net, opt) in wrapped.items()},
+                             device, 10 if not tiny else 2, steps)
+    rows = {v: {"img_s": batch / ms[v] * 1000, "ms": ms[v], "syncs": syncs[v]} for v in wrapped}
+    for _, opt in wrapped.values():
         _release(opt)
     params = sum(p.numel() for p in model.parameters())
     _emit({"rank": taco.rank(), "model": name, "params": params, "batch": batch, "rows": rows,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (self-test)"})
-    del net, opt, model
+    del wrapped, model
     _close()
 
 
@@ -459,7 +482,7 @@ def section_notebooks() -> tuple[str, bool]:
         notebook = nbformat.read(path, as_version=4)
         began = time.perf_counter()
         try:
-            NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+            NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
                            ).execute()
             rows.append((path.name, "ok", f"{time.perf_counter() - began:.0f} s"))
         except Exception as exc:  # noqa: BLE001 - reported in the table, the next notebook still runs
