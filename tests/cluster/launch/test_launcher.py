@@ -152,3 +152,27 @@ def test_non_ascii_output_reaches_the_log_whole_under_gforker(tmp_path):
         assert f"rank {rank} done" in lines, text[-2000:]
         expected = {f"rank {rank} line {i} " + "é…🌮" * 300 for i in range(100)}
         assert expected <= set(lines), f"rank {rank}: {len(expected - set(lines))} lines lost or cut"
+
+
+@needs_gforker
+@pytest.mark.cluster
+def test_a_start_whose_engines_do_not_register_in_time_names_them_and_stops_everything(tmp_path):
+    """Engines take seconds to import ipyparallel and register: with 1.5 s to do it, the start fails naming the
+    ranks that never registered and their host (an engine's id is its MPI rank), and leaves no process behind
+    (the autouse fixture fails the test on any survivor)."""
+    import socket
+
+    from taco_notebook.cluster.registry.writer import track
+    from taco_notebook.cluster.session import TacoCluster
+    from taco_notebook.errors import ClusterStartError
+
+    cluster = track(TacoCluster(f"slow{os.getpid()}", 2, start_timeout=1.5), tmp_path)
+    began = time.monotonic()
+    with pytest.raises(ClusterStartError) as info:
+        cluster.start()
+    message = str(info.value)
+    assert "engines registered within 1.5 s" in message, message
+    host = socket.gethostname()
+    assert f"never registered (ranks 0, 1 on {host})" in message or f"on {host})" in message, message
+    assert time.monotonic() - began < 60
+    assert not cluster.running
