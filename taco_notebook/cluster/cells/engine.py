@@ -30,15 +30,14 @@ import os
 import pickle
 import sys
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 from .script import Script
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "check_replicas", "reset_settings", "reinit", "abort", "fetch_result", "run_script",
-           "ScriptExit",
-           "elastic_mode", "placement", "open_group", "join_group", "elastic_restore", "setup_joiner",
-           "export_namespace", "import_namespace"]
+           "configure_cell", "CellSetup", "run_cell", "check_replicas", "reset_settings", "reinit", "abort",
+           "fetch_result", "run_script", "ScriptExit", "elastic_mode", "placement", "open_group", "join_group",
+           "elastic_restore", "setup_joiner", "export_namespace", "import_namespace"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
@@ -246,6 +245,45 @@ def abort() -> None:
     _abort()
 
 
+class CellSetup(NamedTuple):
+    """What a cell's runner does on the rank before and after the code (``%%taco_run``'s per-cell state)."""
+
+    dashboard: bool = True  # send metrics while it runs (some monitor watches)
+    settings: dict[str, Any] | None = None  # taco.configure(**settings) for this cell only
+    reset: bool = False  # taco.configure(reset=True) after it (the settings were set here or by configure_cell)
+
+
+def _around(setup: CellSetup) -> None:
+    """The per-cell set-up the runners do in the same request as the code: no message of its own."""
+    begin_cell(setup.dashboard)
+    if setup.settings:
+        configure_cell(setup.settings)
+
+
+def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
+    """A ``%%taco_run`` cell, in one request (``view.apply``): the per-cell set-up, then ``source`` run by the
+    engine's IPython shell as an ``execute`` would run it (input transformers, so magics and ``!`` lines;
+    history and ``In``; the events, so the metrics' post-execute flush), then what the kernel needs back:
+    the value of the last expression (``captured``) and whether this rank has replicas to check.
+
+    A failure is raised again, so the reply is an error named by the user's exception (``StallError``,
+    ``KeyboardInterrupt``…); its traceback starts in the engine's machinery, which the kernel cuts at the
+    cell's first frame (``reporting.render_traceback``). ``run_cell`` has already shown it once, on this
+    request's IOPub, where the kernel does not read it."""
+    from ...comm.replicas import wanted
+
+    try:
+        _around(setup)
+        result = _shell().run_cell(source, store_history=True)
+    finally:
+        if setup.reset:
+            reset_settings()
+    error = result.error_before_exec or result.error_in_exec
+    if error is not None:
+        raise error
+    return {"value": fetch_result() if captured else None, "replicas": wanted()}
+
+
 def fetch_result() -> Any:
     """The value of the cell's last expression on this rank, or ``(UNPICKLABLE, repr)`` if it cannot travel."""
     value = _shell().user_ns.get(RESULT_NAME)
@@ -261,10 +299,12 @@ class ScriptExit(RuntimeError):
     engine)."""
 
 
-def run_script(script: Script) -> None:
+def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
     """Run ``script`` (``%taco_run SCRIPT ARGS``, :mod:`.script`) in this engine as ``python path args`` would,
-    then put ``__main__``, ``sys.argv`` and ``sys.path`` back for the next cell, and send the dashboard its end
-    state (an applied call fires no post_execute)."""
+    after the per-cell set-up (as :func:`run_cell`), then put ``__main__``, ``sys.argv`` and ``sys.path`` back
+    for the next cell, and send the dashboard its end state (an applied call fires no post_execute)."""
+    from ...comm.replicas import wanted
+
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=script.path, __builtins__=__builtins__, __cached__=None)
     saved = sys.modules.get("__main__"), sys.argv, list(sys.path)
@@ -273,6 +313,7 @@ def run_script(script: Script) -> None:
     sys.modules["__main__"], sys.argv = main, [script.path, *script.args]
     sys.path.insert(0, os.path.dirname(script.path))
     try:
+        _around(setup)
         exec(compile(script.source, script.path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102
     except SystemExit as exc:
         if exc.code not in (None, 0):
@@ -283,6 +324,9 @@ def run_script(script: Script) -> None:
             sys.modules["__main__"] = saved[0]
         sys.argv, sys.path[:] = saved[1], saved[2]
         _sender.flush()
+        if setup.reset:
+            reset_settings()
+    return {"value": None, "replicas": wanted()}
 
 
 # ---------------------------------------------------------------- elastic (cluster/elastic/recovery.py drives these)

@@ -139,14 +139,23 @@ _RESULT_LINE = re.compile(rf"{RESULT_NAME} = \((.*)\)((?:\x1b\[[0-9;]*m)*)$")
 
 
 def render_traceback(error: Any, origin: str | None = None) -> str:
-    """A rank's traceback as text, quoting the cell's last line as the user wrote it; from the first frame in file
-    ``origin`` on, when given and found (a script's traceback then starts in the script, not in the engine's
-    machinery that ran it)."""
+    """A rank's traceback as text, quoting the cell's last line as the user wrote it, from the user's first frame
+    on: the first frame in file ``origin`` when given (a script), else the cell's first frame (``Cell In[n]``).
+    The frames before it are the engine's machinery that ran the code (``engine.run_cell``, IPython's
+    ``run_code``), which the user did not write."""
     try:
         text = "\n".join(error.render_traceback()[1:])
     except Exception:
         return f"{type(error).__name__}: {error}"
     lines = [_RESULT_LINE.sub(r"\1\2", line) for line in text.splitlines()]
-    text = "\n".join(lines)
-    first = next((i for i, line in enumerate(lines) if i and "File" in line and origin and origin in line), None)
-    return text if first is None else "\n".join([lines[0], *lines[first:]])
+    plain = [_ANSI.sub("", line) for line in lines]
+    if origin:
+        first = next((i for i, line in enumerate(plain) if i and "File" in line and origin in line), None)
+    else:
+        first = next((i for i, line in enumerate(plain) if i and line.lstrip().startswith("Cell In[")), None)
+    if first is None:
+        return "\n".join(lines)
+    return "\n".join([lines[0], *([""] if not plain[first - 1].strip() else []), *lines[first:]])
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")

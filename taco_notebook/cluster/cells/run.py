@@ -39,6 +39,7 @@ from .replicas import check_replicas
 from .reporting import cell_outcome, error_kinds, error_line, ranks_phrase, render_traceback, stalled_ranks, were
 from .result import capture_last_expression, unwrap_result
 from .script import Script
+from .tracker import RankTracker
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
 
@@ -95,7 +96,10 @@ class _CellRun:
         self.failure_deadline: float | None = None
         self.killed: list[int] = []
         self.ar: Any = None
-        self.parts: dict[int, Any] = {}  # rank -> its own AsyncResult (ar.split())
+        self.tracker: RankTracker | None = None  # which ranks have news (cells/tracker.py)
+        self.unshown: set[int] = set()  # ranks with output not yet shown
+        self.payloads: dict[int, Any] = {}  # every rank's latest dashboard payload
+        self.checked: set[int] = set()  # finished ranks whose outcome collect_errors has looked at
         self.reported_at = 0.0
         # what the monitors were last handed: rank -> id() of its payload, and the ranks then still running
         self.reported: tuple[dict[int, int], list[int]] = ({}, [])
@@ -103,11 +107,24 @@ class _CellRun:
         self.origin: str | None = None  # a script's path: its tracebacks are shown from its first frame
 
     # ---------------------------------------------------------------- output
+    def absorb(self) -> None:
+        """Take in which ranks got messages since the last look (their output, their dashboard payload)."""
+        if self.tracker is None:
+            return
+        for rank in self.tracker.news():
+            self.unshown.add(rank)
+            data = self.tracker.metadata[rank]["data"]
+            if engine.KEY in data:
+                self.payloads[rank] = data[engine.KEY]
+
     def drain(self) -> None:
-        """Show what arrived since the last call. The client appends every rank's output to the result's
-        metadata as it comes; reading from there (not from iopub callbacks registered after submission)
-        cannot lose what a fast rank printed before we looked."""
-        for rank, md in zip(self.targets, self.ar.metadata, strict=True):
+        """Show what arrived since the last call, from the ranks that got messages. The client appends every
+        rank's output to the request's metadata as it comes; reading from there cannot lose what a fast rank
+        printed before we looked (every rank is read once at the start)."""
+        self.absorb()
+        unshown, self.unshown = self.unshown, set()
+        for rank in sorted(unshown):
+            md = self.tracker.metadata[rank]  # type: ignore[union-attr]
             for name in ("stdout", "stderr"):
                 text = md[name]
                 seen = self.shown.get((rank, name), 0)
@@ -128,8 +145,8 @@ class _CellRun:
         if not force and now - self.reported_at < REPORT_S:
             return
         self.reported_at = now
-        payloads = {rank: md["data"][engine.KEY] for rank, md in zip(self.targets, self.ar.metadata, strict=True)
-                    if engine.KEY in md["data"]}  # fmt: skip
+        self.absorb()
+        payloads = dict(self.payloads)
         running = self.running()
         fresh = ({rank: id(payload) for rank, payload in payloads.items()}, running)
         if fresh == self.reported:  # a rank that finished with no new payload is news too (the final picture)
@@ -149,26 +166,18 @@ class _CellRun:
 
     # ---------------------------------------------------------------- states
     def running(self) -> list[int]:
-        return [rank for rank, part in self.parts.items() if not part.ready()]
+        return self.tracker.running() if self.tracker is not None else []
 
     def outcomes(self) -> dict[int, Any]:
-        """What each finished rank's cell returned: an ExecuteReply, or a RemoteError where it raised.
-
-        Read from the rank's own AsyncResult (the client's ``results`` cache is purged as soon as a message
-        and its output are in, so it cannot be polled). ``split()`` hands a one-rank cell its own AsyncResult,
-        whose result is a list of one.
-        """
-        found = {}
-        for rank, part in self.parts.items():
-            if part.ready():
-                value = part.get(0, return_exceptions=True)
-                found[rank] = value[0] if part is self.ar else value
-        return found
+        """What each finished rank's request returned: the runner's reply, or a RemoteError where it raised."""
+        return self.tracker.outcomes() if self.tracker is not None else {}
 
     def collect_errors(self) -> None:
-        for rank, result in self.outcomes().items():
-            if rank in self.errors:
-                continue
+        """Look at the ranks that finished since the last call (each once)."""
+        if self.tracker is None:
+            return
+        for rank in self.tracker.newly_finished():
+            result = self.tracker.outcome(rank)
             if getattr(result, "ename", None) == "EngineError":  # the hub saw the engine process go
                 self.engine_died()
             if isinstance(result, RemoteError):
@@ -182,8 +191,11 @@ class _CellRun:
 
     def release_peers(self) -> None:
         """Shut the process group down on finished ranks so peers blocked on them fail fast (ladder step 1)."""
-        finished = [r for r in self.targets if r not in self.running() and r not in self.shut_down_pg]
-        if not finished or not self.running():
+        running = self.running()
+        if not running:
+            return
+        finished = [r for r in self.tracker.finished if r not in self.shut_down_pg]  # type: ignore[union-attr]
+        if not finished:
             return
         self.shut_down_pg.update(finished)
         self.cluster.mark_group_broken()
@@ -236,7 +248,9 @@ class _CellRun:
                 pass
         self.cluster.mark_group_broken()
         self.failure_deadline = float("inf")  # the ladder is climbing: only its own grace counts now
-        if self.wait_until(time.monotonic() + self.options.interrupt_grace):
+        done = self.wait_until(time.monotonic() + self.options.interrupt_grace)
+        self.tracker.settle()  # type: ignore[union-attr]
+        if done:
             return []
         stuck = self.killed = self.running()
         self.sink.warn(f"{ranks_phrase(stuck)} ignored SIGINT for {self.options.interrupt_grace:g} s: "
@@ -244,38 +258,34 @@ class _CellRun:
         self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
         return stuck
 
-    def run(self, submit: Callable[[Any], Any], captured: bool) -> Any:
-        """Prepare the ranks, ``submit(view)`` the work (a cell's ``execute`` or a script's ``apply``), and
-        wait for it through the ladder; ``captured``: the cell's last expression is to be fetched."""
+    def run(self, submit: Callable[[Any, engine.CellSetup], Any], captured: bool) -> Any:
+        """Prepare the ranks, ``submit(view, setup)`` the work (a cell's or a script's runner, which does the
+        per-cell ``setup`` in the same request), and wait for it through the ladder; ``captured``: the cell's
+        last expression is to be brought back."""
         if self.cluster.needs_reinit:
             self.cluster.reinit()
-        if self.options.settings:
-            notes = self.cluster.client[self.engines].apply_sync(engine.configure_cell, self.options.settings)
-            if notes[0]:  # --compression auto: what it chose (the ranks agree)
+        settings = self.options.settings
+        if settings and settings.get("compression") == "auto":  # what auto chose is said before the cell runs
+            notes = self.cluster.client[self.engines].apply_sync(engine.configure_cell, settings)
+            if notes[0]:  # the ranks agree
                 self.sink.notice(notes[0])
-        # no reply awaited: requests on a view are queued in order, so the engines run it before the cell
-        self.cluster.client[self.engines].apply_async(engine.begin_cell, self.sending)
+            settings = None
+        setup = engine.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings))
         try:
-            value = self._execute(submit, captured)
+            value = self._execute(lambda view: submit(view, setup), captured)
         except BaseException as exc:
             try:
                 self.finish_monitors(exc)
             except Exception:  # the cell's own error is what the user must see
                 log.exception("the dashboard or the registry failed to record the end of the cell")
             raise
-        else:
-            self.finish_monitors(None)
-            return value
-        finally:
-            # engines still registered only: under --elastic a member may have died during the cell
-            live = [e for e in self.engines if e in self.cluster.client.ids] if self.cluster.running else []
-            if self.options.settings and live:
-                self.cluster.client[live].apply_async(engine.reset_settings)
+        self.finish_monitors(None)
+        return value
 
     def _execute(self, submit: Callable[[Any], Any], captured: bool) -> Any:
         self.submitted_at = time.time()  # the hang autopsy's "since" (split() may wait: not a start time)
         self.ar = submit(self.cluster.client[self.engines])
-        self.parts = dict(zip(self.targets, self.ar.split(), strict=True))
+        self.tracker = RankTracker(self.cluster.client, self.ar, self.targets)
         self.started = time.monotonic()
         try:
             self._wait_with_ladder()
@@ -287,16 +297,19 @@ class _CellRun:
         if self.killed:
             raise self.failure()
         self.ar.wait_for_output(1)
+        self.tracker.settle()
         self.drain()
         self.sink.flush()
         self.collect_errors()
         if self.errors:
             raise self.failure()
-        if self.options.check_replicas and self.options.targets is None and self.cluster.elastic is None:
+        replies = self.ar.get()  # every rank's runner's reply: {"value", "replicas"}
+        if (self.options.check_replicas and self.options.targets is None and self.cluster.elastic is None
+                and all(reply["replicas"] for reply in replies)):
             check_replicas(self.cluster.client[self.engines], self.sink)
         if not captured:
             return None
-        values = [unwrap_result(v) for v in self.cluster.client[self.engines].apply_sync(engine.fetch_result)]
+        values = [unwrap_result(reply["value"]) for reply in replies]
         return values if self.options.gather else values[0]
 
     def _wait_with_ladder(self) -> None:
@@ -361,7 +374,7 @@ def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: Output
     a rank's death and admits joiners (cluster/elastic/recovery.py)."""
     source, captured = capture_last_expression(code)
     return _run(cluster, code, options, sink,
-                lambda view: view.execute(source, silent=False, block=False), captured)
+                lambda view, setup: view.apply_async(engine.run_cell, source, setup, captured), captured)
 
 
 def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink: OutputSink) -> None:
@@ -369,11 +382,11 @@ def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink:
     with a cell's live output, failure handling, Ctrl-C ladder and monitors. ``options.gather`` is ignored:
     a script has no last expression."""
     _run(cluster, f"%taco_run {script.command()}", options, sink,
-         lambda view: view.apply_async(engine.run_script, script), captured=False, origin=script.path)
+         lambda view, setup: view.apply_async(engine.run_script, script, setup), captured=False, origin=script.path)
 
 
 def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSink,
-         submit: Callable[[Any], Any], captured: bool, origin: str | None = None) -> Any:
+         submit: Callable[[Any, engine.CellSetup], Any], captured: bool, origin: str | None = None) -> Any:
     """Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end;
     ``shown`` is what the sidebar says runs."""
     from .reporting import RegistryRun

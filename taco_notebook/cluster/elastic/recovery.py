@@ -194,7 +194,8 @@ def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
     still running after :data:`SETTLE_S` (all roll back anyway; a rank blocked on a failed peer would otherwise
     wait for the collective timeout). Returns further deaths seen meanwhile (a node's ranks go one by one)."""
     cluster, deaths = run.cluster, []
-    parts = {r.rank: run.parts[r.rank] for r in survivors if r.rank in run.parts}
+    every = run.tracker.parts if run.tracker is not None else {}
+    parts = {r.rank: every[r.rank] for r in survivors if r.rank in every}
     aborted: set[int] = set()
     start, interrupted = time.monotonic(), False
     while True:
@@ -269,7 +270,7 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
     cluster.set_run(cluster.run)  # publishes the model (its membership) to the registry, hence the sidebar
 
 
-def run_elastic(cluster: TacoCluster, submit: Callable[[Any], Any], captured: bool, options: CellOptions,
+def run_elastic(cluster: TacoCluster, submit: Callable[[Any, Any], Any], captured: bool, options: CellOptions,
                 sink: OutputSink, origin: str | None = None, *, spec: ElasticSpec) -> Any:
     """Run a cell (or a script) as an elastic one (``CellOptions.runner``, with ``spec`` bound): on a rank's
     death recover (module docstring) and ``submit`` it again (see :meth:`.run._CellRun.run`)."""

@@ -1,0 +1,99 @@
+"""Which ranks of a running cell have news, without reading every rank's state on every poll (issue 27).
+
+The cell's wait loop (``run.py``) wakes every few tens of milliseconds. Reading every rank's metadata and asking
+every rank's AsyncResult whether it is done on each wake costs the notebook O(ranks) per wake: at 1,000 ranks,
+most of a core for a cell that does nothing. Instead the client's own IO thread tells us, as messages arrive:
+
+* ipyparallel calls each request's ``MessageFuture.iopub_callbacks`` for every IOPub message of that request
+  (output, a dashboard payload, the idle status), after the message is in the request's metadata; ours appends
+  the rank to a queue;
+* each rank's AsyncResult (``ar.split()``) is a ``concurrent.futures.Future``: its done callback appends the
+  rank to another queue.
+
+The wait loop then reads only the ranks that were queued since it last looked. Every rank is queued once at the
+start, for what arrived before the callbacks were in. ``collections.deque.append`` and ``popleft`` are
+thread-safe, so the IO thread and the wait loop need no lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["RankTracker"]
+
+
+class RankTracker:
+    """Per-rank state of one submitted request on ``targets`` (ranks, in the order of ``ar.msg_ids``)."""
+
+    def __init__(self, client: Any, ar: Any, targets: Sequence[int]) -> None:
+        self.ar = ar
+        self.parts: dict[int, Any] = dict(zip(targets, ar.split(), strict=True))  # rank -> its own AsyncResult
+        self.metadata: dict[int, Any] = {rank: client.metadata[msg_id]
+                                         for rank, msg_id in zip(targets, ar.msg_ids, strict=True)}
+        self.finished: dict[int, None] = {}  # ranks whose request ended, in the order they did
+        self._outcomes: dict[int, Any] = {}
+        self._news: deque[int] = deque(targets)
+        self._done: deque[int] = deque()
+        self._order: list[int] = []
+        self._cursor = 0
+        for rank, part in self.parts.items():
+            futures = getattr(part, "_children", ())
+            for future in futures:  # one MessageFuture per rank
+                future.iopub_callbacks.append(lambda _msg, rank=rank: self._news.append(rank))
+            part.add_done_callback(lambda _future, rank=rank: self._done.append(rank))
+
+    def news(self) -> set[int]:
+        """The ranks that received IOPub messages since the last call."""
+        found = set()
+        while self._news:
+            found.add(self._news.popleft())
+        return found
+
+    def update(self) -> None:
+        """Take in the ranks whose request ended since the last look."""
+        while self._done:
+            rank = self._done.popleft()
+            if rank not in self.finished:
+                self.finished[rank] = None
+                self._order.append(rank)
+
+    def settle(self) -> None:
+        """Once, when the request as a whole is done: every rank read again and every finished rank taken in,
+        without waiting for the callbacks, which the IO thread may still be running (a Future wakes its waiters
+        before it calls its callbacks)."""
+        self._news.extend(self.parts)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Every rank's AsyncResult asked whether it is done (O(ranks): where the answer must be exact now)."""
+        for rank, part in self.parts.items():
+            if rank not in self.finished and part.done():
+                self._done.append(rank)
+
+    def newly_finished(self) -> list[int]:
+        """The ranks whose request ended since the last call of this method, in the order they did."""
+        self.update()
+        found, self._cursor = self._order[self._cursor:], len(self._order)
+        return found
+
+    def running(self) -> list[int]:
+        self.update()
+        return [rank for rank in self.parts if rank not in self.finished]
+
+    def outcome(self, rank: int) -> Any:
+        """What the finished rank's request returned: its value, or the RemoteError it raised (read once).
+
+        Read from the rank's own AsyncResult (the client's ``results`` cache is purged as soon as a message and
+        its output are in, so it cannot be polled). ``split()`` hands a one-rank request its own AsyncResult,
+        whose result is a list of one."""
+        if rank not in self._outcomes:
+            part = self.parts[rank]
+            value = part.get(0, return_exceptions=True)
+            self._outcomes[rank] = value[0] if part is self.ar else value
+        return self._outcomes[rank]
+
+    def outcomes(self) -> dict[int, Any]:
+        self.update()
+        return {rank: self.outcome(rank) for rank in self.finished}
