@@ -158,7 +158,7 @@ def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | Non
         by_host.setdefault(info.host, []).append(info.pid)
     remote = [host for host in by_host if not runs_locally(host)]
     ssh, ssh_error = _ssh_program(remote, launcher_exec)
-    with ThreadPoolExecutor(max(1, len(by_host)), thread_name_prefix="taco-autopsy-host") as pool:
+    with ThreadPoolExecutor(max(1, min(64, len(by_host))), thread_name_prefix="taco-autopsy-host") as pool:
         asked = {host: pool.submit(read_pids, pids, directory, timeout) if host not in remote else
                  pool.submit(read_remote, host, pids, ssh, directory, timeout, ssh_error)
                  for host, pids in by_host.items()}
