@@ -18,6 +18,9 @@ not an abstract socket, so that ranks in network namespaces (the emulated nodes)
 
     >>> listen()  # on each rank (cluster/cells/engine.py does it at engine setup)  # doctest: +SKIP
     >>> ask(socket_path(pid), timeout=1.0)  # from another process of the same user  # doctest: +SKIP
+
+The reader's side (:func:`~taco_notebook.cluster.cells.autopsy_host.ask`, and the ssh to other hosts) lives in
+``cluster/cells``: it must not import this package, which imports torch.
 """
 
 from __future__ import annotations
@@ -40,11 +43,10 @@ from typing import Any
 from ..errors import StallError
 from . import stall
 
-__all__ = ["DIR_ENV", "MAX_REPLY_BYTES", "socket_dir", "socket_path", "snapshot", "remember_stall", "listen",
-           "stop_listening", "ask", "library_file"]
+__all__ = ["DIR_ENV", "socket_dir", "socket_path", "snapshot", "remember_stall", "listen", "stop_listening",
+           "library_file"]
 
 DIR_ENV = "TACO_AUTOPSY_DIR"
-MAX_REPLY_BYTES = 8 << 20  # a few hundred threads of deep stacks: far less; anything larger is not ours
 _THREAD_NAME = "taco-autopsy"
 _LIBRARY_ROOTS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
                        | {str(Path(__file__).resolve().parents[1])})  # taco_notebook itself: never the user's place
@@ -207,29 +209,3 @@ def _serve(server: socket.socket) -> None:
                 conn.sendall(json.dumps(reply, default=str).encode())
             except Exception:  # noqa: BLE001 - one failed reply must not end the listener
                 continue
-
-
-def ask(path: Path | str, timeout: float) -> dict[str, Any]:
-    """The reply of the listener at ``path``: ``{"now": snapshot, "at_stall": snapshot or None}``. Raises
-    OSError (none listens there), TimeoutError (it did not answer in ``timeout`` s) or ValueError (not JSON)."""
-    deadline = time.monotonic() + timeout
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(timeout)
-        conn.connect(str(path))
-        chunks, size = [], 0
-        while True:
-            conn.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                chunk = conn.recv(1 << 16)
-            except TimeoutError:
-                raise TimeoutError(f"no answer in {timeout:g} s") from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_REPLY_BYTES:
-                raise ValueError(f"reply over {MAX_REPLY_BYTES} bytes")
-    if not chunks:
-        raise ValueError("the listener closed the connection without an answer")
-    reply: dict[str, Any] = json.loads(b"".join(chunks))
-    return reply

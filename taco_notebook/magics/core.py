@@ -136,11 +136,11 @@ class TacoMagics(Magics, TacoSettings):
             print(format_status(cluster))
 
     def _cluster_stacks(self, name: str, size: int | None, args: Any) -> None:
-        from ..cluster.cells.autopsy import collect
+        from ..cluster.cells.autopsy import collect, launcher_of
 
         cluster = clusters.get(name)
         if cluster is not None and cluster.running:
-            print(collect(cluster.ranks).text())
+            print(collect(cluster.ranks, launcher_exec=launcher_of(cluster)).text())
             return
         # another kernel's cluster (this one may be stuck in a cell): its ranks from the registry
         from ..server.manager import ClusterManager

@@ -152,7 +152,7 @@ class ClusterManager:
         """The hang autopsy of a running cluster (:mod:`taco_notebook.cluster.cells.autopsy`): read from the
         ranks' own listeners, so it works while a cell holds the kernel; the ranks are the registry's (a
         kernel's cluster) or this server's. Never stops or changes a rank."""
-        from ..cluster.cells.autopsy import RankAddress, collect
+        from ..cluster.cells.autopsy import RankAddress, collect, launcher_of
 
         model = self.get(cluster_id)
         if model["state"] not in ("running", "broken"):
@@ -160,13 +160,14 @@ class ClusterManager:
         with self._lock:
             owned = self._clusters.get(cluster_id)
             ranks = [RankAddress(r.rank, r.pid, r.host) for r in owned.ranks] if owned is not None else None
+            launcher = launcher_of(owned)  # a kernel's cluster: None, the emulated hosts' stand-in or ssh
         if ranks is None:
             entry = self._read(registry_files.read_entry, cluster_id)
             hosts = {rank: node["host"] for node in model["nodes"] for rank in node["ranks"]}
             ranks = [RankAddress(rank, pid, hosts.get(rank, "?")) for rank, pid in (entry or {}).get("rank_pids", [])]
         if not ranks:
             raise Conflict(f"cluster {cluster_id} has no ranks yet; ask again once it runs")
-        report: dict[str, Any] = collect(ranks).to_dict()
+        report: dict[str, Any] = collect(ranks, launcher_exec=launcher).to_dict()
         return report
 
     # ---------------------------------------------------------------- actions

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from taco_notebook.cluster.cells.autopsy_host import ask
 from taco_notebook.comm import autopsy
 
 
@@ -35,7 +36,7 @@ def test_the_listener_reports_a_blocked_thread_without_disturbing_it(private_dir
         assert path == private_dir / f"{os.getpid()}.sock"
         assert stat.S_IMODE(os.stat(private_dir).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        reply = autopsy.ask(path, timeout=2.0)
+        reply = ask(path, timeout=2.0)
         now = reply["now"]
         assert now["pid"] == os.getpid() and reply["at_stall"] is None
         [thread] = [t for t in now["threads"] if t["name"] == "blocked-worker"]
@@ -55,7 +56,7 @@ def test_the_listener_reports_a_blocked_thread_without_disturbing_it(private_dir
 def test_a_stall_snapshot_is_kept_for_the_next_reader(private_dir: Path) -> None:
     autopsy.remember_stall(7, "allreduce 'step'", 3.2)
     try:
-        reply = autopsy.ask(autopsy.listen(), timeout=2.0)
+        reply = ask(autopsy.listen(), timeout=2.0)
         assert reply["at_stall"]["collective"] == {"seq": 7, "name": "allreduce 'step'", "waited_s": 3.2}
         assert reply["now"]["collective"] is None
     finally:
@@ -76,4 +77,4 @@ def test_a_directory_open_to_others_is_refused(tmp_path: Path, monkeypatch: pyte
 def test_no_listener_is_an_oserror(private_dir: Path) -> None:
     autopsy.socket_dir()
     with pytest.raises(FileNotFoundError):
-        autopsy.ask(autopsy.socket_path(1), timeout=0.5)
+        ask(autopsy.socket_path(1), timeout=0.5)

@@ -4,9 +4,12 @@ Each rank serves its state on a Unix socket (:mod:`taco_notebook.comm.autopsy`, 
 engine setup), so the autopsy needs neither the ranks' main threads nor the notebook kernel's: the kernel's cell
 runner reads it when a rank raises a StallError (the ranks that waited report themselves as they were when
 their watchdog fired), ``%taco_cluster stacks`` reads it on demand, and the Jupyter server reads it for the
-sidebar while a cell holds the kernel (``GET /taco-notebook/api/clusters/{id}/stacks``). Every rank is asked at
-once, so 16 ranks take as long as the slowest (at most ``timeout``). A rank that does not answer is described
-by the OS: its ``/proc/PID/status`` state and its main thread's ``wchan``.
+sidebar while a cell holds the kernel (``GET /taco-notebook/api/clusters/{id}/stacks``). A Unix socket is
+reached only on its own host: the ranks of this host are read here, those of every other host by one ssh to
+it that runs :mod:`.autopsy_host` there (the way hydra reaches the hosts), and the answers merge into one
+report. Every rank and host is asked at once, so 16 ranks take as long as the slowest (at most ``timeout``,
+plus :data:`REMOTE_SETUP_S` for another host's ssh). A rank that does not answer is described by its host's
+OS: its ``/proc/PID/status`` state and its main thread's ``wchan``; a host that ssh cannot reach, by ssh.
 
     >>> print(collect(cluster.ranks).text())  # doctest: +SKIP
     stacks of 4 ranks, read in 0.05 s
@@ -17,9 +20,12 @@ by the OS: its ``/proc/PID/status`` state and its main thread's ``wchan``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import socket
+import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,13 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...comm.autopsy import ask, library_file, socket_dir, socket_path
+from ...comm.autopsy import library_file, socket_dir
+from ..launch.hostfiles import ProfileError
+from ..launch.overlay import overlay_for
+from ..launch.sshcheck import runs_locally, ssh_command
+from .autopsy_host import MODULE as HOST_READER
+from .autopsy_host import read_pids
 
-__all__ = ["TIMEOUT_S", "RankAddress", "RankStacks", "Autopsy", "collect", "after_stall", "rank_span"]
+__all__ = ["TIMEOUT_S", "REMOTE_SETUP_S", "RankAddress", "RankStacks", "Autopsy", "collect", "after_stall",
+           "launcher_of", "read_remote", "host_answers", "rank_span"]
 
 AFTER_STALL_TIMEOUT_S = 5.0  # the cell has failed already: a loaded rank gets longer to answer than on demand
 _LIBRARY_FRAMES = 3  # shown of a thread that runs no user code: enough to see what it waits on
 TIMEOUT_S = 1.5  # every rank is asked at once: the whole autopsy takes at most this, well within 2 s
+REMOTE_SETUP_S = 1.5  # another host's ssh connection and Python start, on top of its ranks' TIMEOUT_S
 _CELL_FILE = re.compile(r"(^<ipython-input-\d+-[0-9a-f]+>$)|(/ipykernel_\d+/\d+\.py$)|(^<string>$)")
 
 
@@ -129,14 +142,28 @@ class Autopsy:
         return self.text()
 
 
-def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | None = None) -> Autopsy:
+def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | None = None,
+            launcher_exec: str | None = None) -> Autopsy:
     """Ask every rank (objects with ``rank``, ``pid`` and ``host``: a cluster's RankInfo) at once. With
-    ``since`` (a ``time.time()``), a rank whose stall watchdog fired after it reports itself as it was then."""
+    ``since`` (a ``time.time()``), a rank whose stall watchdog fired after it reports itself as it was then.
+
+    Ranks of this host are read here; those of each other host by one ssh to it (``launcher_exec``: the
+    program that stands in for ssh, as a cluster's profile names it; None: the one emulated hosts publish, else
+    ``ssh``) running :mod:`.autopsy_host` there. Every host is asked at once."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     began = time.monotonic()
     directory = socket_dir()
-    with ThreadPoolExecutor(max(1, min(64, len(ranks))), thread_name_prefix="taco-autopsy") as pool:
-        found = list(pool.map(lambda r: _ask_rank(r, directory, timeout, since), ranks))
+    by_host: dict[str, list[int]] = {}
+    for info in ranks:
+        by_host.setdefault(info.host, []).append(info.pid)
+    remote = [host for host in by_host if not runs_locally(host)]
+    ssh, ssh_error = _ssh_program(remote, launcher_exec)
+    with ThreadPoolExecutor(max(1, min(64, len(by_host))), thread_name_prefix="taco-autopsy-host") as pool:
+        asked = {host: pool.submit(read_pids, pids, directory, timeout) if host not in remote else
+                 pool.submit(read_remote, host, pids, ssh, directory, timeout, ssh_error)
+                 for host, pids in by_host.items()}
+        answers = {host: future.result() for host, future in asked.items()}
+    found = [_rank_stacks(info, answers[info.host].get(info.pid), since) for info in ranks]
     autopsy = Autopsy(found, time.monotonic() - began)
     autopsy.suspects, autopsy.why = _suspects(found)
     return autopsy
@@ -151,25 +178,85 @@ def after_stall(cluster: Any, targets: Sequence[int], sink: Any, since: float) -
         return
     chosen = [r for r in cluster.ranks if r.rank in targets]
     try:
-        report = collect(chosen, timeout=AFTER_STALL_TIMEOUT_S, since=since)
+        report = collect(chosen, timeout=AFTER_STALL_TIMEOUT_S, since=since, launcher_exec=launcher_of(cluster))
     except Exception as exc:  # noqa: BLE001 - the cell's own failure is what must reach the user
         sink.warn(f"hang autopsy failed: {type(exc).__name__}: {exc}")
         return
     sink.warn(f"hang autopsy: {report.text()}")
 
 
-def _ask_rank(info: Any, directory: Path, timeout: float, since: float | None) -> RankStacks:
-    stacks = RankStacks(info.rank, info.pid, info.host)
-    path = socket_path(info.pid, directory)
+def launcher_of(cluster: Any) -> str | None:
+    """The program a cluster's profile reaches its hosts with (hydra's ``-launcher-exec``), None for ``ssh``."""
+    profile = getattr(cluster, "profile", None)
+    return getattr(profile, "launcher_exec", None)
+
+
+def _ssh_program(hosts: Sequence[str], launcher_exec: str | None) -> tuple[str, str | None]:
+    """What reaches ``hosts``: ``launcher_exec``, else the emulated hosts' published stand-in, else ``ssh``; and
+    why none can be used (an unsafe launch overlay), or None."""
+    if launcher_exec is not None or not hosts:
+        return launcher_exec or "ssh", None
     try:
-        reply = ask(path, timeout)
-    except TimeoutError as exc:
-        stacks.missing = f"its listener did not answer ({exc}; its main thread may hold the GIL in C); " + \
-                         _os_state(info.pid, info.host)
-        return stacks
-    except (OSError, ValueError) as exc:
-        reason = "no listener" if isinstance(exc, FileNotFoundError | ConnectionRefusedError) else str(exc)
-        stacks.missing = f"{reason} at {path}; " + _os_state(info.pid, info.host)
+        overlay = overlay_for(hosts)
+    except ProfileError as exc:
+        return "ssh", str(exc)
+    return (overlay.launcher_exec if overlay is not None else "ssh"), None
+
+
+def read_remote(host: str, pids: Sequence[int], ssh: str, directory: Path, timeout: float,
+                refused: str | None = None) -> dict[int, dict[str, Any]]:
+    """The answers of ``pids`` on ``host``: :mod:`.autopsy_host` run there through one ``ssh`` (this
+    interpreter's path, as the engines are started), given ``timeout`` per rank plus :data:`REMOTE_SETUP_S` for
+    ssh and Python to start; past that the ssh is killed and every pid is missing, with the reason."""
+    if refused is not None:
+        return _all_missing(pids, f"host {host}: not asked over ssh: {refused}")
+    remote = [sys.executable, "-m", HOST_READER, "--dir", str(directory), "--timeout", f"{timeout:g}",
+              *map(str, pids)]
+    budget = timeout + REMOTE_SETUP_S
+    # ssh joins the words for the host's shell; its own connect timeout outlasts ours, so the kill below bounds it
+    argv = ssh_command(ssh, host, [shlex.quote(word) for word in remote], budget + 1)
+    try:
+        run = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    except OSError as exc:
+        return _all_missing(pids, f"host {host}: ssh failed: {ssh} cannot be run ({exc.strerror or exc})")
+    try:
+        out, err = run.communicate(timeout=budget)
+    except subprocess.TimeoutExpired:
+        run.kill()  # our own child, by its pid; the reader on the host ends by itself within its timeout
+        run.communicate()
+        return _all_missing(pids, f"host {host}: no answer over ssh in {budget:g} s (ssh stopped)")
+    return host_answers(host, pids, run.returncode, out, err)
+
+
+def host_answers(host: str, pids: Sequence[int], returncode: int, stdout: str,
+                 stderr: str) -> dict[int, dict[str, Any]]:
+    """The answers in a host reader's output (its last stdout line: ``{"host", "pids"}``), or each pid missing
+    with why: ssh's last line of stderr when it failed, the output when it is not the reader's JSON."""
+    if returncode != 0:
+        said = [line for line in stderr.strip().splitlines() if line.strip()]
+        return _all_missing(pids, f"host {host}: ssh failed: {said[-1] if said else f'exit status {returncode}'}")
+    lines = stdout.strip().splitlines()
+    try:
+        answers = json.loads(lines[-1]).get("pids") if lines else None
+    except (ValueError, AttributeError):
+        answers = None
+    if not isinstance(answers, dict):
+        shown = lines[-1][:200] if lines else ""
+        return _all_missing(pids, f"host {host}: its stacks reader printed no report (got {shown!r})")
+    return {pid: answers.get(str(pid)) or {"missing": f"host {host}: its stacks reader did not report process {pid}"}
+            for pid in pids}
+
+
+def _all_missing(pids: Sequence[int], why: str) -> dict[int, dict[str, Any]]:
+    return {pid: {"missing": why} for pid in pids}
+
+
+def _rank_stacks(info: Any, answer: dict[str, Any] | None, since: float | None) -> RankStacks:
+    stacks = RankStacks(info.rank, info.pid, info.host)
+    reply = (answer or {}).get("reply")
+    if not isinstance(reply, dict):
+        stacks.missing = str((answer or {}).get("missing") or f"no answer for process {info.pid}")
         return stacks
     stall = reply.get("at_stall")
     if since is not None and stall is not None and stall.get("taken_at", 0) >= since:
@@ -177,24 +264,6 @@ def _ask_rank(info: Any, directory: Path, timeout: float, since: float | None) -
     else:
         stacks.snapshot = reply.get("now")
     return stacks
-
-
-def _os_state(pid: int, host: str) -> str:
-    """What this host's OS says of process ``pid``: its state and where its main thread sleeps in the kernel."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        here = socket.gethostname()
-        where = f" (it runs on host {host}; stacks are read on the host the autopsy runs on)" if host != here else ""
-        return f"no process {pid} on {here}{where}"
-    except OSError as exc:
-        return f"/proc/{pid}/status unreadable: {exc.strerror}"
-    state = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")), "?")
-    try:
-        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "0"
-    except OSError:
-        wchan = "unreadable"
-    return f"process {pid} is {state} (/proc/{pid}/status), wchan {wchan if wchan != '0' else 'none (running)'}"
 
 
 def _suspects(ranks: Sequence[RankStacks]) -> tuple[list[int], str]:

@@ -13,10 +13,11 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 
 from .profiles import Profile
 
-__all__ = ["unreachable_hosts", "runs_locally", "CONNECT_TIMEOUT_S"]
+__all__ = ["unreachable_hosts", "runs_locally", "ssh_command", "CONNECT_TIMEOUT_S"]
 
 CONNECT_TIMEOUT_S = 10
 
@@ -31,6 +32,12 @@ def runs_locally(host: str) -> bool:
         return False
 
 
+def ssh_command(ssh: str, host: str, command: Sequence[str], timeout: float = CONNECT_TIMEOUT_S) -> list[str]:
+    """``command`` run on ``host`` the way hydra reaches it: ``ssh`` (a profile's ``launcher_exec`` or ``ssh``) in
+    batch mode (never a prompt) with a connect timeout of ``timeout`` seconds (at least 1)."""
+    return [ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}", host, *command]
+
+
 def _reason(run: subprocess.Popen[str], stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     return lines[-1] if lines else f"ssh exited with status {run.returncode}"
@@ -43,7 +50,7 @@ def unreachable_hosts(profile: Profile, timeout: float = CONNECT_TIMEOUT_S) -> d
     asked = [host for host, _ in profile.hosts if not runs_locally(host)]
     if asked and shutil.which(ssh) is None:
         return {host: f"{ssh} cannot be run (not found or not executable)" for host in asked}
-    runs = {host: subprocess.Popen([ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}", host, "true"],
+    runs = {host: subprocess.Popen(ssh_command(ssh, host, ["true"], timeout),
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True)
             for host in asked}

@@ -4,17 +4,29 @@ others wait in an allreduce, a rank hung in another collective, a rank that cann
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from taco_notebook.cluster.cells.autopsy import Autopsy, RankAddress, collect, rank_span
+from taco_notebook.cluster.cells.autopsy import Autopsy, RankAddress, collect, launcher_of, rank_span
+from taco_notebook.cluster.cells.autopsy_host import MODULE
+from taco_notebook.cluster.emulated.hosts import EmulatedHosts
+from taco_notebook.cluster.launch.sshcheck import runs_locally
+from taco_notebook.cluster.session import clusters
+from taco_notebook.comm.autopsy import socket_dir
 from taco_notebook.errors import RankFailedError
+
+from ...conftest import REPO
+from ..launch.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.cluster
 
@@ -135,6 +147,20 @@ def test_a_rank_that_cannot_answer_is_described_by_the_os(ip, shared_cluster, ca
     assert "ranks 0-3: idle" in capsys.readouterr().out
 
 
+def test_the_host_reader_reads_real_ranks_as_ssh_would_run_it(shared_cluster) -> None:
+    """What the collector runs on another host, run here for this host's ranks: one JSON line, every rank's
+    snapshot (its own rank and pid)."""
+    pids = [r.pid for r in shared_cluster.ranks]
+    done = subprocess.run([sys.executable, "-m", MODULE, "--dir", str(socket_dir()), "--timeout", "5",
+                           *map(str, pids)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["host"] == socket.gethostname()
+    assert {(r.rank, r.pid) for r in shared_cluster.ranks} == {
+        (answer["reply"]["now"]["rank"], answer["reply"]["now"]["pid"]) for answer in printed["pids"].values()}
+
+
 def test_stacks_of_a_cluster_that_does_not_run_is_a_usage_error(ip) -> None:
     from IPython.core.error import UsageError
 
@@ -149,8 +175,8 @@ def test_a_process_gone_is_said_so() -> None:
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(30)
-    report = collect([RankAddress(0, gone.pid, "elsewhere")], timeout=0.5)
-    assert re.search(rf"no listener at .*/{gone.pid}\.sock; no process {gone.pid} on .* \(it runs on host elsewhere;",
+    report = collect([RankAddress(0, gone.pid, socket.gethostname())], timeout=0.5)
+    assert re.search(rf"no listener at .*/{gone.pid}\.sock; no process {gone.pid} on {socket.gethostname()}$",
                      report.ranks[0].missing or ""), report.ranks[0].missing
 
 
@@ -158,3 +184,42 @@ def test_a_process_gone_is_said_so() -> None:
                                              ([*range(7), *range(8, 16)], "ranks 0-6, 8-15")])
 def test_rank_spans(ranks: list[int], text: str) -> None:
     assert rank_span(ranks) == text
+
+
+@needs_hosts
+@pytest.mark.timeout(300, method="signal")
+def test_a_rank_hung_on_another_host_is_read_over_ssh(ip, emulated: EmulatedHosts, released: Path,  # noqa: F811
+                                                       capsys) -> None:
+    """2 emulated nodes x 2 ranks, every rank on a host other than this one: rank 3 (on n1) hangs in load_batch
+    while the others wait in allreduce 'step'; collect() and ``%taco_cluster stacks`` read n0 and n1 over ssh
+    (one each) and name rank 3 with its line, within 2 s. The nodes and the cluster stop whatever happens."""
+    assert not runs_locally("n0") and not runs_locally("n1")
+    result = None
+    try:
+        ip.run_line_magic("taco_cluster", "start --profile hosts --hosts n0:2,n1:2 -n 4 --cluster hosts")
+        cluster = clusters["hosts"]
+        assert [r.host for r in cluster.ranks] == ["n0", "n0", "n1", "n1"]
+        result = cluster.client[cluster.engine_ids()].execute(HANG_CELL.format(where="load_batch", flag=str(released)),
+                                                               block=False)
+        ssh = launcher_of(cluster)
+        report = until(lambda: collect(cluster.ranks, launcher_exec=ssh), lambda found: in_places(found, "load_batch"))
+        timings = [collect(cluster.ranks, launcher_exec=ssh).seconds for _ in range(3)]
+        ip.run_line_magic("taco_cluster", "stacks --cluster hosts")
+        shown = capsys.readouterr().out
+    finally:
+        released.touch()
+        if result is not None:
+            result.get(60)  # the cell ends normally once released: reading over ssh changed nothing
+        if "hosts" in clusters:
+            ip.run_line_magic("taco_cluster", "stop --cluster hosts")
+    text = report.text()
+    assert [r.host for r in report.ranks] == ["n0", "n0", "n1", "n1"] and all(r.snapshot for r in report.ranks), text
+    assert re.search(r"^rank 3: cell:(5|6) in load_batch, no collective$", text, re.M), text
+    assert re.search(r"^suspect: rank 3 \(in no collective while ranks 0-2 wait in allreduce #\d+ 'step'\)$",
+                     text, re.M), text
+    assert re.search(r"^rank 3: cell:(5|6) in load_batch, no collective$", shown, re.M), shown
+    assert "unreachable" not in shown and "no answer" not in shown, shown
+    assert max(timings) < 2.0, timings
+    assert _left_on_nodes(emulated) == {}
+    with capsys.disabled():
+        print(f"\nautopsy of 4 ranks on 2 emulated hosts over ssh: {', '.join(f'{t:.2f}' for t in timings)} s")
