@@ -27,9 +27,11 @@ from typing import Any
 
 from jupyter_bokeh import BokehModel
 
+from .plots import FIGURE_PX
+
 __all__ = ["KernelFedBokehModel", "display_bokehjs", "static_html"]
 
-ROW_PX = 340  # a 290 px figure, its legend below and margins
+ROW_MARGIN_PX = 50  # what a row of the page takes beyond its tallest figure
 
 
 class KernelFedBokehModel(BokehModel):
@@ -70,14 +72,16 @@ def display_bokehjs() -> Any:
     return display(data, raw=True, display_id=True)
 
 
-def _shown(child: Any) -> bool:
-    """A row shows when one of its figures does; a figure when it is visible."""
+def _shown_height(child: Any) -> int:
+    """The height a child of the layout takes on the page: a row shows when one of its figures does, as tall as
+    its tallest visible figure (figures grow with their legend's rows, ``plots.fit_legend``) and a margin."""
     from bokeh.models import LayoutDOM
 
     if not isinstance(child, LayoutDOM):
-        return False
+        return 0
     children: list[Any] | None = getattr(child, "children", None)
-    return any(c.visible for c in children) if children else bool(child.visible)
+    heights = [c.height or FIGURE_PX for c in (children or [child]) if c.visible]
+    return max(heights) + ROW_MARGIN_PX if heights else 0
 
 
 def static_html(layout: Any, header: str = "", title: str = "taco dashboard") -> str:
@@ -88,8 +92,8 @@ def static_html(layout: Any, header: str = "", title: str = "taco dashboard") ->
     from bokeh.resources import INLINE
 
     page = file_html(layout, resources=INLINE, title=title)  # INLINE: only the BokehJS parts the layout uses
-    rows = sum(1 for child in getattr(layout, "children", [layout]) if _shown(child))
-    height = max(rows, 1) * ROW_PX + 20
+    shown = sum(_shown_height(child) for child in getattr(layout, "children", [layout]))
+    height = (shown or FIGURE_PX + ROW_MARGIN_PX) + 20
     frame = (f'<iframe class="taco-static-plots" title="{html.escape(title)}" srcdoc="{html.escape(page)}" '
              f'style="width:100%;height:{height}px;border:0" loading="eager"></iframe>')  # fmt: skip
     return f'<div class="taco-static-dashboard">{header}{frame}</div>'

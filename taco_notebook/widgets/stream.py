@@ -25,7 +25,7 @@ from bokeh.models.annotations import Title
 
 from .interval import NAN, Interval, Snapshot, int_keys, interval_between, is_new_run, straggler
 from .links import fill_heatmap, link_rates, link_rates_between
-from .plots import STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural
+from .plots import STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural, show_series
 from .series import SeriesBook
 
 __all__ = [
@@ -151,8 +151,9 @@ class MetricsStream:
         fig.yaxis[0].axis_label = f"{unit}/s"
         if not self.tokens_shown and any(s.get("tokens", 0) > 0 for s in self.latest.values()):
             self.tokens_shown = True
-            for model in [*fig.select(name="tokens"), *fig.select(name="tokens_axis")]:
-                model.visible = True  # type: ignore[attr-defined]  # a renderer and an axis
+            show_series(fig, "tokens")
+            for axis in fig.select(name="tokens_axis"):
+                axis.visible = True  # type: ignore[attr-defined]  # select() is typed as Model
         return changed
 
     def _render_series(self, final: bool = False) -> None:

@@ -363,9 +363,36 @@ def test_run_all_on_the_example_draws_each_series_once(lab, page):
     print(f"run all: {len(kernel['throughput'])} throughput points, each once; summary: {summary}")
 
 
+# Each visible figure's box and, for its legend (in the figure's shadow DOM), its box and the labels it shows.
+LEGENDS_JS = """
+() => {
+  const box = (el) => { const r = el.getBoundingClientRect(); return {left: r.left, right: r.right, top: r.top,
+                                                                        bottom: r.bottom}; };
+  const find = (root, cls, out) => {
+    for (const el of root.querySelectorAll('*')) {
+      if (el.classList && el.classList.contains(cls)) out.push(el);
+      if (el.shadowRoot) find(el.shadowRoot, cls, out);
+    }
+    return out;
+  };
+  return find(document, 'bk-Figure', []).filter((fig) => box(fig).right > box(fig).left).flatMap((fig) =>
+    find(fig.shadowRoot || fig, 'bk-Legend', []).map((legend) => ({
+      figure: box(fig), legend: box(legend),
+      labels: [...legend.shadowRoot.querySelectorAll('.bk-item:not(.bk-hidden) .bk-label')].map((l) => l.textContent),
+    })));
+}
+"""
+
+
+def shown_legends(frame) -> list[dict[str, Any]]:
+    """The legends a person sees in ``frame``: each one's box, its figure's box and the labels it lists."""
+    return frame.evaluate(LEGENDS_JS)
+
+
 def _picture(page, index: int, path: Path) -> None:
     """Screenshot of the ``index``-th cell's final picture (status, progress and plots) for the docs: its HTML on a
-    page of its own, 1200 px wide, so the whole picture is in one image."""
+    page of its own, 1200 px wide, so the whole picture is in one image. Every legend in it must lie within its
+    figure and list no tokens series (these runs report none): issue 25."""
     path.parent.mkdir(parents=True, exist_ok=True)
     markup = cell_output(page, index).locator(STATIC).first.evaluate("(e) => e.outerHTML")
     alone = page.context.new_page()
@@ -378,6 +405,14 @@ def _picture(page, index: int, path: Path) -> None:
         painted_canvases(frame)
         time.sleep(1.0)  # the last animation frame
         alone.screenshot(path=str(path), full_page=True)
+        legends = shown_legends(frame)
+        assert legends, "no legend in the picture"
+        for shown in legends:
+            fig, legend = shown["figure"], shown["legend"]
+            assert fig["left"] <= legend["left"] and legend["right"] <= fig["right"], f"legend clipped: {shown}"
+            assert fig["top"] <= legend["top"] and legend["bottom"] <= fig["bottom"], f"legend clipped: {shown}"
+            assert shown["labels"] and "tokens/s (total)" not in shown["labels"], shown
+        print(f"{path.name}: legends {[s['labels'] for s in legends]}")
     finally:
         alone.close()
 

@@ -14,6 +14,7 @@ from taco_notebook.cluster.cells.run import CellOptions, run_cell
 from taco_notebook.errors import RankFailedError, TacoError
 from taco_notebook.plan.output import RankOutput
 from taco_notebook.widgets import dashboard as dashboard_module
+from taco_notebook.widgets.plots import LEGEND_WIDTH_PX, legend_labels, legend_width
 
 pytestmark = pytest.mark.cluster
 
@@ -128,6 +129,34 @@ def test_a_loop_that_sends_nothing_gets_its_progress_and_step_rate_only(ip, shar
     rate = plots.throughput.sources["throughput"].data["total"]
     assert len(rate) >= 15 and rate[-1] > 0  # ~1 s of loop: a point per 0.05 s
     assert " · step 100 · " in board.status.value and "100/100" in board.bar_text.value
+
+
+TOKENS_LATER = """\
+import time
+for step in taco.progress(range(120)):
+    time.sleep(0.02)
+    taco.metrics.step(samples=32, tokens=4096 if step >= 60 else 0)  # a model that reports tokens after a while
+"""
+
+
+def test_the_throughput_legend_of_a_recorded_run_lists_tokens_once_they_are_reported(shared_cluster):
+    """Issue 25, from what real ranks recorded: no greyed "tokens/s (total)" while no rank reports tokens, the
+    entry once they do, and the legend under the plot within the width a plot beside another gets."""
+    recorder = Recorder()
+    run_cell(shared_cluster, TOKENS_LATER, CellOptions(monitors=[recorder]), RankOutput())
+    board = dashboard_module.Dashboard({r: 0 for r in range(4)})
+    fig = board.stream.plots.throughput.figure
+    seen = []
+    for payloads, running in recorder.updates:
+        board.update(payloads, running=len(running), elapsed=0.0)
+        seen.append(legend_labels(fig))
+        assert fig.legend[0] in fig.below and legend_width(fig) <= LEGEND_WIDTH_PX, seen[-1]
+    before = [labels for labels in seen if "tokens/s (total)" not in labels]
+    assert before and before[-1] == ["raw", "total (smoothed)", "average since training began",
+                                     "rank 0", "rank 1", "rank 2", "rank 3"]  # fmt: skip
+    assert seen[-1] == [*before[-1][:3], "tokens/s (total)", *before[-1][3:]]
+    assert seen.index(seen[-1]) == len(before)  # once it shows, it stays
+    assert board.stream.plots.throughput.sources["throughput"].data["tokens"][-1] > 0
 
 
 def test_a_failing_rank_freezes_the_dashboard_with_the_failure(ip, shared_cluster, capsys):

@@ -28,7 +28,15 @@ from taco_notebook.widgets.dashboard import (
     dashboard_mode,
     last_dashboard,
 )
-from taco_notebook.widgets.plots import format_bytes, format_rate, rank_column
+from taco_notebook.widgets.plots import (
+    FIGURE_PX,
+    LEGEND_WIDTH_PX,
+    format_bytes,
+    format_rate,
+    legend_labels,
+    legend_width,
+    rank_column,
+)
 from taco_notebook.widgets.series import SeriesBook
 from taco_notebook.widgets.stream import is_new_run
 
@@ -373,6 +381,59 @@ def test_without_samples_throughput_is_steps_per_second_and_tokens_appear_when_r
     assert data["total"][-1] == pytest.approx(4 * 240)  # redrawn in samples/s: samples since 1.5 s
     assert next(r for r in fig.renderers if r.name == "tokens").visible
     assert data["tokens"][-1] == pytest.approx(4 * 2000)  # tokens since 1.5 s, over the 1 s window
+
+
+
+def _assert_legends_fit_below(plots: Any) -> None:
+    """Every legend sits under its plot (not over the data) and fits the width a plot beside another gets."""
+    for plot in plots.all():
+        fig = plot.figure
+        if not fig.legend:
+            continue  # the heatmaps: a colour bar, no legend
+        legend = fig.legend[0]
+        assert legend in fig.below and legend not in fig.center and legend.location == "center"
+        assert legend.orientation == "horizontal" and isinstance(legend.ncols, int)
+        assert legend_width(fig) <= LEGEND_WIDTH_PX, (fig.title.text, legend.ncols, legend_labels(fig))
+        rows = math.ceil(len(legend_labels(fig)) / legend.ncols)
+        assert fig.height >= FIGURE_PX and (rows > 1) == (fig.height > FIGURE_PX)  # the plot keeps its height
+
+
+def test_legends_list_only_series_with_data_and_fit_under_their_plot() -> None:
+    """Issue 25: the throughput legend ran out of the figure on both sides and listed a greyed "tokens/s (total)"
+    for a model that reports no tokens; once tokens are reported, their series joins the legend."""
+    stream = MetricsStream(NODE_OF_RANK, capacity_bps=CAPACITY)
+    stream.push(batch(1.0))
+    stream.push(batch(1.5))
+    plots = stream.plots
+    fig = plots.throughput.figure
+    assert stream.plots.throughput.sources["throughput"].data["total"][-1] > 0
+    series = ["raw", "total (smoothed)", "average since training began"]
+    ranks = [f"rank {r}" for r in sorted(NODE_OF_RANK)]
+    assert legend_labels(fig) == [*series, *ranks]
+    tokens_item = next(i for i in fig.legend[0].items if i.label.value == "tokens/s (total)")
+    assert not tokens_item.visible and not tokens_item.renderers[0].visible
+    assert legend_labels(plots.compression.figure) == ["ratio", "bytes saved"]
+    assert legend_labels(plots.step_time.figure) == ["compute", "communication (overlapped)",
+                                                     "waiting for communication"]  # fmt: skip
+    _assert_legends_fit_below(plots)
+
+    with_tokens = batch(2.0)
+    for snap in with_tokens:
+        snap["tokens"] = 2000
+        snap["series"]["records"] = [[*r[:4], 1000 * r[0], *r[5:]] for r in snap["series"]["records"]]
+    stream.push(with_tokens)
+    assert legend_labels(fig) == [*series, "tokens/s (total)", *ranks]
+    assert tokens_item.visible and tokens_item.renderers[0].visible
+    _assert_legends_fit_below(plots)
+    issues = check_integrity([fig])  # bokeh's own validation of the figure the page gets
+    assert not issues.error and not issues.warning, issues
+
+
+def test_a_legend_of_many_ranks_wraps_into_rows_and_the_figure_grows_by_them() -> None:
+    plots = build_plots({rank: rank // 8 for rank in range(16)})
+    assert len(legend_labels(plots.throughput.figure)) == 3 + 16
+    _assert_legends_fit_below(plots)
+    assert plots.throughput.figure.height > FIGURE_PX
 
 
 # ---------------------------------------------------------------- the dashboard (real ipywidgets and jupyter_bokeh)
