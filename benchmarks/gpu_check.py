@@ -482,8 +482,8 @@ def section_notebooks() -> tuple[str, bool]:
         notebook = nbformat.read(path, as_version=4)
         began = time.perf_counter()
         try:
-            NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-                           ).execute()
+            NotebookClient(notebook, timeout=900, kernel_name="python3",  # from its own directory, as nbval runs it
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
             rows.append((path.name, "ok", f"{time.perf_counter() - began:.0f} s"))
         except Exception as exc:  # noqa: BLE001 - reported in the table, the next notebook still runs
             ok = False
