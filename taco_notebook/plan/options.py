@@ -107,6 +107,10 @@ def _value(spellings: tuple[str, ...], metavar: str, help: str, default: Any = N
 _CLUSTER = ("run", "cluster")
 _SLURM_NOTE = "slurm profile: "
 
+OUTPUT_MODES = ("auto", "all", "rank0", "errors")
+OUTPUT_ALL_UP_TO = 32  # --output auto shows every rank's output up to this many ranks, rank 0's beyond
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("np", (_value(("-np", "--np"), "N", f"number of MPI ranks (default: the running cluster's size, else "
                          f"TacoMagics.np, else {DEFAULT_NP}); at most TacoMagics.max_ranks (TACO_MAX_RANKS, else "
@@ -196,6 +200,12 @@ OPTIONS: tuple[Option, ...] = (
                                    "optimizer state that taco trained across ranks (the check warns, naming the "
                                    "ranks and tensors that differ; it runs only after a cell that ran collectives "
                                    "on every rank)", action="store_false"),)),
+    Option("output", (_value(("--output",), "WHOSE", "whose output the cell shows: all (every rank's), rank0 "
+                             "(rank 0's, plus what any rank writes to stderr and the output of a rank that "
+                             "fails) or errors (only stderr and failing ranks); auto, the default: all up to "
+                             f"{OUTPUT_ALL_UP_TO} ranks, rank0 beyond (TacoMagics.output, TACO_OUTPUT)"),),
+           trait=Unicode, summary=f"whose output cells show: {or_list(OUTPUT_MODES)}", env="TACO_OUTPUT",
+           default="auto", check=checks.choice(OUTPUT_MODES), kernel_env=True),
     Option("gather", (Flag(("--gather",), "return every rank's value of the last expression (default: rank 0's)",
                            action="store_true"),)),
     Option("quiet", (Flag(("--quiet",), "print no cluster start/resize messages", action="store_true"),)),

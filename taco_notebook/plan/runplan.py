@@ -16,6 +16,7 @@ from ..cluster.cells.script import Script, load_script
 from ..cluster.session import TacoCluster, clusters
 from ..errors import OptionError
 from .clusters import check_hugepages, chosen_profile, ensure_cluster, shared_size
+from .options import OUTPUT_ALL_UP_TO
 from .output import RankOutput
 from .resolve import (
     DEFAULT_NP,
@@ -69,6 +70,25 @@ def link_capacity(config: TacoSettings, option: str | None) -> float | None:
     return None if gbits is None else gbits * 1e9 / 8
 
 
+_told_output: set[str] = set()  # the clusters (ids) told once that auto shows rank 0's output only
+
+
+def output_mode(config: TacoSettings, option: str | None, ranks: int, cluster_id: str, say: RankOutput) -> str:
+    """Whose output the cell shows (``--output``, ``TacoMagics.output``, ``TACO_OUTPUT``, else auto): all up to
+    :data:`~.options.OUTPUT_ALL_UP_TO` ranks, rank0 beyond, which is said once per cluster."""
+    with option_errors():
+        mode = config.chosen("output", option, "--output") or setting_from_env("output") or "auto"
+    if mode != "auto":
+        return str(mode)
+    if ranks <= OUTPUT_ALL_UP_TO:
+        return "all"
+    if cluster_id not in _told_output:
+        _told_output.add(cluster_id)
+        say.notice(f"{ranks} ranks: showing rank 0's output, and what any rank writes to stderr or prints before "
+                   f"it fails (--output all shows every rank's; --output errors only those)")
+    return "rank0"
+
+
 def script_of(args: Any, shown_as: str) -> Script:
     """The script named by the parsed line (``SCRIPT ARGS…`` after the options), read now: a OptionError before
     anything starts when there is none or it cannot be run. ``shown_as`` is how the user calls it."""
@@ -118,6 +138,9 @@ def plan_run(config: TacoSettings, args: Any, say: RankOutput) -> RunPlan:
         from ..cluster.elastic.recovery import run_elastic
 
         runner = partial(run_elastic, spec=elastic)
+    output = output_mode(config, args.output, cluster.size if targets is None else len(targets),
+                         cluster.cluster_id or cluster.name, say)
     options = CellOptions(targets=targets, timeout=timeout, gather=args.gather, settings=settings,
-                          monitors=monitors, runner=runner, check_replicas=args.check_replicas)  # fmt: skip
+                          monitors=monitors, runner=runner, check_replicas=args.check_replicas,
+                          output=output)  # fmt: skip
     return RunPlan(cluster, options, started)

@@ -112,6 +112,28 @@ def test_no_stream_groups_output_by_rank(ip, shared_cluster, capsys):
     assert labelled == [f"[rank {r}] {r} {i}" for r in range(4) for i in range(2)]
 
 
+def test_output_rank0_shows_rank_0_stderr_and_what_a_failing_rank_printed(ip, shared_cluster, capsys):
+    """--output rank0: the other ranks' stdout is held back on the ranks (not sent), their stderr goes through,
+    and a rank that fails shows what it had printed, before its traceback."""
+    ip.run_cell_magic("taco_run", "--output rank0", "import sys\nprint('out', taco.rank())\n"
+                      "if taco.rank() == 2:\n    print('err 2', file=sys.stderr)")
+    captured = capsys.readouterr()
+    assert rank_lines(captured.out) == {0: ["out 0"]}, captured.out
+    assert "err 2" in captured.err or "err 2" in captured.out, (captured.out, captured.err)
+    with pytest.raises(RankFailedError, match=r"rank 3 .*RuntimeError: boom"):
+        ip.run_cell_magic("taco_run", "--output rank0",
+                          "print('before', taco.rank())\nif taco.rank() == 3:\n    raise RuntimeError('boom')")
+    lines = rank_lines(capsys.readouterr().out)
+    assert lines[0] == ["before 0"] and 1 not in lines and 2 not in lines, lines
+    assert any("held back by --output rank0" in line for line in lines[3]) and "before 3" in lines[3], lines
+    ip.run_cell_magic("taco_run", "--output errors", "print('quiet', taco.rank())")
+    assert rank_lines(capsys.readouterr().out) == {}
+    with pytest.raises(Exception, match="--output"):
+        ip.run_cell_magic("taco_run", "--output some", "pass")
+    ip.run_cell_magic("taco_run", "", "print('loud', taco.rank())")  # the default at 4 ranks: all
+    assert sorted(rank_lines(capsys.readouterr().out)) == [0, 1, 2, 3]
+
+
 def test_quiet_hides_cluster_messages_but_not_output(ip, capsys):
     ip.run_cell_magic("taco_run", "-np 2 --cluster quiet --quiet", "print('hello')")
     captured = capsys.readouterr()

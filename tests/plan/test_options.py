@@ -99,3 +99,26 @@ def test_compression_auto_is_accepted_and_named_in_a_bad_specs_message() -> None
     assert "auto" in option("compression").trait_help
     with pytest.raises(ValueError, match=r"unknown compression 'zip'.*, or auto \(taco.tune's choice\)"):
         checks.compression("zip", "--compression")
+
+
+def test_output_auto_shows_every_rank_up_to_32_and_says_once_when_it_shows_rank_0s_only(monkeypatch):
+    import io
+
+    from taco_notebook.plan.output import RankOutput
+    from taco_notebook.plan.runplan import output_mode
+    from taco_notebook.plan.settings import TacoSettings
+
+    monkeypatch.delenv("TACO_OUTPUT", raising=False)
+    out = io.StringIO()
+    say = RankOutput(stdout=out, stderr=out)
+    config = TacoSettings()
+    assert output_mode(config, None, 32, "c-small", say) == "all"
+    assert output_mode(config, None, 33, "c-big", say) == "rank0"
+    assert output_mode(config, None, 1000, "c-big", say) == "rank0"
+    assert out.getvalue().count("showing rank 0's output") == 1, out.getvalue()  # once per cluster
+    assert output_mode(config, "all", 1000, "c-big", say) == "all"
+    monkeypatch.setenv("TACO_OUTPUT", "errors")
+    assert output_mode(config, None, 4, "c-env", say) == "errors"
+    monkeypatch.setenv("TACO_OUTPUT", "loud")
+    with pytest.raises(Exception, match="TACO_OUTPUT"):
+        output_mode(config, None, 4, "c-env", say)

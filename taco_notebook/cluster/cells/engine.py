@@ -25,11 +25,14 @@ as its globals and so cut it off from this module's state and helpers.
 
 from __future__ import annotations
 
+import io
 import linecache
 import os
 import pickle
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from .script import Script
@@ -251,6 +254,49 @@ class CellSetup(NamedTuple):
     dashboard: bool = True  # send metrics while it runs (some monitor watches)
     settings: dict[str, Any] | None = None  # taco.configure(**settings) for this cell only
     reset: bool = False  # taco.configure(reset=True) after it (the settings were set here or by configure_cell)
+    output: str = "all"  # whose stdout is sent: all, rank0 (and a failing rank's) or errors (failing ranks')
+
+
+HELD_CHARS = 64 * 1024  # the most of a quiet rank's stdout kept, to show if the rank fails
+
+
+class _Held(io.StringIO):
+    """A quiet rank's stdout: kept (the last :data:`HELD_CHARS`), not sent, unless the rank fails."""
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if self.tell() > 2 * HELD_CHARS:
+            tail = self.getvalue()[-HELD_CHARS:]
+            self.seek(0)
+            self.truncate()
+            super().write(tail)
+        return written
+
+
+@contextmanager
+def _quiet_unless_failed(output: str) -> Iterator[_Held | None]:
+    """While the code runs: this rank's stdout held back when ``output`` says it is not shown (``--output``).
+    The caller shows what was held when the rank fails (:func:`_show_held`); stderr always goes through."""
+    from ...comm import rank
+
+    if output == "all" or (output == "rank0" and rank() == 0):
+        yield None
+        return
+    held, real = _Held(), sys.stdout
+    sys.stdout = held
+    try:
+        yield held
+    finally:
+        sys.stdout = real
+
+
+def _show_held(held: _Held | None, output: str) -> None:
+    """A quiet rank failed: what it printed is context for its traceback, so it is shown after all."""
+    text = held.getvalue() if held is not None else ""
+    if text:
+        cut = " (its last 64 KiB)" if len(text) >= HELD_CHARS else ""
+        print(f"[taco] this rank's output, held back by --output {output} until it failed{cut}:\n{text}",
+              end="" if text.endswith("\n") else "\n", flush=True)
 
 
 def _around(setup: CellSetup) -> None:
@@ -274,12 +320,14 @@ def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
 
     try:
         _around(setup)
-        result = _shell().run_cell(source, store_history=True)
+        with _quiet_unless_failed(setup.output) as held:
+            result = _shell().run_cell(source, store_history=True)
     finally:
         if setup.reset:
             reset_settings()
     error = result.error_before_exec or result.error_in_exec
     if error is not None:
+        _show_held(held, setup.output)
         raise error
     return {"value": fetch_result() if captured else None, "replicas": wanted()}
 
@@ -312,13 +360,19 @@ def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
     linecache.cache[script.path] = (len(script.source), None, script.source.splitlines(keepends=True), script.path)
     sys.modules["__main__"], sys.argv = main, [script.path, *script.args]
     sys.path.insert(0, os.path.dirname(script.path))
+    held = None
     try:
         _around(setup)
-        exec(compile(script.source, script.path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102
+        with _quiet_unless_failed(setup.output) as held:
+            exec(compile(script.source, script.path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102
     except SystemExit as exc:
         if exc.code not in (None, 0):
+            _show_held(held, setup.output)
             status = f"status {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
             raise ScriptExit(f"{os.path.basename(script.path)} called sys.exit({status})") from None
+    except BaseException:
+        _show_held(held, setup.output)
+        raise
     finally:
         if saved[0] is not None:
             sys.modules["__main__"] = saved[0]

@@ -72,6 +72,7 @@ class CellOptions:
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
     runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
     check_replicas: bool = True  # after a cell on every rank that trained: compare them (cells/replicas.py)
+    output: str = "all"  # whose stdout the ranks send: all, rank0 or errors (engine.CellSetup.output)
 
 
 class OutputSink(Protocol):
@@ -270,7 +271,8 @@ class _CellRun:
             if notes[0]:  # the ranks agree
                 self.sink.notice(notes[0])
             settings = None
-        setup = engine.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings))
+        setup = engine.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings),
+                                 output=self.options.output)
         try:
             value = self._execute(lambda view: submit(view, setup), captured)
         except BaseException as exc:

@@ -6,7 +6,8 @@ most of a core for a cell that does nothing. Instead the client's own IO thread 
 
 * ipyparallel calls each request's ``MessageFuture.iopub_callbacks`` for every IOPub message of that request
   (output, a dashboard payload, the idle status), after the message is in the request's metadata; ours appends
-  the rank to a queue;
+  the rank to a queue (the one read of ipyparallel's internals in the package, as its own ``stream_output``
+  does it; without it every rank is read on every look);
 * each rank's AsyncResult (``ar.split()``) is a ``concurrent.futures.Future``: its done callback appends the
   rank to another queue.
 
@@ -38,14 +39,22 @@ class RankTracker:
         self._done: deque[int] = deque()
         self._order: list[int] = []
         self._cursor = 0
+        # ipyparallel has no public way to be told of a request's IOPub messages: its own stream_output() appends
+        # to the request's MessageFuture.iopub_callbacks, reached through the AsyncResult's children. Where that
+        # is not there (another ipyparallel), every rank counts as having news on every look: slower, not wrong.
+        self.told = all(len(getattr(part, "_children", ())) == 1
+                        and isinstance(getattr(part._children[0], "iopub_callbacks", None), list)
+                        for part in self.parts.values())
         for rank, part in self.parts.items():
-            futures = getattr(part, "_children", ())
-            for future in futures:  # one MessageFuture per rank
-                future.iopub_callbacks.append(lambda _msg, rank=rank: self._news.append(rank))
+            if self.told:
+                part._children[0].iopub_callbacks.append(lambda _msg, rank=rank: self._news.append(rank))
             part.add_done_callback(lambda _future, rank=rank: self._done.append(rank))
 
     def news(self) -> set[int]:
-        """The ranks that received IOPub messages since the last call."""
+        """The ranks that received IOPub messages since the last call (every rank when we are not told)."""
+        if not self.told:
+            self._news.clear()
+            return set(self.parts)
         found = set()
         while self._news:
             found.add(self._news.popleft())

@@ -1,0 +1,286 @@
+"""A cell's control-plane cost before and after issue 27, interleaved, at N ranks: how a cell travels (requests
+per rank) and how the notebook watches it run (polling every rank, or reading only the ranks with news).
+
+Two protocols (and the new one through ipyparallel's coalescing broadcast view, which answers a request
+on every engine with one reply), on the same cluster, in turn cell by cell (a burst of load weighs on both alike):
+
+* **old** (before issue 27): ``begin_cell`` queued as an ``apply``, the code as an ``execute``, then the replica
+  check's question as an ``apply`` (3 requests per rank per empty cell; a 4th, ``fetch_result``, when the
+  cell ends in an expression);
+* **new**: one ``apply`` of the engine-side runner (``engine.run_cell``), which does the set-up, runs the code
+  through the engine's IPython shell and answers both questions in its reply.
+
+Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed every 50 ms as ``run.py`` does):
+
+* **poll all**: every rank's metadata read and every rank's AsyncResult asked ``ready()`` on every wake (the
+  wait loop before issue 27);
+* **news only**: :class:`taco_notebook.cluster.cells.tracker.RankTracker`, which reads only ranks that got
+  IOPub messages or finished since the last wake.
+
+Engines: ``--engines taco`` starts a real ``TacoCluster`` (MPI, torch and the process group on every rank:
+~275 MiB each, so 64 is about this machine's limit); ``--engines plain`` starts plain ipyparallel engines with
+no torch (~60 MiB each) and a runner with the same message shape as ``engine.run_cell``, so hundreds fit: the
+notebook's and the controller's side of the control plane are the same, which is what is measured.
+
+Per N: wall ms per empty cell (median), the notebook's and the controller's CPU ms per empty cell (over all
+cells of the variant), their sum per rank, and the notebook's CPU per second of a running cell for each watch.
+A line a + b·N is fitted to the new path's own figures and evaluated at ``--extrapolate``.
+
+    .venv/bin/python benchmarks/cell_protocol.py --engines taco --ranks 2,4,8,16 --cells 20
+    .venv/bin/python benchmarks/cell_protocol.py --engines plain --ranks 16,64,128,256 --cells 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from control_plane import cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
+
+EMPTY = "pass"
+POLL_S = 0.05  # run.py's
+VARIANTS = ("old", "new", "coalescing")  # coalescing: the new runner through broadcast_view(is_coalescing=True)
+
+
+def plain_run_cell(source: str, captured: bool) -> dict[str, Any]:
+    """The new protocol's runner on a plain engine: ``engine.run_cell``'s message shape without taco (the code
+    through the shell; the reply carries the value and the replica answer)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    result = shell.run_cell(source, store_history=True)
+    error = result.error_before_exec or result.error_in_exec
+    if error is not None:
+        raise error
+    return {"value": shell.user_ns.get("__taco_result__") if captured else None, "replicas": False}
+
+
+def plain_noop(*_: Any) -> bool:
+    return False
+
+
+class Plain:
+    """N plain ipyparallel engines (no torch) on loopback, in a private profile directory."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        import ipyparallel as ipp
+
+        self.size = size
+        self.home = tempfile.mkdtemp(prefix="taco-cellproto-")
+        os.chmod(self.home, 0o700)
+        self.cluster = ipp.Cluster(n=size, engines="local", profile_dir=self.home, controller_ip="127.0.0.1",
+                                   log_level=40, shutdown_atexit=False)
+        try:
+            self.cluster.start_cluster_sync()
+            self.client = self.cluster.connect_client_sync()
+            self.client.wait_for_engines(size, timeout=timeout, interactive=False)
+        except BaseException:
+            self.stop()
+            raise
+        self.view = self.client[:]
+
+    def controller_processes(self) -> list[Any]:
+        import psutil
+
+        controller = psutil.Process(self.cluster.controller.process.pid)
+        return [controller, *controller.children(recursive=True)]
+
+    def old(self, source: str) -> None:
+        self.view.apply_async(plain_noop, False)  # begin_cell, no reply awaited
+        self.view.execute(source, silent=False, block=True)
+        self.view.apply_sync(plain_noop, False)  # the replica check's question
+
+    def new(self, source: str, view: Any = None) -> Any:
+        return (view or self.view).apply_async(plain_run_cell, source, False)
+
+    def stop(self) -> None:
+        import shutil
+
+        try:
+            if getattr(self, "client", None) is not None:
+                self.client.close()
+            self.cluster.stop_cluster_sync()
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+class Taco:
+    """A real TacoCluster of N ranks (MPI, torch, process group), tracked in a private registry directory."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        from taco_notebook.cluster.registry.writer import track
+        from taco_notebook.cluster.session import TacoCluster
+
+        self.size = size
+        self.home = tempfile.mkdtemp(prefix="taco-cellproto-")
+        os.chmod(self.home, 0o700)
+        self.taco = track(TacoCluster(f"proto{size}-{os.getpid()}", size, start_timeout=timeout), Path(self.home))
+        self.taco.start()
+        self.client = self.taco.client
+        self.view = self.client[:]
+
+    def controller_processes(self) -> list[Any]:
+        import psutil
+
+        controller = psutil.Process(self.taco.ipp_cluster.controller.process.pid)
+        return [controller, *controller.children(recursive=True)]
+
+    def old(self, source: str) -> None:
+        from taco_notebook.cluster.cells import engine
+
+        self.view.apply_async(engine.begin_cell, False)
+        self.view.execute(source, silent=False, block=True)
+        self.view.apply_sync(engine.check_replicas, False)
+
+    def new(self, source: str, view: Any = None) -> Any:
+        from taco_notebook.cluster.cells import engine
+
+        return (view or self.view).apply_async(engine.run_cell, source, engine.CellSetup(dashboard=False), False)
+
+    def stop(self) -> None:
+        import shutil
+
+        try:
+            self.taco.stop()
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+def watch_poll_all(ar: Any) -> None:
+    """The wait loop before issue 27: every rank's metadata and AsyncResult on every wake."""
+    parts = ar.split()
+    wakes = 0
+    while not ar.ready():
+        for md in ar.metadata:
+            md["stdout"], md["stderr"], md["outputs"], md["data"].get("taco")
+        [part.ready() for part in parts]
+        wakes += 1
+        ar.wait(POLL_S)
+
+
+def watch_news_only(client: Any, ar: Any, size: int) -> None:
+    """The wait loop now: only ranks with news; the running ranks every 4th wake (run.py's report interval)."""
+    from taco_notebook.cluster.cells.tracker import RankTracker
+
+    tracker = RankTracker(client, ar, list(range(size)))
+    wakes = 0
+    while not ar.ready():
+        for rank in tracker.news():
+            md = tracker.metadata[rank]
+            md["stdout"], md["stderr"], md["outputs"], md["data"].get("taco")
+        tracker.newly_finished()
+        if wakes % 4 == 0:
+            tracker.running()
+        wakes += 1
+        ar.wait(POLL_S)
+
+
+def measure(kind: str, size: int, cells: int, sleep: float, timeout: float) -> dict[str, Any]:
+    began = time.perf_counter()
+    cluster = Plain(size, timeout) if kind == "plain" else Taco(size, timeout)
+    start_s = time.perf_counter() - began
+    try:
+        controller = cluster.controller_processes()
+        for _ in range(3):  # warm-up
+            cluster.old(EMPTY)
+            cluster.new(EMPTY).get()
+        coalescing = cluster.client.broadcast_view(is_coalescing=True)
+        cluster.new(EMPTY, coalescing).get()
+        wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        cpu = dict.fromkeys(VARIANTS, 0.0)
+        ctl = dict.fromkeys(VARIANTS, 0.0)
+        for _ in range(cells):
+            for variant in VARIANTS:
+                c0, k0, t0 = time.process_time(), cpu_seconds(controller), time.perf_counter()
+                if variant == "old":
+                    cluster.old(EMPTY)
+                else:
+                    cluster.new(EMPTY, coalescing if variant == "coalescing" else None).get()
+                wall[variant].append(time.perf_counter() - t0)
+                cpu[variant] += time.process_time() - c0
+                ctl[variant] += cpu_seconds(controller) - k0
+        watch: dict[str, float] = {}
+        for name in ("poll all", "news only"):
+            ar = cluster.new(f"__import__('time').sleep({sleep})")
+            c0, t0 = time.process_time(), time.perf_counter()
+            if name == "poll all":
+                watch_poll_all(ar)
+            else:
+                watch_news_only(cluster.client, ar, size)
+            ar.get()
+            watch[name] = (time.process_time() - c0) / (time.perf_counter() - t0)
+    finally:
+        cluster.stop()
+    row: dict[str, Any] = {"ranks": size, "engines": kind, "start_s": start_s, "load": os.getloadavg()[0]}
+    for variant in VARIANTS:
+        row[f"{variant}_wall_ms"] = statistics.median(wall[variant]) * 1e3
+        row[f"{variant}_notebook_cpu_ms"] = cpu[variant] / cells * 1e3
+        row[f"{variant}_controller_cpu_ms"] = ctl[variant] / cells * 1e3
+        row[f"{variant}_per_rank_ms"] = (cpu[variant] + ctl[variant]) / cells / size * 1e3
+    row["watch_cpu_share"] = watch
+    return row
+
+
+def table(rows: list[dict[str, Any]], cells: int, at: int) -> str:
+    out = [f"Empty cells, {cells} per protocol, in turn; wall ms median; CPU ms per cell over all of them. "
+           "Each column: old / new / new through the coalescing broadcast view.", "",
+           "| engines | ranks | start s | wall ms | notebook CPU ms | controller CPU ms "
+           "| notebook + controller CPU per rank ms | notebook CPU share while a cell runs: poll all / "
+           "news only | load |", "|" + "---|" * 9]
+
+    def three(r: dict[str, Any], key: str, form: str) -> str:
+        return " / ".join(format(r[f"{v}_{key}"], form) for v in VARIANTS)
+
+    for r in rows:
+        w = r["watch_cpu_share"]
+        out.append(f"| {r['engines']} | {r['ranks']} | {r['start_s']:.1f} | {three(r, 'wall_ms', '.1f')} | "
+                   f"{three(r, 'notebook_cpu_ms', '.1f')} | {three(r, 'controller_cpu_ms', '.1f')} | "
+                   f"{three(r, 'per_rank_ms', '.3f')} | {w['poll all']:.1%} / {w['news only']:.1%} | "
+                   f"{r['load']:.1f} |")
+    if len(rows) > 1:
+        xs = [float(r["ranks"]) for r in rows]
+        out += ["", f"Line fit a + b·N to the new path's figures (N = {', '.join(str(r['ranks']) for r in rows)}), "
+                f"at N = {at}:", "", "| what | a | b per rank | at N |", "|---|---|---|---|"]
+        for label, key in (("empty cell wall ms", "new_wall_ms"), ("notebook CPU ms per cell", "new_notebook_cpu_ms"),
+                           ("controller CPU ms per cell", "new_controller_cpu_ms")):
+            a, b = fit_line(xs, [r[key] for r in rows])
+            out.append(f"| {label} | {a:.2f} | {b:.3f} | {a + b * at:.0f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", choices=("taco", "plain"), default="taco")
+    parser.add_argument("--ranks", default="2,4,8,16", help="comma-separated cluster sizes")
+    parser.add_argument("--cells", type=int, default=20, help="empty cells per protocol and size (≥ 2)")
+    parser.add_argument("--sleep", type=float, default=2.0, help="seconds the watched cell runs")
+    parser.add_argument("--extrapolate", type=int, default=1000)
+    parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    try:
+        sizes = [int(n) for n in args.ranks.split(",")]
+    except ValueError:
+        parser.error(f"--ranks wants comma-separated integers like 2,4,8, got {args.ranks!r}")
+    if any(n <= 0 for n in sizes) or args.cells < 2:
+        parser.error("--ranks must be positive and --cells at least 2")
+    rows = []
+    for size in sizes:
+        rows.append(measure(args.engines, size, args.cells, args.sleep, args.start_timeout))
+        print(f"[{size} {args.engines} ranks measured]", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "cores": os.cpu_count()}, indent=1))
+    print(f"cell protocol, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print(table(rows, args.cells, args.extrapolate))
+
+
+if __name__ == "__main__":
+    main()
