@@ -76,8 +76,15 @@ class Plain:
         self.size = size
         self.home = tempfile.mkdtemp(prefix="taco-cellproto-")
         os.chmod(self.home, 0o700)
+        from traitlets.config import Config
+
+        from taco_notebook.cluster.launch.engineset import heartbeat_ms, registration_timeout
+
+        config = Config()  # the same registration timeout and heartbeat as a TacoCluster of this size
+        config.LocalEngineSetLauncher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}"]
+        config.HeartMonitor.period = heartbeat_ms(size)
         self.cluster = ipp.Cluster(n=size, engines="local", profile_dir=self.home, controller_ip="127.0.0.1",
-                                   log_level=40, shutdown_atexit=False)
+                                   log_level=40, shutdown_atexit=False, config=config)
         try:
             self.cluster.start_cluster_sync()
             self.client = self.cluster.connect_client_sync()
@@ -172,7 +179,7 @@ def watch_news_only(client: Any, ar: Any, size: int) -> None:
 
     tracker = RankTracker(client, ar, list(range(size)))
     wakes = 0
-    while not ar.ready():
+    while not tracker.done():
         for rank in tracker.news():
             md = tracker.metadata[rank]
             md["stdout"], md["stderr"], md["outputs"], md["data"].get("taco")
@@ -180,7 +187,7 @@ def watch_news_only(client: Any, ar: Any, size: int) -> None:
         if wakes % 4 == 0:
             tracker.running()
         wakes += 1
-        ar.wait(POLL_S)
+        tracker.wait(POLL_S)
 
 
 def measure(kind: str, size: int, cells: int, sleep: float, timeout: float) -> dict[str, Any]:

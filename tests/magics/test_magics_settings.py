@@ -43,8 +43,8 @@ def config(ip: Any, line: str) -> None:
 def test_every_setting_is_a_trait_listed_by_config(ip, magics, capsys):
     assert TRAITS == ["algorithm", "collective_timeout", "compression", "controller_ip", "dashboard", "fusion_mb",
                       "gpus", "gpus_per_node", "hostfile", "hosts", "intra_size", "link_gbits", "max_ranks",
-                      "mpi_launcher", "nodes", "np", "partition", "profile", "queue_timeout", "require_hugepages",
-                      "shm", "stall_timeout", "time", "timeout"]
+                      "mpi_launcher", "nodes", "np", "output", "partition", "profile", "queue_timeout",
+                      "require_hugepages", "shm", "stall_timeout", "time", "timeout"]
     config(ip, "TacoMagics")
     listed = capsys.readouterr().out
     for name in TRAITS:

@@ -38,12 +38,23 @@ from typing import Any, NamedTuple
 from .script import Script
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "CellSetup", "run_cell", "check_replicas", "reset_settings", "reinit", "abort",
-           "fetch_result", "run_script", "ScriptExit", "elastic_mode", "placement", "open_group", "join_group",
+           "configure_cell", "CellSetup", "run_cell", "send_interval", "check_replicas", "reset_settings", "reinit",
+           "abort", "fetch_result", "run_script", "ScriptExit", "elastic_mode", "placement", "open_group", "join_group",
            "elastic_restore", "setup_joiner", "export_namespace", "import_namespace"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
+PAYLOADS_PER_S = 250  # what the whole cluster sends the notebook at most: past 100 ranks each sends less often
+
+
+def send_interval(ranks: int) -> float:
+    """Seconds between a rank's dashboard payloads in a cell on ``ranks`` ranks: :data:`SEND_S`, longer past 100
+    ranks so that the notebook receives at most :data:`PAYLOADS_PER_S` (1,000 ranks: one every 4 s each).
+
+    >>> send_interval(4), send_interval(1000)
+    (0.4, 4.0)
+    """
+    return max(SEND_S, ranks / PAYLOADS_PER_S)
 RESULT_NAME = "__taco_result__"  # the kernel rewrites a cell's last expression into an assignment to it
 UNPICKLABLE = "__taco_unpicklable__"  # fetch_result's mark for a value that cannot travel: (UNPICKLABLE, repr)
 
@@ -219,6 +230,7 @@ def configure_cell(settings: dict[str, Any]) -> str | None:
     from ...comm import configure
     from ...comm.advisor import AUTO, auto_choice
 
+    _cell_settings[0] = True
     note = None
     if settings.get("compression") == AUTO:
         spec, note = auto_choice()
@@ -232,6 +244,7 @@ def reset_settings() -> None:
     from ...comm import configure
 
     configure(reset=True)
+    _cell_settings[0] = False
 
 
 def reinit() -> None:
@@ -255,6 +268,7 @@ class CellSetup(NamedTuple):
     settings: dict[str, Any] | None = None  # taco.configure(**settings) for this cell only
     reset: bool = False  # taco.configure(reset=True) after it (the settings were set here or by configure_cell)
     output: str = "all"  # whose stdout is sent: all, rank0 (and a failing rank's) or errors (failing ranks')
+    interval: float = SEND_S  # seconds between this rank's dashboard payloads (send_interval)
 
 
 HELD_CHARS = 64 * 1024  # the most of a quiet rank's stdout kept, to show if the rank fails
@@ -299,9 +313,15 @@ def _show_held(held: _Held | None, output: str) -> None:
               end="" if text.endswith("\n") else "\n", flush=True)
 
 
+_cell_settings = [False]  # a cell's settings are in force: reset before the next cell if its own reset was missed
+
+
 def _around(setup: CellSetup) -> None:
-    """The per-cell set-up the runners do in the same request as the code: no message of its own."""
-    begin_cell(setup.dashboard)
+    """The per-cell set-up the runners do in the same request as the code: no message of its own. Settings a
+    previous cell left in force (a Ctrl-C that landed in its reset) are reset first."""
+    begin_cell(setup.dashboard, setup.interval)
+    if _cell_settings[0] and not setup.reset:
+        reset_settings()
     if setup.settings:
         configure_cell(setup.settings)
 

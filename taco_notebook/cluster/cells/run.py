@@ -100,7 +100,6 @@ class _CellRun:
         self.tracker: RankTracker | None = None  # which ranks have news (cells/tracker.py)
         self.unshown: set[int] = set()  # ranks with output not yet shown
         self.payloads: dict[int, Any] = {}  # every rank's latest dashboard payload
-        self.checked: set[int] = set()  # finished ranks whose outcome collect_errors has looked at
         self.reported_at = 0.0
         # what the monitors were last handed: rank -> id() of its payload, and the ranks then still running
         self.reported: tuple[dict[int, int], list[int]] = ({}, [])
@@ -224,7 +223,7 @@ class _CellRun:
     # ---------------------------------------------------------------- main
     def wait_until(self, deadline: float | None) -> bool:
         """Poll until done (True), or until ``deadline`` or the failure grace runs out (False)."""
-        while not self.ar.ready():
+        while not self.tracker.done():  # type: ignore[union-attr]
             self.check_alive()
             self.drain()
             self.report()
@@ -234,7 +233,7 @@ class _CellRun:
             limit = deadline if self.failure_deadline is None else _earliest(deadline, self.failure_deadline)
             if limit is not None and time.monotonic() >= limit:
                 return False
-            self.ar.wait(POLL_S)  # returns as soon as the cell is done: no sleep-granularity latency
+            self.tracker.wait(POLL_S)  # type: ignore[union-attr]  # returns as soon as the cell is done
         return True
 
     def stop_ladder(self, why: str) -> list[int]:
@@ -272,7 +271,7 @@ class _CellRun:
                 self.sink.notice(notes[0])
             settings = None
         setup = engine.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings),
-                                 output=self.options.output)
+                                 output=self.options.output, interval=engine.send_interval(len(self.targets)))
         try:
             value = self._execute(lambda view: submit(view, setup), captured)
         except BaseException as exc:

@@ -18,6 +18,7 @@ thread-safe, so the IO thread and the wait loop need no lock.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,9 @@ class RankTracker:
         self._done: deque[int] = deque()
         self._order: list[int] = []
         self._cursor = 0
+        self._ended = 0  # ranks whose done callback ran (counted under _lock)
+        self._lock = threading.Lock()
+        self._all_ended = threading.Event()
         # ipyparallel has no public way to be told of a request's IOPub messages: its own stream_output() appends
         # to the request's MessageFuture.iopub_callbacks, reached through the AsyncResult's children. Where that
         # is not there (another ipyparallel), every rank counts as having news on every look: slower, not wrong.
@@ -48,7 +52,23 @@ class RankTracker:
         for rank, part in self.parts.items():
             if self.told:
                 part._children[0].iopub_callbacks.append(lambda _msg, rank=rank: self._news.append(rank))
-            part.add_done_callback(lambda _future, rank=rank: self._done.append(rank))
+            part.add_done_callback(lambda _future, rank=rank: self._ended_one(rank))
+
+    def _ended_one(self, rank: int) -> None:
+        """A rank's done callback (the client's IO thread, or this one when it was done already)."""
+        self._done.append(rank)
+        with self._lock:
+            self._ended += 1
+            if self._ended == len(self.parts):
+                self._all_ended.set()
+
+    def done(self) -> bool:
+        """Whether every rank's request ended: O(1) (``AsyncResult.ready()`` asks every rank's output future)."""
+        return self._all_ended.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Until every rank's request ended or ``timeout`` seconds passed; whether they all did."""
+        return self._all_ended.wait(timeout)
 
     def news(self) -> set[int]:
         """The ranks that received IOPub messages since the last call (every rank when we are not told)."""

@@ -193,7 +193,7 @@ def test_the_tracker_sees_output_and_each_ranks_end(shared_cluster, view, told):
     ar.get()
     tracker.settle()
     ended += tracker.newly_finished()
-    assert ended == [0, 1, 2, 3] and tracker.running() == []
+    assert ended == [0, 1, 2, 3] and tracker.running() == [] and tracker.done() and tracker.wait(0)
     news |= tracker.news()
     assert news == {0, 1, 2, 3}
     assert [tracker.metadata[r]["stdout"] for r in range(4)] == [f"hello from {r}\n" for r in range(4)]
