@@ -113,3 +113,20 @@ def test_train_bench_says_when_each_variant_reaches_ddps_loss(monkeypatch):
     assert [early[v]["reach_step"] for v in ("ddp", "fast", "rounded")] == [20, 30, 20]
     with pytest.raises(ValueError, match="--catch-up-step 25 is not an evaluated step"):
         train_bench.catch_up([ddp, fast], world=4, batch=16, at_step=25)
+
+
+@pytest.mark.timeout(120)
+def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(tmp_path):
+    """Two plain engines, four cells per protocol: every figure is a positive measurement and the old protocol
+    (3 round trips per cell) takes longer than the new one (1)."""
+    out = tmp_path / "cell_protocol.json"
+    result = run_in_session(
+        [sys.executable, str(BENCHMARKS / "cell_protocol.py"), "--engines", "plain", "--ranks", "2", "--cells", "4",
+         "--sleep", "0.5", "--json", str(out)], timeout=110, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert any(line.startswith("| plain | 2 | ") for line in result.stdout.splitlines()), result.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    for variant in ("old", "new", "coalescing"):
+        assert row[f"{variant}_wall_ms"] > 0 and row[f"{variant}_notebook_cpu_ms"] > 0, row
+    assert row["old_wall_ms"] > row["new_wall_ms"], row
+    assert set(row["watch_cpu_share"]) == {"poll all", "news only"}, row
