@@ -7,7 +7,7 @@ on every engine with one reply), on the same cluster, in turn cell by cell (a bu
 * **old** (before issue 27): ``begin_cell`` queued as an ``apply``, the code as an ``execute``, then the replica
   check's question as an ``apply`` (3 requests per rank per empty cell; a 4th, ``fetch_result``, when the
   cell ends in an expression);
-* **new**: one ``apply`` of the engine-side runner (``engine.run_cell``), which does the set-up, runs the code
+* **new**: one ``apply`` of the engine-side runner (``runner.run_cell``), which does the set-up, runs the code
   through the engine's IPython shell and answers both questions in its reply.
 
 Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed every 50 ms as ``run.py`` does):
@@ -19,7 +19,7 @@ Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed 
 
 Engines: ``--engines taco`` starts a real ``TacoCluster`` (MPI, torch and the process group on every rank:
 ~275 MiB each, so 64 is about this machine's limit); ``--engines plain`` starts plain ipyparallel engines with
-no torch (~60 MiB each) and a runner with the same message shape as ``engine.run_cell``, so hundreds fit: the
+no torch (~60 MiB each) and a runner with the same message shape as ``runner.run_cell``, so hundreds fit: the
 notebook's and the controller's side of the control plane are the same, which is what is measured.
 
 Per N: wall ms per empty cell (median), the notebook's and the controller's CPU ms per empty cell (over all
@@ -51,7 +51,7 @@ VARIANTS = ("old", "new", "coalescing")  # coalescing: the new runner through br
 
 
 def plain_run_cell(source: str, captured: bool) -> dict[str, Any]:
-    """The new protocol's runner on a plain engine: ``engine.run_cell``'s message shape without taco (the code
+    """The new protocol's runner on a plain engine: ``runner.run_cell``'s message shape without taco (the code
     through the shell; the reply carries the value and the replica answer)."""
     from IPython import get_ipython
 
@@ -148,9 +148,9 @@ class Taco:
         self.view.apply_sync(engine.check_replicas, False)
 
     def new(self, source: str, view: Any = None) -> Any:
-        from taco_notebook.cluster.cells import engine
+        from taco_notebook.cluster.cells import runner
 
-        return (view or self.view).apply_async(engine.run_cell, source, engine.CellSetup(dashboard=False), False)
+        return (view or self.view).apply_async(runner.run_cell, source, runner.CellSetup(dashboard=False), False)
 
     def stop(self) -> None:
         import shutil

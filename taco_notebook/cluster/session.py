@@ -190,9 +190,8 @@ class TacoCluster:
             self.ipp_cluster.start_cluster_sync()
             self._refresh_engine_sets()
             self.client = self.ipp_cluster.connect_client_sync()
-            engineset.wait_for_engines(self.client, self.size, self.start_timeout, self._start_failure,
-                                       self._engine_launchers[0] if self.profile.slurm is not None else None,
-                                       engineset.planned_hosts(self.profile, self.size))
+            engineset.wait_for_engines(self.client, self.size, self.start_timeout, self._start_failure, self.profile,
+                                       self._engine_launchers)
             self.check_ranks()
             self.view.apply_sync(engine.setup_namespace)  # `taco`, the process group, the metrics flush
         except BaseException as exc:

@@ -85,6 +85,10 @@ def _build_hierarchy() -> _Hierarchy | None:
 _world: dict[int, Any] = {}  # generation -> taco's own group of every rank, for the flat algorithm
 
 
+# Built as soon as the process group is, while every rank is there: built lazily by the first collective, it
+# blocked the peers of a rank that failed before any collective inside new_group's rendezvous, where abort() on
+# the failed rank cannot release them (only its group's sockets, which did not exist yet).
+@state.on_group_start
 def world_group() -> Any:
     """Every rank, in a group of taco's own (built on the comm thread, once per generation): the flat algorithm's
     collectives run on the comm thread, and on the default group they could interleave differently on each rank

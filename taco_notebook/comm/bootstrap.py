@@ -138,12 +138,7 @@ def start_group(meeting: rendezvous.Rendezvous, topology: Topology, backend: str
         atexit.register(shutdown)
     state.device = device if device is not None else _pick_device(backend, topology)
     state.generation += 1
-    # taco's own world group now, while every rank is here: built lazily by the first collective, it would
-    # block the peers of a rank that failed before that collective inside new_group's rendezvous, where
-    # abort() on the failed rank cannot release them (only its group's sockets, which did not exist yet)
-    from .algorithms import world_group
-
-    world_group()
+    state.group_started()  # taco's own world group among them (algorithms.world_group)
 
 
 def shutdown() -> None:

@@ -147,6 +147,18 @@ class ProcessState:
     # MPI's world then no longer describes the group, and init() must not build one over it.
     membership: tuple[str, ...] | None = None
     _teardown: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _on_start: list[Callable[[], Any]] = field(default_factory=list, repr=False)
+
+    def on_group_start(self, callback: Callable[[], Any]) -> Callable[[], Any]:
+        """Run ``callback`` on every rank as soon as a process group is up (collective: every rank runs it, in
+        the same order; once per registration; usable as decorator)."""
+        if callback not in self._on_start:
+            self._on_start.append(callback)
+        return callback
+
+    def group_started(self) -> None:
+        for callback in self._on_start:
+            callback()
 
     def ensure_topology(self, intra_size: int | None = None) -> Topology:
         """This rank's topology from MPI (collective the first time, or when ``intra_size`` is given)."""

@@ -22,9 +22,11 @@ from bokeh.models import (
     LinearColorMapper,
     NumeralTickFormatter,
 )
-from bokeh.models.annotations import ColorBar, Legend, LegendItem
+from bokeh.models.annotations import ColorBar
 from bokeh.palettes import Blues256, Category10_10, Greens256
 from bokeh.plotting import figure
+
+from .legend import FIGURE_PX, legend_below
 
 __all__ = [
     "Plot",
@@ -42,20 +44,9 @@ __all__ = [
     "format_rate",
     "bytes_formatter",
     "plural",
-    "fit_legend",
-    "legend_labels",
-    "legend_width",
-    "show_series",
 ]
 
 TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
-FIGURE_PX = 290  # a figure's height with a one-row legend; each further legend row adds LEGEND_ROW_PX
-# A legend below a plot wraps into rows that fit LEGEND_WIDTH_PX: bokeh neither wraps nor shrinks a legend, it
-# clips it at the figure's edges, and the page's width is unknown here. 440 px is a plot beside another in a
-# ~1000 px notebook output; a wider page shows the same rows with room to spare.
-LEGEND_WIDTH_PX = 440
-LEGEND_ROW_PX = 22  # a 20 px glyph and the row gap
-LABEL_CHAR_PX = 6.5  # 13 px sans-serif: chromium measured 6.0 px a character; the estimate errs toward a row more
 MAX_LABELLED_CELLS = 16  # above this many rows a heatmap shows colours only: numbers would overlap
 CELL_COLUMNS = ("src", "dst", "bps", "label", "last", "last_label")
 STEP_COLUMNS = ("rank", "compute", "comm", "wait", "total", "note", "outline")
@@ -145,77 +136,6 @@ def _figure(title: str, **kwargs: Any) -> figure:
     return figure(title=title, sizing_mode="stretch_width", tools=TOOLS, toolbar_location="right", **kwargs)
 
 
-def _legend(fig: figure) -> Legend:
-    legend = fig.select_one({"type": Legend})
-    assert isinstance(legend, Legend), f"{fig.title} has no legend"
-    return legend
-
-
-def _items(legend: Legend) -> list[LegendItem]:
-    return [item for item in legend.items if isinstance(item, LegendItem)]  # figure() makes LegendItems only
-
-
-def _legend_below(fig: figure) -> None:
-    """Move the legend under the plot, in rows that fit :data:`LEGEND_WIDTH_PX` (inside it would cover the data it
-    explains); an item lists its series only while the series is shown (a hidden one has no data yet)."""
-    legend = _legend(fig)
-    fig.center.remove(legend)
-    legend.orientation = "horizontal"
-    legend.location = "center"
-    for item in _items(legend):
-        item.visible = all(renderer.visible for renderer in item.renderers)
-    fig.add_layout(legend, "below")
-    fit_legend(fig)
-
-
-def _label_text(item: LegendItem) -> str:
-    label = item.label
-    return str(getattr(label, "value", label) or "")  # legend_label="raw" makes Value("raw")
-
-
-def _legend_px(legend: Legend, labels: Sequence[str], ncols: int) -> float:
-    """The width BokehJS gives a legend of ``labels`` laid out ``ncols`` to a row: a CSS grid whose columns are
-    as wide as their widest item (glyph, standoff, label), ``spacing`` apart, inside ``padding`` and a border."""
-    items = [legend.glyph_width + legend.label_standoff + LABEL_CHAR_PX * len(text) for text in labels]
-    columns = [max(items[c::ncols]) for c in range(min(ncols, len(items)))]
-    padding = legend.padding if isinstance(legend.padding, int) else 10
-    return sum(columns) + legend.spacing * (len(columns) - 1) + 2 * padding + 2
-
-
-def legend_labels(fig: figure) -> list[str]:
-    """The labels the legend of ``fig`` lists, in order: those of its visible items."""
-    return [_label_text(item) for item in _items(_legend(fig)) if item.visible]
-
-
-def legend_width(fig: figure) -> float:
-    """The width (px, estimated) of the legend of ``fig`` as :func:`fit_legend` laid it out."""
-    legend = _legend(fig)
-    return _legend_px(legend, legend_labels(fig), legend.ncols if isinstance(legend.ncols, int) else 1)
-
-
-def fit_legend(fig: figure) -> int:
-    """Lay the legend below ``fig`` out in as many columns as fit :data:`LEGEND_WIDTH_PX`, counting only the items
-    it shows, and make the figure taller by the rows added so the plot keeps its height; returns the rows."""
-    legend = _legend(fig)
-    labels = legend_labels(fig)
-    fitting = [n for n in range(1, len(labels) + 1) if _legend_px(legend, labels, n) <= LEGEND_WIDTH_PX]
-    ncols = max(fitting, default=1)
-    legend.ncols = ncols
-    rows = max(math.ceil(len(labels) / ncols), 1)
-    fig.height = FIGURE_PX + LEGEND_ROW_PX * (rows - 1)
-    return rows
-
-
-def show_series(fig: figure, name: str) -> None:
-    """Show the renderer ``name`` of ``fig`` (a series that now has data) and its legend item, and refit the
-    legend: ``show_series(throughput.figure, "tokens")`` once a rank reports tokens."""
-    for item in _items(_legend(fig)):
-        for renderer in item.renderers:
-            if renderer.name == name:
-                renderer.visible = item.visible = True
-    fit_legend(fig)
-
-
 def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s)") -> Plot:
     """Samples/s over elapsed time (see :mod:`.series`): a thick ``total`` line (the rate over the smoothing window)
     over the ``raw`` rate of each grid step (faint), the ``average`` since training began (dashed, what the
@@ -252,7 +172,7 @@ def throughput_plot(ranks: Sequence[int], *, title: str = "Throughput (samples/s
         ("elapsed", "@time{0.0} s"), ("smoothed", "@total{0,0.0}"), ("raw", "@raw{0,0.0}"),
         ("average", "@average{0,0.0}")]))  # fmt: skip
     fig.legend.click_policy = "hide"
-    _legend_below(fig)
+    legend_below(fig)
     return Plot(fig, {"throughput": source})
 
 
@@ -356,7 +276,7 @@ def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
     saved_axis = LinearAxis(y_range_name="saved", axis_label="bytes saved", name="saved_axis")
     saved_axis.formatter = bytes_formatter()  # type: ignore[assignment]  # any TickFormatter works at runtime
     fig.add_layout(saved_axis, "right")
-    _legend_below(fig)
+    legend_below(fig)
     return Plot(fig, {"compression": source})
 
 
@@ -385,7 +305,7 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
                    name="step")  # fmt: skip
     fig.text("rank", "total", text="note", source=source, text_align="center", text_baseline="bottom",
              text_font_size="9pt", name="note")  # fmt: skip
-    _legend_below(fig)
+    legend_below(fig)
     return Plot(fig, {"step_time": source})
 
 
@@ -410,7 +330,7 @@ def gpu_plot(ranks: Sequence[int], *, title: str = "GPU memory per rank") -> Plo
                 legend_label="peak", name="gpu_peak")  # fmt: skip
     fig.text("rank", "peak", text="label", source=source, text_align="center", text_baseline="bottom",
              text_font_size="9pt", y_offset=-4, name="gpu_label")  # fmt: skip
-    _legend_below(fig)
+    legend_below(fig)
     return Plot(fig, {"gpu": source})
 
 

@@ -24,8 +24,9 @@ from typing import Any
 from bokeh.models.annotations import Title
 
 from .interval import NAN, Interval, Snapshot, int_keys, interval_between, is_new_run, straggler
+from .legend import show_series
 from .links import fill_heatmap, link_rates, link_rates_between
-from .plots import STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural, show_series
+from .plots import STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural
 from .series import SeriesBook
 
 __all__ = [

@@ -14,7 +14,7 @@ from taco_notebook.cluster.cells.run import CellOptions, run_cell
 from taco_notebook.errors import RankFailedError, TacoError
 from taco_notebook.plan.output import RankOutput
 from taco_notebook.widgets import dashboard as dashboard_module
-from taco_notebook.widgets.plots import LEGEND_WIDTH_PX, legend_labels, legend_width
+from taco_notebook.widgets.legend import LEGEND_WIDTH_PX, legend_labels, legend_width
 
 pytestmark = pytest.mark.cluster
 

@@ -28,15 +28,8 @@ from taco_notebook.widgets.dashboard import (
     dashboard_mode,
     last_dashboard,
 )
-from taco_notebook.widgets.plots import (
-    FIGURE_PX,
-    LEGEND_WIDTH_PX,
-    format_bytes,
-    format_rate,
-    legend_labels,
-    legend_width,
-    rank_column,
-)
+from taco_notebook.widgets.legend import FIGURE_PX, LEGEND_WIDTH_PX, legend_labels, legend_width
+from taco_notebook.widgets.plots import format_bytes, format_rate, rank_column
 from taco_notebook.widgets.series import SeriesBook
 from taco_notebook.widgets.stream import is_new_run
 

@@ -25,22 +25,16 @@ as its globals and so cut it off from this module's state and helpers.
 
 from __future__ import annotations
 
-import io
-import linecache
 import os
 import pickle
 import sys
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, NamedTuple
-
-from .script import Script
+from typing import Any
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
-           "configure_cell", "CellSetup", "run_cell", "send_interval", "check_replicas", "reset_settings", "reinit",
-           "abort", "fetch_result", "run_script", "ScriptExit", "elastic_mode", "placement", "open_group", "join_group",
-           "elastic_restore", "setup_joiner", "export_namespace", "import_namespace"]
+           "configure_cell", "send_interval", "user_shell", "send_end_state", "check_replicas", "settings_in_force",
+           "reset_settings", "reinit", "abort", "fetch_result", "elastic_mode", "placement", "open_group",
+           "join_group", "elastic_restore", "setup_joiner", "export_namespace", "import_namespace"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
 SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
@@ -59,7 +53,7 @@ RESULT_NAME = "__taco_result__"  # the kernel rewrites a cell's last expression 
 UNPICKLABLE = "__taco_unpicklable__"  # fetch_result's mark for a value that cannot travel: (UNPICKLABLE, repr)
 
 
-def _shell() -> Any:
+def user_shell() -> Any:
     from IPython import get_ipython
 
     shell = get_ipython()
@@ -97,6 +91,11 @@ class _Sender:
 _sender = _Sender()
 
 
+def send_end_state() -> None:
+    """After code that fires no post_execute (an applied script): send the dashboard the end state if it moved."""
+    _sender.flush()
+
+
 def _skip(name: str, value: Any) -> bool:
     import builtins
 
@@ -114,7 +113,6 @@ def export_namespace() -> tuple[bytes, list[str]]:
 
     With cloudpickle installed, instances of classes defined in a cell travel too; without it they need their
     class importable on the joining engine."""
-    import types
 
     try:
         from cloudpickle import dumps
@@ -124,7 +122,7 @@ def export_namespace() -> tuple[bytes, list[str]]:
     chosen: dict[str, Any] = {}
     modules: dict[str, str] = {}
     left: list[str] = []
-    for name, value in list(_shell().user_ns.items()):
+    for name, value in list(user_shell().user_ns.items()):
         if _skip(name, value):
             continue
         if isinstance(value, types.ModuleType):
@@ -146,7 +144,7 @@ def import_namespace(payload: bytes) -> list[str]:
     loaded = pickle.loads(payload)
     names = {name: importlib.import_module(module) for name, module in loaded["modules"].items()}
     names.update(loaded["values"])
-    _shell().user_ns.update(names)
+    user_shell().user_ns.update(names)
     return sorted(names)
 
 
@@ -157,7 +155,7 @@ def setup_joiner() -> None:
 
     import taco_notebook.comm as taco
 
-    shell = _shell()
+    shell = user_shell()
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)
     _listen_for_autopsy()
@@ -183,7 +181,7 @@ def setup_namespace() -> None:
 
     import taco_notebook.comm as taco
 
-    shell = _shell()
+    shell = user_shell()
     # Plain tracebacks: IPython's richer modes cache every failed frame's variables, the process group among
     # them, and a group kept alive keeps its sockets open: peers blocked on a failed rank would never be
     # released (abort() clears the frames, not those caches).
@@ -239,6 +237,14 @@ def configure_cell(settings: dict[str, Any]) -> str | None:
     return note
 
 
+_cell_settings = [False]  # a cell's settings are in force: reset before the next cell if its own reset was missed
+
+
+def settings_in_force() -> bool:
+    """Whether a cell's settings (:func:`configure_cell`) are still in force: its reset did not run."""
+    return _cell_settings[0]
+
+
 def reset_settings() -> None:
     """After such a cell: back to the rank's defaults (``taco.configure(reset=True)``)."""
     from ...comm import configure
@@ -261,146 +267,14 @@ def abort() -> None:
     _abort()
 
 
-class CellSetup(NamedTuple):
-    """What a cell's runner does on the rank before and after the code (``%%taco_run``'s per-cell state)."""
-
-    dashboard: bool = True  # send metrics while it runs (some monitor watches)
-    settings: dict[str, Any] | None = None  # taco.configure(**settings) for this cell only
-    reset: bool = False  # taco.configure(reset=True) after it (the settings were set here or by configure_cell)
-    output: str = "all"  # whose stdout is sent: all, rank0 (and a failing rank's) or errors (failing ranks')
-    interval: float = SEND_S  # seconds between this rank's dashboard payloads (send_interval)
-
-
-HELD_CHARS = 64 * 1024  # the most of a quiet rank's stdout kept, to show if the rank fails
-
-
-class _Held(io.StringIO):
-    """A quiet rank's stdout: kept (the last :data:`HELD_CHARS`), not sent, unless the rank fails."""
-
-    def write(self, text: str) -> int:
-        written = super().write(text)
-        if self.tell() > 2 * HELD_CHARS:
-            tail = self.getvalue()[-HELD_CHARS:]
-            self.seek(0)
-            self.truncate()
-            super().write(tail)
-        return written
-
-
-@contextmanager
-def _quiet_unless_failed(output: str) -> Iterator[_Held | None]:
-    """While the code runs: this rank's stdout held back when ``output`` says it is not shown (``--output``).
-    The caller shows what was held when the rank fails (:func:`_show_held`); stderr always goes through."""
-    from ...comm import rank
-
-    if output == "all" or (output == "rank0" and rank() == 0):
-        yield None
-        return
-    held, real = _Held(), sys.stdout
-    sys.stdout = held
-    try:
-        yield held
-    finally:
-        sys.stdout = real
-
-
-def _show_held(held: _Held | None, output: str) -> None:
-    """A quiet rank failed: what it printed is context for its traceback, so it is shown after all."""
-    text = held.getvalue() if held is not None else ""
-    if text:
-        cut = " (its last 64 KiB)" if len(text) >= HELD_CHARS else ""
-        print(f"[taco] this rank's output, held back by --output {output} until it failed{cut}:\n{text}",
-              end="" if text.endswith("\n") else "\n", flush=True)
-
-
-_cell_settings = [False]  # a cell's settings are in force: reset before the next cell if its own reset was missed
-
-
-def _around(setup: CellSetup) -> None:
-    """The per-cell set-up the runners do in the same request as the code: no message of its own. Settings a
-    previous cell left in force (a Ctrl-C that landed in its reset) are reset first."""
-    begin_cell(setup.dashboard, setup.interval)
-    if _cell_settings[0] and not setup.reset:
-        reset_settings()
-    if setup.settings:
-        configure_cell(setup.settings)
-
-
-def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
-    """A ``%%taco_run`` cell, in one request (``view.apply``): the per-cell set-up, then ``source`` run by the
-    engine's IPython shell as an ``execute`` would run it (input transformers, so magics and ``!`` lines;
-    history and ``In``; the events, so the metrics' post-execute flush), then what the kernel needs back:
-    the value of the last expression (``captured``) and whether this rank has replicas to check.
-
-    A failure is raised again, so the reply is an error named by the user's exception (``StallError``,
-    ``KeyboardInterrupt``…); its traceback starts in the engine's machinery, which the kernel cuts at the
-    cell's first frame (``reporting.render_traceback``). ``run_cell`` has already shown it once, on this
-    request's IOPub, where the kernel does not read it."""
-    from ...comm.replicas import wanted
-
-    try:
-        _around(setup)
-        with _quiet_unless_failed(setup.output) as held:
-            result = _shell().run_cell(source, store_history=True)
-    finally:
-        if setup.reset:
-            reset_settings()
-    error = result.error_before_exec or result.error_in_exec
-    if error is not None:
-        _show_held(held, setup.output)
-        raise error
-    return {"value": fetch_result() if captured else None, "replicas": wanted()}
-
-
 def fetch_result() -> Any:
     """The value of the cell's last expression on this rank, or ``(UNPICKLABLE, repr)`` if it cannot travel."""
-    value = _shell().user_ns.get(RESULT_NAME)
+    value = user_shell().user_ns.get(RESULT_NAME)
     try:
         pickle.dumps(value)
     except Exception:  # noqa: BLE001 - any pickling failure: the notebook shows the repr instead
         return (UNPICKLABLE, repr(value))
     return value
-
-
-class ScriptExit(RuntimeError):
-    """A script called ``sys.exit`` with a non-zero status (raised in place of SystemExit, which would end the
-    engine)."""
-
-
-def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
-    """Run ``script`` (``%taco_run SCRIPT ARGS``, :mod:`.script`) in this engine as ``python path args`` would,
-    after the per-cell set-up (as :func:`run_cell`), then put ``__main__``, ``sys.argv`` and ``sys.path`` back
-    for the next cell, and send the dashboard its end state (an applied call fires no post_execute)."""
-    from ...comm.replicas import wanted
-
-    main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=script.path, __builtins__=__builtins__, __cached__=None)
-    saved = sys.modules.get("__main__"), sys.argv, list(sys.path)
-    # the sent source is what runs: tracebacks show its lines even on a host without the file
-    linecache.cache[script.path] = (len(script.source), None, script.source.splitlines(keepends=True), script.path)
-    sys.modules["__main__"], sys.argv = main, [script.path, *script.args]
-    sys.path.insert(0, os.path.dirname(script.path))
-    held = None
-    try:
-        _around(setup)
-        with _quiet_unless_failed(setup.output) as held:
-            exec(compile(script.source, script.path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            _show_held(held, setup.output)
-            status = f"status {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
-            raise ScriptExit(f"{os.path.basename(script.path)} called sys.exit({status})") from None
-    except BaseException:
-        _show_held(held, setup.output)
-        raise
-    finally:
-        if saved[0] is not None:
-            sys.modules["__main__"] = saved[0]
-        sys.argv, sys.path[:] = saved[1], saved[2]
-        _sender.flush()
-        if setup.reset:
-            reset_settings()
-    return {"value": None, "replicas": wanted()}
 
 
 # ---------------------------------------------------------------- elastic (cluster/elastic/recovery.py drives these)

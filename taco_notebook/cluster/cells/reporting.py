@@ -141,7 +141,7 @@ _RESULT_LINE = re.compile(rf"{RESULT_NAME} = \((.*)\)((?:\x1b\[[0-9;]*m)*)$")
 def render_traceback(error: Any, origin: str | None = None) -> str:
     """A rank's traceback as text, quoting the cell's last line as the user wrote it, from the user's first frame
     on: the first frame in file ``origin`` when given (a script), else the cell's first frame (``Cell In[n]``).
-    The frames before it are the engine's machinery that ran the code (``engine.run_cell``, IPython's
+    The frames before it are the engine's machinery that ran the code (``runner.run_cell``, IPython's
     ``run_code``), which the user did not write."""
     try:
         text = "\n".join(error.render_traceback()[1:])

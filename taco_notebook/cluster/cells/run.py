@@ -15,10 +15,8 @@ While the cell runs, what the engines send (metric snapshots and ``taco.progress
 ``cluster/cells/engine.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
 ``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome.
 
-Everything but the user's cell reaches the engines as a call into ``cluster/cells/engine.py`` (``view.apply``);
-the value of the cell's last expression is captured and brought back by ``cluster/cells/result.py``. The cell's
-per-rank state is read through ipyparallel's public API: ``AsyncResult.metadata`` (each rank's output, live)
-and ``AsyncResult.split()`` (one AsyncResult per rank, each done when its rank is).
+A cell reaches each rank as one call of ``cells/runner.py`` (``view.apply``), whose reply brings back the value of
+its last expression (``cells/result.py``); the wait loop reads only the ranks with news (``cells/tracker.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from ipyparallel.error import RemoteError
 
 from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankFailedError
 from ..session import TacoCluster
-from . import engine
+from . import engine, runner
 from .autopsy import after_stall
 from .replicas import check_replicas
 from .reporting import cell_outcome, error_kinds, error_line, ranks_phrase, render_traceback, stalled_ranks, were
@@ -72,7 +70,7 @@ class CellOptions:
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
     runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
     check_replicas: bool = True  # after a cell on every rank that trained: compare them (cells/replicas.py)
-    output: str = "all"  # whose stdout the ranks send: all, rank0 or errors (engine.CellSetup.output)
+    output: str = "all"  # whose stdout the ranks send: all, rank0 or errors (runner.CellSetup.output)
 
 
 class OutputSink(Protocol):
@@ -230,8 +228,8 @@ class _CellRun:
             self.collect_errors()
             if self.errors:
                 self.release_peers()
-            limit = deadline if self.failure_deadline is None else _earliest(deadline, self.failure_deadline)
-            if limit is not None and time.monotonic() >= limit:
+            limits = [t for t in (deadline, self.failure_deadline) if t is not None]
+            if limits and time.monotonic() >= min(limits):
                 return False
             self.tracker.wait(POLL_S)  # type: ignore[union-attr]  # returns as soon as the cell is done
         return True
@@ -258,7 +256,7 @@ class _CellRun:
         self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
         return stuck
 
-    def run(self, submit: Callable[[Any, engine.CellSetup], Any], captured: bool) -> Any:
+    def run(self, submit: Callable[[Any, runner.CellSetup], Any], captured: bool) -> Any:
         """Prepare the ranks, ``submit(view, setup)`` the work (a cell's or a script's runner, which does the
         per-cell ``setup`` in the same request), and wait for it through the ladder; ``captured``: the cell's
         last expression is to be brought back."""
@@ -270,7 +268,7 @@ class _CellRun:
             if notes[0]:  # the ranks agree
                 self.sink.notice(notes[0])
             settings = None
-        setup = engine.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings),
+        setup = runner.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings),
                                  output=self.options.output, interval=engine.send_interval(len(self.targets)))
         try:
             value = self._execute(lambda view: submit(view, setup), captured)
@@ -365,17 +363,13 @@ class _CellRun:
         return next((r.host for r in self.cluster.ranks if r.rank == rank), "?")
 
 
-def _earliest(a: float | None, b: float) -> float:
-    return b if a is None else min(a, b)
-
-
 def run_cell(cluster: TacoCluster, code: str, options: CellOptions, sink: OutputSink) -> Any:
     """Run ``code`` on the cluster's ranks (or ``options.targets``); returns rank 0's (or every rank's, with
     ``gather``) value of the last expression, or None. With ``options.runner`` (``--elastic``) the run survives
     a rank's death and admits joiners (cluster/elastic/recovery.py)."""
     source, captured = capture_last_expression(code)
     return _run(cluster, code, options, sink,
-                lambda view, setup: view.apply_async(engine.run_cell, source, setup, captured), captured)
+                lambda view, setup: view.apply_async(runner.run_cell, source, setup, captured), captured)
 
 
 def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink: OutputSink) -> None:
@@ -383,11 +377,11 @@ def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink:
     with a cell's live output, failure handling, Ctrl-C ladder and monitors. ``options.gather`` is ignored:
     a script has no last expression."""
     _run(cluster, f"%taco_run {script.command()}", options, sink,
-         lambda view, setup: view.apply_async(engine.run_script, script, setup), captured=False, origin=script.path)
+         lambda view, setup: view.apply_async(runner.run_script, script, setup), captured=False, origin=script.path)
 
 
 def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSink,
-         submit: Callable[[Any, engine.CellSetup], Any], captured: bool, origin: str | None = None) -> Any:
+         submit: Callable[[Any, runner.CellSetup], Any], captured: bool, origin: str | None = None) -> Any:
     """Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end;
     ``shown`` is what the sidebar says runs."""
     from .reporting import RegistryRun

@@ -9,7 +9,7 @@ kernel's filesystem (the hosts, slurm and mpijob profiles), and an edit saved wh
 some ranks and not others. Modules the script imports from its own directory are found only where that
 directory exists on the rank's host (always on the local profile; elsewhere, a shared filesystem).
 
-On the rank (:func:`~.engine.run_script`, called with ``view.apply``) the script runs as python runs it: in a
+On the rank (:func:`~.runner.run_script`, called with ``view.apply``) the script runs as python runs it: in a
 fresh ``__main__`` module (``__name__ == "__main__"``, ``__file__`` set, classes it defines picklable),
 ``sys.argv == [path, *args]``, its directory first on ``sys.path``; all three are put back afterwards, so the
 engine is ready for the next cell. ``sys.exit(0)``/``sys.exit()`` ends the run normally; any other exit status

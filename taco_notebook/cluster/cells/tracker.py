@@ -81,12 +81,14 @@ class RankTracker:
         return found
 
     def update(self) -> None:
-        """Take in the ranks whose request ended since the last look."""
+        """Take in the ranks whose request ended since the last look: those seen in one look in rank order (the
+        first of several failures named is then the lowest rank seen, as when every rank fails at once)."""
+        batch = set()
         while self._done:
-            rank = self._done.popleft()
-            if rank not in self.finished:
-                self.finished[rank] = None
-                self._order.append(rank)
+            batch.add(self._done.popleft())
+        for rank in sorted(batch - self.finished.keys()):
+            self.finished[rank] = None
+            self._order.append(rank)
 
     def settle(self) -> None:
         """Once, when the request as a whole is done: every rank read again and every finished rank taken in,

@@ -127,14 +127,15 @@ def never_registered(client: Any, n: int, timeout: float, hosts: list[str] | Non
             f"registered{where}")
 
 
-def wait_for_engines(client: Any, n: int, timeout: float, failure: Callable[[], str | None],
-                     slurm_launcher: Any = None, hosts: list[str] | None = None) -> None:
-    """Until ``n`` engines registered, or a :class:`ClusterStartError` saying ``failure()`` (None while mpiexec
-    runs) as soon as it says something. A Slurm job's engines: as long as the queue holds the job, then timeout."""
-    if slurm_launcher is not None:
+def wait_for_engines(client: Any, n: int, timeout: float, failure: Callable[[], str | None], profile: Profile,
+                     launchers: list[Any]) -> None:
+    """Until ``n`` engines of ``profile`` (started by ``launchers``) registered, or a :class:`ClusterStartError`
+    saying ``failure()`` (None while mpiexec runs) as soon as it says something, or a TimeoutError naming the
+    ranks that never registered. A Slurm job's engines: as long as the queue holds the job, then timeout."""
+    if profile.slurm is not None:
         from .slurm.engines import wait
 
-        return wait(client, slurm_launcher, n, timeout)
+        return wait(client, launchers[0], n, timeout)
     # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
     # stayed stuck in the notebook; the magic says "ready in … s" itself.
     future = client.wait_for_engines(n, block=False, timeout=timeout, interactive=False)
@@ -148,7 +149,7 @@ def wait_for_engines(client: Any, n: int, timeout: float, failure: Callable[[], 
     try:
         future.result()
     except TimeoutError:  # the caller adds the engines' last lines (TacoCluster._failed)
-        raise TimeoutError(never_registered(client, n, timeout, hosts)) from None
+        raise TimeoutError(never_registered(client, n, timeout, planned_hosts(profile, n))) from None
 
 
 def read_ranks(client: Any, name: str) -> list[RankInfo]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from taco_notebook.cluster.cells import engine
+from taco_notebook.cluster.cells import engine, runner
 
 CLUSTER_DIR = Path(engine.__file__).parents[1]
 TRAIN = "for _ in taco.progress(range(20)):\n    taco.metrics.step(samples=2)\n"
@@ -149,8 +149,8 @@ def test_run_cell_does_the_setup_runs_the_code_as_a_cell_and_answers_in_one_requ
     from taco_notebook.cluster.cells.result import capture_last_expression
 
     source, captured = capture_last_expression("%time x = taco.rank()\ntaco.settings().fusion_mb, x * 10")
-    setup = engine.CellSetup(dashboard=False, settings={"fusion_mb": 3}, reset=True)
-    replies = view.apply_sync(engine.run_cell, source, setup, captured)
+    setup = runner.CellSetup(dashboard=False, settings={"fusion_mb": 3}, reset=True)
+    replies = view.apply_sync(runner.run_cell, source, setup, captured)
     assert [r["value"] for r in replies] == [(3, 0), (3, 10), (3, 20), (3, 30)]
     assert [r["replicas"] for r in replies] == [False] * 4  # nothing trained through taco
     assert view.apply_sync(_settings)[0]["fusion_mb"] != 3  # reset after the cell
@@ -161,7 +161,7 @@ def test_run_cell_raises_the_users_exception_with_the_cells_frames(view):
 
     from taco_notebook.cluster.cells.reporting import render_traceback
 
-    ar = view.apply_async(engine.run_cell, "def f():\n    raise KeyError('k')\nf()\n", engine.CellSetup(False), False)
+    ar = view.apply_async(runner.run_cell, "def f():\n    raise KeyError('k')\nf()\n", runner.CellSetup(False), False)
     errors = [e for e in ar.get(return_exceptions=True) if isinstance(e, RemoteError)]
     assert len(errors) == 4 and {e.ename for e in errors} == {"KeyError"}
     shown = re.sub(r"\x1b\[[0-9;]*m", "", render_traceback(errors[0]))
@@ -179,7 +179,7 @@ def test_the_tracker_sees_output_and_each_ranks_end(shared_cluster, view, told):
     from taco_notebook.cluster.cells.tracker import RankTracker
 
     code = "print('hello from', taco.rank())\n__import__('time').sleep(0.3 * taco.rank())\n"
-    ar = view.apply_async(engine.run_cell, code, engine.CellSetup(False), False)
+    ar = view.apply_async(runner.run_cell, code, runner.CellSetup(False), False)
     tracker = RankTracker(shared_cluster.client, ar, [0, 1, 2, 3])
     assert tracker.told  # this ipyparallel has the callbacks the tracker uses
     tracker.told = told
@@ -214,7 +214,7 @@ def test_no_code_string_is_sent_to_engines_but_the_users_cell():
         for name, call in _calls(path):
             if name == "execute" and call.args:
                 executes.append(f"{path.name}:{call.lineno}")
-            if name == "apply_async" and call.args and ast.unparse(call.args[0]) == "engine.run_cell":
+            if name == "apply_async" and call.args and ast.unparse(call.args[0]) == "runner.run_cell":
                 cells.append((path.name, ast.unparse(call.args[1])))
     assert executes == []
     assert cells == [("run.py", "source")]  # the user's cell, after capture_last_expression
