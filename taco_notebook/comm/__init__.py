@@ -10,6 +10,7 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 from __future__ import annotations
 
 from ..errors import StallError
+from . import algorithms as _algorithms  # noqa: F401, I001 - registers taco's world group with every group start
 from . import excepthook as _excepthook
 from . import metrics, placement, stall
 from . import rendezvous as _rendezvous

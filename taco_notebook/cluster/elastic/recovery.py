@@ -204,8 +204,11 @@ def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
         live = [r for r in survivors if (r.host, r.pid) not in gone]
         running = [r for r in live if not parts[r.rank].ready()]
         done = [r for r in live if parts[r.rank].ready() and r.rank not in aborted]
+        registered = set(cluster.client.ids)  # a rank of a lost node can be unregistered before its death is read
+        reachable = [r for r in done if r.engine_id in registered]
+        if reachable and running:
+            cluster.client[[r.engine_id for r in reachable]].apply_async(engine.abort)
         if done and running:
-            cluster.client[[r.engine_id for r in done]].apply_async(engine.abort)
             aborted.update(r.rank for r in done)
         if not running:
             return deaths
