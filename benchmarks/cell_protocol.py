@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from control_plane import cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
+from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
 
 EMPTY = "pass"
 POLL_S = 0.05  # run.py's
@@ -164,12 +164,10 @@ class Taco:
 def watch_poll_all(ar: Any) -> None:
     """The wait loop before issue 27: every rank's metadata and AsyncResult on every wake."""
     parts = ar.split()
-    wakes = 0
     while not ar.ready():
         for md in ar.metadata:
             md["stdout"], md["stderr"], md["outputs"], md["data"].get("taco")
         [part.ready() for part in parts]
-        wakes += 1
         ar.wait(POLL_S)
 
 
@@ -266,19 +264,16 @@ def table(rows: list[dict[str, Any]], cells: int, at: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", choices=("taco", "plain"), default="taco")
-    parser.add_argument("--ranks", default="2,4,8,16", help="comma-separated cluster sizes")
+    parser.add_argument("--ranks", type=cluster_sizes, default="2,4,8,16", help="comma-separated cluster sizes")
     parser.add_argument("--cells", type=int, default=20, help="empty cells per protocol and size (≥ 2)")
     parser.add_argument("--sleep", type=float, default=2.0, help="seconds the watched cell runs")
     parser.add_argument("--extrapolate", type=int, default=1000)
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    try:
-        sizes = [int(n) for n in args.ranks.split(",")]
-    except ValueError:
-        parser.error(f"--ranks wants comma-separated integers like 2,4,8, got {args.ranks!r}")
-    if any(n <= 0 for n in sizes) or args.cells < 2:
-        parser.error("--ranks must be positive and --cells at least 2")
+    sizes = args.ranks
+    if args.cells < 2:
+        parser.error("--cells must be at least 2")
     rows = []
     for size in sizes:
         rows.append(measure(args.engines, size, args.cells, args.sleep, args.start_timeout))

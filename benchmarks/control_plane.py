@@ -355,21 +355,30 @@ def tables(rows: list[dict[str, Any]], fitted: list[dict[str, Any]], repeats: in
     return "\n".join(out)
 
 
+def cluster_sizes(text: str) -> list[int]:
+    """``--ranks``: comma-separated positive integers (an argparse ``type``, shared with cell_protocol.py)."""
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants comma-separated integers like 2,4,8,16, got {text!r}") from None
+    if any(n <= 0 for n in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="2,4,8,16", help="comma-separated cluster sizes (default 2,4,8,16)")
+    parser.add_argument("--ranks", type=cluster_sizes, default="2,4,8,16",
+                        help="comma-separated cluster sizes (default 2,4,8,16)")
     parser.add_argument("--repeats", type=int, default=15, help="timed cells per variant and size (≥ 2)")
     parser.add_argument("--extrapolate", type=int, default=1000, help="N the line fits are evaluated at")
     parser.add_argument("--start-timeout", type=float, default=600.0,
                         help="seconds N engines get to register (many ranks on few, loaded cores are slow)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file (after each N)")
     args = parser.parse_args()
-    try:
-        sizes = [int(n) for n in args.ranks.split(",")]
-    except ValueError:
-        parser.error(f"--ranks wants comma-separated integers like 2,4,8,16, got {args.ranks!r}")
-    if any(n <= 0 for n in sizes) or args.repeats < 2:
-        parser.error("--ranks must be positive and --repeats at least 2")
+    sizes = args.ranks
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2")
     rows: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="taco-cp-registry-") as registry:
