@@ -44,6 +44,8 @@ __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
 log = logging.getLogger("taco_notebook")
 
 POLL_S = 0.05
+# errors after which a rank's process group is gone (the stall watchdog aborts it; the backend lost a peer)
+GROUP_BREAKING = frozenset({"StallError", "DistBackendError", "DistNetworkError"})
 REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every engine.SEND_S)
 
 
@@ -180,6 +182,10 @@ class _CellRun:
                 self.engine_died()
             if isinstance(result, RemoteError):
                 self.errors[rank] = result
+                if result.ename in GROUP_BREAKING:
+                    # that rank's group is torn down (a stall's watchdog aborts it): rebuild before the next
+                    # cell, also when every rank failed at once and release_peers never ran
+                    self.cluster.mark_group_broken()
                 if self.failure_deadline is None:
                     self.failure_deadline = time.monotonic() + self.options.failure_grace
                 if len(self.errors) == 1 and self.running():

@@ -114,6 +114,8 @@ def test_the_stall_watchdog_shows_where_every_rank_was(ip, shared_cluster, capsy
     try:
         with pytest.raises(RankFailedError):
             ip.run_cell_magic("taco_run", "--stall-timeout 3", cell)
+        # every rank's watchdog tore its group down, whether or not the notebook saw a rank still running
+        assert shared_cluster.needs_reinit
         err = capsys.readouterr().err
         assert "[taco] hang autopsy: stacks of 4 ranks" in err, err
         assert re.search(r"^ranks 0-2\*?: allreduce #(\d+) 'step' \(waited [3-9]\.\d s\) at cell:6 in <module>$", err,
