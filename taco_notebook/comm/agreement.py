@@ -191,12 +191,20 @@ def _exchange(sig: Signature, extra: int, group: Any) -> tuple[list[int], list[i
     return values[0::2], values[1::2]
 
 
-def _signatures(sig: Signature, group: Any) -> list[Signature]:
+def _proposals(sig: Signature, group: Any, mine: Any = None) -> list[Any]:
+    """Every rank's :class:`.byname.Proposal` (its signature, whether it may park, what it parked), in group
+    order: the slow path, only when the hashes differ."""
     import torch.distributed as dist
 
+    from .byname import Proposal
+    from .state import state
+
+    if mine is None:
+        thread = state.comm_thread
+        mine = Proposal(sig, thread.may_park(), thread.parked(group))
     group = _group(group)
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, pickle.dumps(sig), group=group)
+    dist.all_gather_object(every, pickle.dumps(mine), group=group)
     return [pickle.loads(raw) for raw in every]  # noqa: S301 - the job's own ranks sent it
 
 
@@ -216,20 +224,48 @@ def _message(sigs: Sequence[Signature], ranks: Sequence[int]) -> str:
     )
 
 
+def _refused(sig: Signature) -> bool:
+    return sig.detail is not None and sig.detail.startswith("invalid on this rank")
+
+
 def agree(sig: Signature, extra: int = 0, group: Any = None) -> list[int]:
     """Check that every rank of ``group`` (default: all) holds ``sig``; returns every rank's ``extra``.
 
     Run on the communication thread, right before the collective. Raises :class:`CollectiveMismatchError` on
     every rank when they differ. Ranks inside ``join()`` are accepted for an allreduce (they feed zeros).
+    Operations matched by name (Horovod's named ``*_async``) are parked or run out of order instead, where
+    that reconciles the ranks (:mod:`.byname`): this raises :class:`.state.Deferred` to park the running one.
     """
-    hashes, extras = _exchange(sig, extra, group)
-    if all(h == hashes[0] for h in hashes):
-        return extras
-    sigs = _signatures(sig, group)
-    active = [s for s in sigs if s != JOINED]
-    if sig != JOINED and active and all(s == active[0] for s in active) and active[0].kind == "allreduce":
-        return extras  # ranks that joined feed zeros (run_joined)
-    raise CollectiveMismatchError(_message(sigs, _ranks(group)))
+    from .byname import decide
+    from .state import Deferred, state
+
+    while True:
+        hashes, extras = _exchange(sig, extra, group)
+        if all(h == hashes[0] for h in hashes):
+            return extras
+        proposals = _proposals(sig, group)
+        sigs = [p.sig for p in proposals]
+        if JOINED in sigs or any(_refused(s) for s in sigs):
+            active = [s for s in sigs if s != JOINED]
+            if sig != JOINED and active and all(s == active[0] for s in active) and active[0].kind == "allreduce":
+                return extras  # ranks that joined feed zeros (run_joined)
+            raise CollectiveMismatchError(_message(sigs, _ranks(group)))
+        decision = decide(proposals)
+        if decision is None:
+            raise CollectiveMismatchError(_message(sigs, _ranks(group)))
+        what, detail = decision
+        if what == "run" and detail != sig:
+            state.comm_thread.run_parked(detail, group)  # the others run it now; then this rank's own again
+        elif what == "park" and _index(group) in detail:
+            raise Deferred(sig, group)
+        # otherwise: agree again on this one (the others run or park theirs first)
+
+
+def _index(group: Any) -> int:
+    """This rank's index in ``group`` (None: the world)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if group is not None else dist.get_rank()
 
 
 def run_joined(rejoin: Callable[[Signature], None], group: Any = None) -> list[int]:
@@ -242,8 +278,14 @@ def run_joined(rejoin: Callable[[Signature], None], group: Any = None) -> list[i
         hashes, extras = _exchange(JOINED, arrived, group)
         if all(h == hashes[0] for h in hashes):
             return extras
-        sigs = _signatures(JOINED, group)
+        sigs = [p.sig for p in _proposals(JOINED, group, _joined())]
         active = [s for s in sigs if s != JOINED]
         if all(s == active[0] for s in active) and active[0].kind == "allreduce":
             rejoin(active[0])
         # anything else: the other ranks raise CollectiveMismatchError and go on; this rank waits for their next
+
+
+def _joined() -> Any:
+    from .byname import Proposal
+
+    return Proposal(JOINED)

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from ..errors import StallError
 from . import bootstrap
 from .config import settings
-from .state import state
+from .state import Deferred, state
 
 __all__ = ["StallError", "WARN_S", "tracked", "on_stall", "remove_on_stall", "in_flight", "fresh_copy"]
 
@@ -147,11 +147,16 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
             if board.abandoned():
                 _late(board, board.seq, label)
         # recorded even when the watchdog is off: the hang autopsy (autopsy.py) reports it
-        job = _watchdog.current = _InFlight(board.seq, label, time.monotonic())
+        # a parked operation run inside another's agreement (byname.py) nests: the outer one is watched again after
+        outer, job = _watchdog.current, _InFlight(board.seq, label, time.monotonic())
+        _watchdog.current = job
         if watched:
             _watchdog.ensure_running()
         try:
             return work()
+        except Deferred:
+            board.seq -= 1  # parked (byname.py): it takes a number when it runs, as on the other ranks
+            raise
         except Exception as exc:
             if state.stalled is not None and not isinstance(exc, StallError):
                 # this rank's own watchdog fired and its teardown failed the collective under us (a group of
@@ -165,7 +170,7 @@ def tracked(kind: str, name: Any, work: Callable[[], T]) -> Callable[[], T]:
             raise
         finally:
             if _watchdog.current is job:
-                _watchdog.current = None
+                _watchdog.current = outer
 
     return run
 

@@ -17,17 +17,38 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .topology import Topology, intra_size_from_env, node_name
 
-__all__ = ["CommThread", "ProcessState", "state"]
+__all__ = ["CommThread", "Deferred", "ProcessState", "state"]
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
+
+
+class Deferred(Exception):  # noqa: N818 - a signal between agreement.agree and the thread, not an error
+    """Raised by :func:`.agreement.agree` on the communication thread: the running work is an operation matched
+    by name (Horovod's ``*_async`` with a ``name``) that the other ranks do not run now; the thread parks it and
+    goes on with the next, and runs it when the others reach it (:mod:`.byname`)."""
+
+    def __init__(self, sig: Any, group: Any) -> None:
+        super().__init__(sig)
+        self.sig, self.group = sig, group
+
+
+@dataclass(eq=False)
+class _Item:
+    fn: Callable[[], Any]
+    future: Future[Any]
+    by_name: bool = False  # may be parked until the other ranks reach it (Horovod's named *_async)
+    started: bool = False
+    sig: Any = None  # once parked: its agreement signature, and the torch group it runs over
+    group: Any = None
 
 
 class CommThread:
@@ -38,30 +59,62 @@ class CommThread:
     would ever run. The abandoned thread is a daemon, so it cannot hold the process at exit either.
     :meth:`take_pending` (the stall watchdog) also hands over the futures of the work that will now never run,
     so their waiters can be failed instead of waiting forever.
+
+    Work submitted inside :meth:`by_name` (the Horovod face's named ``*_async`` calls) may be *parked* when the
+    ranks disagree on what runs next (:mod:`.byname`): Horovod matches such operations by name, not by order.
+    A parked operation runs when the other ranks reach it, or is queued again, in order, once someone waits for
+    it (:meth:`unpark`, called by ``hvd.synchronize``).
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] | None = None
+        self._queue: queue.SimpleQueue[_Item | None] | None = None
         self._ident: int | None = None
         self._running: dict[int, Future[Any]] = {}  # thread id -> the future of the work it runs (old ones too)
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self._current: _Item | None = None  # the work the thread runs now (the agreement asks about it)
+        self._parked: list[_Item] = []
+        self._awaited: set[int] = set()  # id() of futures someone waits for: never parked
 
-    def _work(self, work: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
+    def _work(self, work: queue.SimpleQueue[_Item | None]) -> None:
         me = self._ident = threading.get_ident()
         while (item := work.get()) is not None:
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
+            if not item.started and not item.future.set_running_or_notify_cancel():
                 continue
-            self._running[me], result = future, None
-            try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                _settle(future, exc)
+            item.started = True
+            self._run(me, item)
+            del item  # the finished work must not keep its tensors or groups alive
+
+    def _run(self, me: int, item: _Item) -> None:
+        previous, self._current = self._current, item
+        self._running[me], result = item.future, None
+        try:
+            result = item.fn()
+        except Deferred as deferred:
+            item.sig, item.group = deferred.sig, deferred.group
+            with self._lock:
+                self._parked.append(item)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            _settle(item.future, exc)
+        else:
+            _settle(item.future, None, result)
+        finally:
+            self._current = previous
+            if previous is not None:
+                self._running[me] = previous.future
             else:
-                _settle(future, None, result)
-            finally:
                 self._running.pop(me, None)
-            del item, fn, future, result  # the finished work must not keep its tensors or groups alive
+            del result
+
+    @contextmanager
+    def by_name(self, on: bool = True) -> Iterator[None]:
+        """Work submitted from this thread inside the block is matched by name (Horovod's rule) when ``on``."""
+        before = getattr(self._local, "by_name", False)
+        self._local.by_name = on
+        try:
+            yield
+        finally:
+            self._local.by_name = before
 
     def submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
         """Queue ``fn``; its result (or exception) goes to ``future`` (a new one by default)."""
@@ -70,7 +123,7 @@ class CommThread:
             if self._queue is None:
                 self._queue = queue.SimpleQueue()
                 threading.Thread(target=self._work, args=(self._queue,), name="taco-comm", daemon=True).start()
-            self._queue.put((fn, future))
+            self._queue.put(_Item(fn, future, getattr(self._local, "by_name", False)))
         return future
 
     def run(self, fn: Callable[[], T], future: Future[T] | None = None) -> T:
@@ -79,16 +132,65 @@ class CommThread:
             return fn()
         return self.submit(fn, future).result()
 
+    # ---------------------------------------------------------------- operations matched by name
+    def may_park(self) -> bool:
+        """Whether the work running now may be parked (on the thread: the agreement asks)."""
+        item = self._current
+        with self._lock:
+            return item is not None and item.by_name and id(item.future) not in self._awaited
+
+    def parked(self, group: Any) -> tuple[Any, ...]:
+        """The signatures of the operations parked over ``group``, oldest first."""
+        with self._lock:
+            return tuple(item.sig for item in self._parked if item.group is group)
+
+    def run_parked(self, sig: Any, group: Any) -> None:
+        """Run the oldest operation parked over ``group`` with signature ``sig`` now (on the thread: the other
+        ranks run it too)."""
+        with self._lock:
+            item = next(i for i in self._parked if i.group is group and i.sig == sig)
+            self._parked.remove(item)
+            item.by_name = False  # the others are at it: it must not be parked again
+        self._run(threading.get_ident(), item)
+
+    def unpark(self, future: Future[Any]) -> None:
+        """Someone waits for ``future`` (any thread): it is never parked from now on, and if it is parked it goes
+        to the end of the queue, to run in order. Call :meth:`awaited_done` when the wait ends."""
+        with self._lock:
+            self._awaited.add(id(future))
+            item = next((i for i in self._parked if i.future is future), None)
+            if item is None or self._queue is None:
+                return
+            self._parked.remove(item)
+            item.by_name = False
+            self._queue.put(item)
+
+    def awaited_done(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._awaited.discard(id(future))
+
+    def _drop_parked(self) -> list[Future[Any]]:
+        """Forget the parked work (the group is going away; call with the lock held): its futures."""
+        futures = [item.future for item in self._parked]
+        self._parked.clear()
+        return futures
+
     def abandon(self) -> None:
-        """Later collectives run on a new thread; the current one ends once its queue is done (if ever)."""
+        """Later collectives run on a new thread; the current one ends once its queue is done (if ever).
+        Operations still parked fail: their group is going away."""
         with self._lock:
             if self._queue is not None:
                 self._queue.put(None)
             self._queue = None
+            parked = self._drop_parked()
+        for future in parked:
+            _settle(future, RuntimeError("the process group was torn down before the other ranks ran this "
+                                         "operation (it waited for them by name)"))
 
     def take_pending(self) -> list[Future[Any]]:
         """Abandon the thread (it is stuck in a collective that will never complete) and return the futures of
-        its running work and of everything queued behind it, which will now never run: the caller fails them."""
+        its running work, of everything queued behind it and of the parked work, which will now never run:
+        the caller fails them."""
         pending: list[Future[Any]] = []
         with self._lock:
             running = self._running.get(self._ident) if self._ident is not None else None
@@ -101,9 +203,10 @@ class CommThread:
                     except queue.Empty:
                         break
                     if item is not None:
-                        pending.append(item[1])
+                        pending.append(item.future)
                 self._queue.put(None)
             self._queue = None
+            pending += self._drop_parked()
         return pending
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ..comm import collectives
 from .basics import Average, check_process_set
-from .mpi_ops import UNCOMPRESSED, _check_tensor, _handle, _reduce_now, _reserve, synchronize
+from .mpi_ops import UNCOMPRESSED, _check_tensor, _handle, _named, _reduce_now, synchronize
 
 __all__ = [
     "allgather",
@@ -30,8 +30,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     """Start gathering every rank's ``tensor`` along dimension 0 (first dimensions may differ)."""
     _check_tensor(tensor, "allgather_async")
     group = check_process_set(process_set)
-    reserved = _reserve("allgather", name)
-    return _handle(collectives.allgather_async(tensor, name, group), reserved=reserved)
+    with _named("allgather", name) as reserved:
+        return _handle(collectives.allgather_async(tensor, name, group), reserved=reserved)
 
 
 class _Allgather(torch.autograd.Function):
@@ -68,8 +68,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     """Start copying ``root_rank``'s ``tensor`` into every rank's, in place."""
     _check_tensor(tensor, "broadcast_async_")
     group = check_process_set(process_set)
-    reserved = _reserve("broadcast", name)
-    return _handle(collectives.broadcast_async(tensor, root_rank, name, group), reserved=reserved)
+    with _named("broadcast", name) as reserved:
+        return _handle(collectives.broadcast_async(tensor, root_rank, name, group), reserved=reserved)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
@@ -110,8 +110,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start an alltoall; :func:`synchronize` gives ``(output, received_splits)``."""
     _check_tensor(tensor, "alltoall_async")
     group = check_process_set(process_set)
-    reserved = _reserve("alltoall", name)
-    return _handle(collectives.alltoall_async(tensor, splits, name, group), reserved=reserved)
+    with _named("alltoall", name) as reserved:
+        return _handle(collectives.alltoall_async(tensor, splits, name, group), reserved=reserved)
 
 
 class _Alltoall(torch.autograd.Function):

@@ -12,8 +12,9 @@ toward zero (as Horovod).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,6 +68,15 @@ def _reserve(kind: str, name: Any) -> str | None:
     return key
 
 
+@contextmanager
+def _named(kind: str, name: Any) -> Iterator[str | None]:
+    """:func:`_reserve` the name; what the block submits is matched by name, as Horovod's coordinator does
+    (``comm/byname.py``): a named operation one rank starts before the others reach it waits for them."""
+    reserved = _reserve(kind, name)
+    with state.comm_thread.by_name(reserved is not None):
+        yield reserved
+
+
 def _handle(
     future: Future[Any], finish: Callable[[Any], Any] = lambda result: result, reserved: str | None = None
 ) -> int:
@@ -81,7 +91,10 @@ def poll(handle: int) -> bool:
     """True once the operation behind ``handle`` finished (``synchronize`` will then not block)."""
     if handle not in _handles:
         raise ValueError(f"unknown handle {handle!r}: it was never returned by an *_async call, or was synchronized")
-    return _handles[handle][0].done()
+    future = _handles[handle][0]
+    if not future.done():
+        state.comm_thread.unpark(future)  # someone looks for it: it runs in order from now on (comm/byname.py)
+    return future.done()
 
 
 def synchronize(handle: int) -> Any:
@@ -92,10 +105,14 @@ def synchronize(handle: int) -> Any:
     future, finish, reserved = _handles.pop(handle)
     if reserved is not None:
         _in_flight.pop(reserved, None)
+    if not future.done():
+        state.comm_thread.unpark(future)  # parked (comm/byname.py): it runs in order, as this rank waits for it
     try:
         result = future.result()
     except (StallError, dist.DistBackendError) as error:
         raise HorovodInternalError(str(error)) from error
+    finally:
+        state.comm_thread.awaited_done(future)
     return finish(result)
 
 
@@ -149,12 +166,13 @@ def allreduce_async(
     """Start reducing a copy of ``tensor`` (which is not changed); returns a handle for :func:`synchronize`."""
     _check_tensor(tensor, "allreduce_async")
     found = reduce_op(op, average)
-    reserved = _reserve("allreduce", name)
     output = tensor.detach().clone()
-    return _handle(
-        *_start_allreduce(tensor, output, found, name, prescale_factor, postscale_factor, UNCOMPRESSED, process_set),
-        reserved,
-    )
+    with _named("allreduce", name) as reserved:
+        return _handle(
+            *_start_allreduce(tensor, output, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
+                              process_set),
+            reserved,
+        )
 
 
 def allreduce_async_(
@@ -169,11 +187,12 @@ def allreduce_async_(
     """Start reducing ``tensor`` in place; returns a handle for :func:`synchronize`."""
     _check_tensor(tensor, "allreduce_async_")
     found = reduce_op(op, average)
-    reserved = _reserve("allreduce", name)
-    return _handle(
-        *_start_allreduce(tensor, tensor, found, name, prescale_factor, postscale_factor, UNCOMPRESSED, process_set),
-        reserved,
-    )
+    with _named("allreduce", name) as reserved:
+        return _handle(
+            *_start_allreduce(tensor, tensor, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
+                              process_set),
+            reserved,
+        )
 
 
 def _reduce_now(

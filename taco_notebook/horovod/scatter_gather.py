@@ -17,7 +17,7 @@ import torch
 from ..comm import collectives, scatter
 from .basics import Average, ReduceOp, check_process_set, comm_op, reduce_op, size
 from .gather_ops import allgather, allgather_async
-from .mpi_ops import _check_tensor, _handle, _reserve, synchronize
+from .mpi_ops import _check_tensor, _handle, _named, synchronize
 
 __all__ = [
     "reducescatter",
@@ -60,11 +60,11 @@ def reducescatter_async(
     _check_tensor(tensor, "reducescatter_async")
     group = check_process_set(process_set)
     found, how = _scatter_op(op)
-    reserved = _reserve("reducescatter", name)
     source = tensor.detach()
     integer_mean = found is Average and not (source.is_floating_point() or source.is_complex())
     source = _scaled(source, prescale_factor)
-    future = scatter.reduce_scatter_async(source, "sum" if integer_mean else how, name, group)
+    with _named("reducescatter", name) as reserved:
+        future = scatter.reduce_scatter_async(source, "sum" if integer_mean else how, name, group)
     members = size() if group is None else group.size
 
     def finish(part: torch.Tensor) -> torch.Tensor:

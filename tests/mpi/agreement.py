@@ -177,6 +177,23 @@ else:
     assert hvd.synchronize(handle).tolist() == [1.0] * 3
     hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="dup"))  # free again once synchronized
     checks += 1
+    # matched by name, as Horovod's coordinator matches: rank 0 starts a named operation before a barrier that
+    # the others reach first; it waits for them (parked) instead of meeting their barrier
+    began = time.monotonic()
+    early = hvd.allreduce_async(torch.full((3,), r + 1.0), name="early", op=hvd.Sum) if r == 0 else 0
+    hvd.barrier()
+    if r > 0:
+        early = hvd.allreduce_async(torch.full((3,), r + 1.0), name="early", op=hvd.Sum)
+    assert hvd.synchronize(early).tolist() == [n * (n + 1) / 2] * 3  # rank 0's runs in order once waited for
+    # nobody waits on rank 0: the others' operation meets rank 0's next collective, which runs the parked one first
+    gathered = hvd.allgather_async(torch.full((1,), r), name="parked") if r == 0 else 0
+    hvd.barrier()
+    if r > 0:
+        gathered = hvd.allgather_async(torch.full((1,), r), name="parked")
+    hvd.barrier()
+    assert hvd.poll(gathered) and hvd.synchronize(gathered).tolist() == list(range(n))
+    assert time.monotonic() - began < 5.0
+    checks += 1
     # int16 and friends, Horovod's way
     for dtype in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.bfloat16):
         t = torch.full((4,), r + 1).to(dtype)
