@@ -66,12 +66,15 @@ class Bucket:
         """
         views = self.views()
         grads = [param.grad for param in self.params]
-        if all(grad is not None and grad.shape == view.shape for grad, view in zip(grads, views, strict=True)):
+        if all(grad is not None and grad.shape == view.shape and not grad.is_sparse
+               for grad, view in zip(grads, views, strict=True)):
             torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
             return self.buffer
         for view, grad in zip(views, grads, strict=True):
             if grad is None:
                 view.zero_()
+            elif grad.is_sparse:  # nn.Embedding(sparse=True): reduced dense, handed back sparse (unpack)
+                view.copy_(grad.to_dense())
             else:
                 view.copy_(grad.reshape(view.shape))
         return self.buffer
@@ -80,12 +83,14 @@ class Bucket:
         """Write the reduced buffer back into the gradients."""
         views = self.views()
         grads = [param.grad for param in self.params]
-        if all(grad is not None for grad in grads):
+        if all(grad is not None and not grad.is_sparse for grad in grads):
             torch._foreach_copy_(grads, views)  # type: ignore[arg-type]
             return
         for param, view in zip(self.params, views, strict=True):
             if param.grad is None:
                 param.grad = view.clone()
+            elif param.grad.is_sparse:  # sparse as it came (SparseAdam wants it so): the rows any rank touched
+                param.grad = view.to_sparse(param.grad.sparse_dim())
             else:
                 param.grad.copy_(view)
 

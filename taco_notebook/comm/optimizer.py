@@ -74,16 +74,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  compression: CompressionSpec | str | None = None, algorithm: str | None = None,
                  backward_passes_per_step: int = 1, fusion_mb: float | None = None, op: str = "avg",
                  samples_per_step: int = 0, *, prescale_factor: float = 1.0,
-                 postscale_factor: float = 1.0) -> None:
+                 postscale_factor: float = 1.0, group: Any = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+        self.group = group  # a comm.groups.SubGroup: reduce over its ranks only (the backend's allreduce)
+        if group is not None and (algorithm is not None or CompressionSpec.parse(compression).kind != "none"):
+            raise ValueError("DistributedOptimizer(group=...) reduces over the group with the backend's "
+                             "allreduce, uncompressed: pass no compression or algorithm with a group")
         self.optimizer = optimizer
         # parsed now (a bad spec fails here, not at the first step); None: the rank's default at this moment
-        self.compression = settings().compression if compression is None else CompressionSpec.parse(compression)
+        self.compression = (CompressionSpec("none") if group is not None else settings().compression
+                            if compression is None else CompressionSpec.parse(compression))
         self.algorithm = check_algorithm(algorithm) if algorithm is not None else None
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -117,7 +122,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _alone(self) -> bool:
         """This rank is the job and nothing is scaled: the reduced gradients are the gradients themselves."""
-        return self.prescale_factor == 1.0 and self.postscale_factor == 1.0 and single_rank()
+        return (self.prescale_factor == 1.0 and self.postscale_factor == 1.0
+                and (single_rank() if self.group is None else self.group.size == 1))
 
     def _follow_world(self) -> None:
         """Hooks on while there are other ranks, off while this rank is the job (checked again after each
@@ -179,6 +185,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch(self.buckets[len(self._launched)])
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.group is not None:
+            from .collectives import allreduce_async as over_group
+
+            self._launched[bucket.index] = over_group(bucket.pack(), op=self.op, name=("bucket", bucket.index),
+                                                      prescale=self.prescale_factor,
+                                                      postscale=self.postscale_factor, group=self.group)
+            return
         self._launched[bucket.index] = allreduce_async(bucket.pack(), op=self.op, compression=self.compression,
                                                        algorithm=self.algorithm, name=("bucket", bucket.index),
                                                        prescale=self.prescale_factor,

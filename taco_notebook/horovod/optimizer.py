@@ -8,7 +8,9 @@ Horovod's environment knobs ``HOROVOD_FUSION_THRESHOLD`` (bytes) and ``HOROVOD_H
 fusion size and the 2D algorithm. ``skip_synchronize()`` behaves as Horovod's: ``step()`` inside it uses the
 gradients as they are (after a manual ``synchronize()``, or local ones), and ``step()`` after a manual
 ``synchronize()`` outside it warns once and reduces again. Arguments with no equivalent here are accepted and
-warned about once: ``sparse_as_dense``, ``num_groups``, ``groups``, a ``process_set`` of every rank.
+warned about once: ``num_groups``, ``groups``. Sparse gradients (``nn.Embedding(sparse=True)``) are reduced
+dense in their bucket and handed back sparse, which is what ``sparse_as_dense=True`` asks for (accepted).
+``process_set=`` reduces over that set's ranks only (uncompressed, the backend's allreduce over its group).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ..comm import metrics
 from ..comm.optimizer import DistributedOptimizer as _CommOptimizer
-from .basics import Average, ReduceOp, check_initialized, global_process_set, reduce_op, size, warn_once
+from .basics import Average, ReduceOp, check_initialized, check_process_set, global_process_set, reduce_op, warn_once
 from .compression import Compression, spec_of
 
 __all__ = ["DistributedOptimizer"]
@@ -33,13 +35,7 @@ _STEP_AFTER_SYNC = (
 )
 
 
-def _warn_unmatched(sparse_as_dense: bool, num_groups: int, groups: Any, process_set: Any) -> None:
-    if sparse_as_dense:
-        warn_once(
-            "sparse_as_dense",
-            "DistributedOptimizer(sparse_as_dense=True) has no effect here: gradients "
-            "are always reduced dense, in fused buckets",
-        )
+def _warn_unmatched(num_groups: int, groups: Any) -> None:
     if num_groups or groups is not None:
         warn_once(
             "groups",
@@ -47,14 +43,6 @@ def _warn_unmatched(sparse_as_dense: bool, num_groups: int, groups: Any, process
             "into buckets of up to TACO_FUSION_MB (or HOROVOD_FUSION_THRESHOLD) instead; "
             "set that, or taco.configure(fusion_mb=...)",
         )
-    if process_set is not None and process_set is not global_process_set:
-        ranks = getattr(process_set, "ranks", None)
-        if ranks is not None and sorted(ranks) != list(range(size())):
-            raise NotImplementedError(
-                "DistributedOptimizer(process_set=...) over some ranks is not supported: "
-                "taco_notebook.horovod reduces over every rank"
-            )
-        warn_once("process_set", "DistributedOptimizer(process_set=...) is ignored: every rank takes part")
 
 
 def _all_named(
@@ -147,7 +135,13 @@ class DistributedOptimizer(_CommOptimizer):
                 "(none, fp16, bf16, topk, powersgd) run inside taco's fused allreduce; a custom "
                 "Compressor works with hvd.allreduce only"
             )
-        _warn_unmatched(sparse_as_dense, num_groups, groups, process_set)
+        _warn_unmatched(num_groups, groups)
+        group = check_process_set(process_set)  # this rank's set: its buckets are reduced over its ranks only
+        if group is not None and spec.kind != "none":
+            raise ValueError(
+                "DistributedOptimizer(process_set=..., compression=...): over a process set the gradients are "
+                "reduced uncompressed (the backend's allreduce over the set's group); pass hvd.Compression.none"
+            )
         fusion_mb, algorithm = _horovod_env()
         average = found is Average
         super().__init__(
@@ -160,6 +154,7 @@ class DistributedOptimizer(_CommOptimizer):
             op="avg" if average else "sum",
             prescale_factor=1.0 / gradient_predivide_factor if average else 1.0,
             postscale_factor=gradient_predivide_factor if average else 1.0,
+            group=group,
         )
         self.gradient_predivide_factor = gradient_predivide_factor
 

@@ -226,6 +226,21 @@ else:
     for k in range(n):
         expected[k] += 1.0
     assert torch.equal(dense, expected), dense
+    # sparse gradients in DistributedOptimizer (Horovod's test_sparse_embeddings): reduced, handed back sparse
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
+    for as_dense in (False, True):
+        sparse_opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                              sparse_as_dense=as_dense)
+        sparse_opt.zero_grad()
+        emb(torch.LongTensor([[1, 2, 4], [r, 9, 9]])).sum().backward()
+        local = emb.weight.grad.to_dense().clone()
+        sparse_opt.synchronize()
+        assert emb.weight.grad.is_sparse and torch.allclose(emb.weight.grad.to_dense(), hvd.allreduce(local))
+        with sparse_opt.skip_synchronize():
+            sparse_opt.step()
+        sparse_opt.remove_hooks()
+    assert torch.equal(hvd.broadcast(emb.weight.detach().clone(), root_rank=0), emb.weight.detach())
     checks += 1
     # process sets: even and odd ranks each run their own collectives, checked among themselves
     evens, odds = [k for k in range(n) if k % 2 == 0], [k for k in range(n) if k % 2]
@@ -242,6 +257,15 @@ else:
     assert part.tolist() == [[float(len(members))] * 2], part
     assert hvd.broadcast_object({"from": r}, members[0], process_set=mine) == {"from": members[0]}
     hvd.barrier(process_set=mine)
+    # DistributedOptimizer over a process set: each set averages its own gradients
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   process_set=mine)
+    model(torch.full((1, 2), r + 1.0)).sum().backward()  # the gradient is the input: r + 1
+    opt.step()
+    assert model.weight.tolist() == [[1.0 - total / len(members)] * 2], (model.weight, members)
     if len(members) > 1:  # a mismatch inside one set names that set's ranks only
         message = ""
         try:

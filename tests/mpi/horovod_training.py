@@ -134,7 +134,8 @@ with warnings.catch_warnings(record=True) as caught:
                                          num_groups=2, process_set=hvd.global_process_set)
         extra.remove_hooks()
 messages = [str(w.message) for w in caught]
-check(sum("sparse_as_dense" in m for m in messages) == 1 and sum("num_groups" in m for m in messages) == 1, messages)
+# sparse_as_dense=True is what is done anyway (sparse gradients are reduced dense): accepted silently
+check(not any("sparse_as_dense" in m for m in messages) and sum("num_groups" in m for m in messages) == 1, messages)
 for kwargs, kind, words in (({"op": hvd.Adasum}, NotImplementedError, "Adasum"),
                             ({"op": hvd.Max}, ValueError, "hvd.Average or hvd.Sum"),
                             ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, ValueError, "op != Average"),
