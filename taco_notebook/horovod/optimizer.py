@@ -23,7 +23,16 @@ import torch
 
 from ..comm import metrics
 from ..comm.optimizer import DistributedOptimizer as _CommOptimizer
-from .basics import Average, ReduceOp, check_initialized, check_process_set, global_process_set, reduce_op, warn_once
+from .basics import (
+    Average,
+    ProcessSet,
+    ReduceOp,
+    check_initialized,
+    check_process_set,
+    global_process_set,
+    reduce_op,
+    warn_once,
+)
 from .compression import Compression, spec_of
 
 __all__ = ["DistributedOptimizer"]
@@ -136,7 +145,9 @@ class DistributedOptimizer(_CommOptimizer):
                 "Compressor works with hvd.allreduce only"
             )
         _warn_unmatched(num_groups, groups)
-        group = check_process_set(process_set)  # this rank's set: its buckets are reduced over its ranks only
+        # a rank outside the set steps on its own gradients (as Horovod's); inside, buckets go over the set's ranks
+        outside = isinstance(process_set, ProcessSet) and process_set.group is not None and not process_set.included()
+        group = None if outside else check_process_set(process_set)
         if group is not None and spec.kind != "none":
             raise ValueError(
                 "DistributedOptimizer(process_set=..., compression=...): over a process set the gradients are "
@@ -157,6 +168,15 @@ class DistributedOptimizer(_CommOptimizer):
             group=group,
         )
         self.gradient_predivide_factor = gradient_predivide_factor
+        self._outside = outside
+        if outside:
+            self.remove_hooks()
+
+    def synchronize(self) -> None:
+        if self._outside:  # not in the optimizer's process set: the local gradients are the gradients
+            self._synchronized = True
+            return
+        super().synchronize()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate before the gradients are reduced (Horovod's setter)."""

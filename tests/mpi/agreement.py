@@ -266,6 +266,13 @@ else:
     model(torch.full((1, 2), r + 1.0)).sum().backward()  # the gradient is the input: r + 1
     opt.step()
     assert model.weight.tolist() == [[1.0 - total / len(members)] * 2], (model.weight, members)
+    # ... and a rank outside the optimizer's set steps on its own gradients (Horovod's test_optimizer_process_sets)
+    outside = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                       process_set=other)
+    outside.zero_grad()
+    model(torch.full((1, 2), r + 1.0)).sum().backward()
+    outside.step()
+    assert model.weight.tolist() == [[1.0 - total / len(members) - (r + 1)] * 2], model.weight
     if len(members) > 1:  # a mismatch inside one set names that set's ranks only
         message = ""
         try:
