@@ -283,6 +283,7 @@ def allreduce_(
     process_set: Any = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` over every rank in place (averaged unless ``op`` says otherwise); returns it."""
+    op, average = reduce_op(op, average), None  # the deprecation warning names the caller's line
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))  # type: ignore[no-any-return]
 
 
@@ -305,6 +306,7 @@ def grouped_allreduce_async(
     process_set: Any = None,
 ) -> int:
     """:func:`allreduce_async` of every tensor, one handle for the list of results."""
+    op, average = reduce_op(op, average), None  # the deprecation warning names the caller's line
     return _grouped(
         tensors,
         allreduce_async,
@@ -329,6 +331,7 @@ def grouped_allreduce_async_(
     process_set: Any = None,
 ) -> int:
     """:func:`allreduce_async_` of every tensor, one handle for the list."""
+    op, average = reduce_op(op, average), None  # the deprecation warning names the caller's line
     return _grouped(
         tensors,
         allreduce_async_,
@@ -354,6 +357,7 @@ def grouped_allreduce(
     process_set: Any = None,
 ) -> list[torch.Tensor]:
     """:func:`allreduce` of every tensor in the list (new tensors)."""
+    op, average = reduce_op(op, average), None  # the deprecation warning names the caller's line
     return [
         allreduce(
             t,
@@ -379,6 +383,7 @@ def grouped_allreduce_(
     process_set: Any = None,
 ) -> list[torch.Tensor]:
     """:func:`allreduce_` of every tensor in the list (in place)."""
+    op, average = reduce_op(op, average), None  # the deprecation warning names the caller's line
     return synchronize(
         grouped_allreduce_async_(
             tensors,

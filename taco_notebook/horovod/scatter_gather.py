@@ -186,6 +186,7 @@ def sparse_allreduce_async(
         if found is Average:
             group = check_process_set(process_set)
             gathered_values = gathered_values / (size() if group is None else group.size)
-        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size())
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size(),
+                                       check_invariants=True)  # indices from other ranks: checked
 
     return wait
