@@ -70,9 +70,10 @@ def test_a_blocking_cell_answers_comm_messages_and_queued_cells_run_after_it_in_
             assert time.monotonic() < deadline, [m["msg_type"] for _, m in replies + iopub]
             for channel, into in ((client.get_shell_msg, replies), (client.get_iopub_msg, iopub)):
                 try:
-                    into.append((time.monotonic(), channel(timeout=0.02)))
+                    msg = channel(timeout=0.02)
                 except Exception:  # queue.Empty
-                    pass
+                    continue
+                into.append((time.monotonic(), msg))
 
     def stream_of(msg_id: str) -> str:
         return "".join(m["content"]["text"] for _, m in iopub
