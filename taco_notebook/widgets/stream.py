@@ -26,7 +26,7 @@ from bokeh.models.annotations import Title
 from .interval import NAN, Interval, Snapshot, int_keys, interval_between, is_new_run, straggler
 from .legend import show_series
 from .links import fill_heatmap, link_rates, link_rates_between
-from .plots import STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural
+from .plots import STEP_PARTS, STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural
 from .series import SeriesBook
 
 __all__ = [
@@ -84,6 +84,7 @@ class MetricsStream:
         self.new_runs = 0  # how many times counters went backwards and history was dropped
         self.unit = "steps"  # throughput in steps/s until some rank reports samples (a batch size)
         self.tokens_shown = False
+        self.step_parts_shown: set[str] = set()  # the step-time parts above zero on some rank at some point
         self.step_split: dict[int, tuple[float, float, float]] = {}  # rank -> what its bar shows (compute, comm, wait)
 
     @classmethod
@@ -207,6 +208,10 @@ class MetricsStream:
             total=[sum(s) for s in split], note=["slowest" if rank == slowest else "" for rank in ranks],
             outline=[STRAGGLER_OUTLINE if rank == slowest else None for rank in ranks],
         )  # fmt: skip
+        for part in STEP_PARTS:  # a part that stayed zero (no overlap, no wait) has no bars and no legend entry
+            if part not in self.step_parts_shown and any(value > 0 for value in bars.data[part]):
+                self.step_parts_shown.add(part)
+                show_series(self.plots.step_time.figure, f"step_{part}")
 
     def _render_gpu(self) -> None:
         """GPU memory per rank from the latest snapshots; the figure shows once some rank reports a GPU."""
