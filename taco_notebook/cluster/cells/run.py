@@ -13,9 +13,8 @@ Whatever happened, the next cell on a live cluster first rebuilds the process gr
 
 While the cell runs, what the engines send (metric snapshots and ``taco.progress`` counts, see
 ``cluster/cells/engine.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
-``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome. Meanwhile the kernel answers a page's
-widget requests (a page reloaded mid-run fetching the live dashboard), while queued cells wait for this one
-(``widgets/comm_pump.py``).
+``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome; meanwhile a page's widget requests (a
+page reloaded mid-run) are answered while queued cells still wait (``widgets/comm_pump.py``).
 
 A cell reaches each rank as one call of ``cells/runner.py`` (``view.apply``), whose reply brings back the value of
 its last expression (``cells/result.py``); the wait loop reads only the ranks with news (``cells/tracker.py``).
