@@ -289,7 +289,7 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
     One source ``"step_time"`` with columns ``rank`` (str), ``compute`` (compute alone), ``comm``
     (communication that overlapped compute), ``wait`` (the loop blocked on communication), ``total``, ``note``
     (``"slowest"`` on the straggler, else empty) and ``outline`` (its bar's outline colour). Each part's bars
-    (renderer ``step_<part>``) and legend entry show once some rank's part is above zero (``stream.py``): no
+    (renderer ``step_<part>``) and legend entry show once some rank's part is seen (``stream.py``): no
     "communication (overlapped)" in the legend of a loop whose communication never overlaps. In synchronous
     training every rank's step lasts about as long, so bar heights hardly differ: the straggler is the rank with
     the tallest *compute* part (``stream.straggler``), the one its peers wait for. Hidden until a rank

@@ -40,6 +40,10 @@ __all__ = [
     "link_rates_between",
 ]
 
+# A step part (overlapped communication, waiting) below this share of the tallest bar is a hairline of 1-3 px on
+# the page: until some rank's reaches it, the part has no bars and no legend entry (_show_step_parts). Measured
+# on 2 ranks of a small model: overlapped communication 0-1.1% of a step, waiting 1-2%.
+STEP_PART_SEEN = 0.02
 
 
 def gpu_text(gpu: Mapping[str, Any]) -> str:
@@ -118,8 +122,10 @@ class MetricsStream:
         return interval
 
     def finish(self) -> None:
-        """The run ended: draw the series up to the last record of every rank (the final picture's last point)."""
+        """The run ended: draw the series up to the last record of every rank (the final picture's last point), list
+        the step parts the final bars show."""
         self._render_series(final=True)
+        self._show_step_parts(final=True)
 
     def clear(self) -> None:
         """Drop all history: empty the time series, blank the heatmaps and bars."""
@@ -208,10 +214,23 @@ class MetricsStream:
             total=[sum(s) for s in split], note=["slowest" if rank == slowest else "" for rank in ranks],
             outline=[STRAGGLER_OUTLINE if rank == slowest else None for rank in ranks],
         )  # fmt: skip
-        for part in STEP_PARTS:  # a part that stayed zero (no overlap, no wait) has no bars and no legend entry
-            if part not in self.step_parts_shown and any(value > 0 for value in bars.data[part]):
+        self._show_step_parts()
+
+    def _show_step_parts(self, final: bool = False) -> None:
+        """Give a step part (overlapped communication, waiting) its bars and legend entry once some rank's is seen
+        (:data:`STEP_PART_SEEN`), and keep them while the run goes on (no entry coming and going with each update);
+        the final picture (``final``) lists only the parts its bars show: none that stayed ~zero throughout."""
+        bars = self.plots.step_time.sources["step_time"].data
+        seen = STEP_PART_SEEN * max(bars["total"], default=0.0)
+        fig = self.plots.step_time.figure
+        for part in STEP_PARTS:
+            shows = any(value > 0 and value >= seen for value in bars[part])
+            if shows and part not in self.step_parts_shown:
                 self.step_parts_shown.add(part)
-                show_series(self.plots.step_time.figure, f"step_{part}")
+                show_series(fig, f"step_{part}")
+            elif final and not shows and part in self.step_parts_shown:
+                self.step_parts_shown.discard(part)
+                show_series(fig, f"step_{part}", shown=False)
 
     def _render_gpu(self) -> None:
         """GPU memory per rank from the latest snapshots; the figure shows once some rank reports a GPU."""
