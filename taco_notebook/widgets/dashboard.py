@@ -256,9 +256,9 @@ class Dashboard:
         """Close the live ``BokehModel`` widgets: the cell's output no longer shows them (see ``finish``).
 
         With ``picture`` (the final picture's HTML) each live view (its ``VBox`` stays open) shows that picture
-        instead: a page reloaded from a notebook saved mid-run holds the live view's output, whose widget the page
-        can only fetch from the kernel once the cell has ended (the kernel reads a page's widget requests between
-        cells), and then it finds the final picture, not a closed model."""
+        instead: a page reloaded from a notebook saved mid-run holds the live view's output, and fetches its widget
+        from the kernel (mid-run too: ``comm_pump.py``); after the cell's end it finds the final picture there, not
+        a closed model."""
         if picture is not None:
             import ipywidgets as w
 

@@ -2,7 +2,8 @@
 
 Bokeh neither wraps nor shrinks a legend: it clips it at the figure's edges. So a legend goes under its plot in
 as many columns as fit :data:`LEGEND_WIDTH_PX`, the figure growing by the rows added, and an item is listed only
-while its series is shown (a hidden series has no data yet: tokens before any rank reports them).
+while its series is shown (a hidden series has no data yet: tokens before any rank reports them; or it stayed
+~zero: a step-time part no bar shows).
 """
 
 from __future__ import annotations
@@ -86,11 +87,11 @@ def fit_legend(fig: figure) -> int:
     return rows
 
 
-def show_series(fig: figure, name: str) -> None:
-    """Show the renderer ``name`` of ``fig`` (a series that now has data) and its legend item, and refit the
-    legend: ``show_series(throughput.figure, "tokens")`` once a rank reports tokens."""
+def show_series(fig: figure, name: str, shown: bool = True) -> None:
+    """Show (or, ``shown=False``, hide) the renderer ``name`` of ``fig`` (a series that now has data) and its legend
+    item, and refit the legend: ``show_series(throughput.figure, "tokens")`` once a rank reports tokens."""
     for item in _items(_legend(fig)):
         for renderer in item.renderers:
             if renderer.name == name:
-                renderer.visible = item.visible = True
+                renderer.visible = item.visible = shown
     fit_legend(fig)

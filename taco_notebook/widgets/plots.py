@@ -44,12 +44,14 @@ __all__ = [
     "format_rate",
     "bytes_formatter",
     "plural",
+    "STEP_PARTS",
 ]
 
 TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
 MAX_LABELLED_CELLS = 16  # above this many rows a heatmap shows colours only: numbers would overlap
 CELL_COLUMNS = ("src", "dst", "bps", "label", "last", "last_label")
 STEP_COLUMNS = ("rank", "compute", "comm", "wait", "total", "note", "outline")
+STEP_PARTS = ("compute", "comm", "wait")  # a step's stacked parts, bottom up; each bar's renderer is step_<part>
 GPU_COLUMNS = ("rank", "memory", "peak", "label")
 STRAGGLER_OUTLINE = "black"  # the straggler's bar; the others get no outline
 # light to dark: 0 B/s is the page's own near-white, the busiest link the darkest cell
@@ -286,7 +288,9 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
 
     One source ``"step_time"`` with columns ``rank`` (str), ``compute`` (compute alone), ``comm``
     (communication that overlapped compute), ``wait`` (the loop blocked on communication), ``total``, ``note``
-    (``"slowest"`` on the straggler, else empty) and ``outline`` (its bar's outline colour). In synchronous
+    (``"slowest"`` on the straggler, else empty) and ``outline`` (its bar's outline colour). Each part's bars
+    (renderer ``step_<part>``) and legend entry show once some rank's part is seen (``stream.py``): no
+    "communication (overlapped)" in the legend of a loop whose communication never overlaps. In synchronous
     training every rank's step lasts about as long, so bar heights hardly differ: the straggler is the rank with
     the tallest *compute* part (``stream.straggler``), the one its peers wait for. Hidden until a rank
     communicated (a loop that sends nothing has nothing to split).
@@ -299,10 +303,10 @@ def step_time_plot(ranks: Sequence[int], *, title: str = "Step time per rank (s)
     fig = _figure(title, x_range=names, y_range=DataRange1d(start=0, range_padding=0.15), x_axis_label="rank",
                   y_axis_label="seconds per step", visible=False, name="step_time")  # fmt: skip
     fig.yaxis[0].formatter = NumeralTickFormatter(format="0.[000]")
-    fig.vbar_stack(["compute", "comm", "wait"], x="rank", width=0.8, source=source,
+    fig.vbar_stack(list(STEP_PARTS), x="rank", width=0.8, source=source,
                    color=["#2ca02c", "#98df8a", "#d62728"], line_color="outline", line_width=2,
                    legend_label=["compute", "communication (overlapped)", "waiting for communication"],
-                   name="step")  # fmt: skip
+                   name=[f"step_{part}" for part in STEP_PARTS], visible=False)  # fmt: skip
     fig.text("rank", "total", text="note", source=source, text_align="center", text_baseline="bottom",
              text_font_size="9pt", name="note")  # fmt: skip
     legend_below(fig)

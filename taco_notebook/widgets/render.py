@@ -16,7 +16,9 @@ Two problems of jupyter_bokeh 4.1 in a notebook, and what this module does about
   that a reloaded page has not: a live view then fails with "Cannot read properties of undefined (reading
   'require')". :func:`display_bokehjs` puts the (inline) loader before every live view, and the cell's end
   replaces both with :func:`static_html`, a self-contained rendering that needs no kernel and no widget
-  manager (a reloaded page, a saved notebook, nbviewer).
+  manager (a reloaded page, a saved notebook, nbviewer). A page reloaded while the cell still runs fetches the
+  live view's state from the kernel (``widgets/comm_pump.py``): :meth:`KernelFedBokehModel.get_state` hands it the
+  document as it is then, not as it was when the view was made, and the patches that follow draw on from there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import html
 import json
 from typing import Any
 
+from bokeh.core.json_encoder import serialize_json
 from jupyter_bokeh import BokehModel
 
 from .plots import FIGURE_PX
@@ -37,6 +40,15 @@ ROW_MARGIN_PX = 50  # what a row of the page takes beyond its tallest figure
 class KernelFedBokehModel(BokehModel):
     """A ``jupyter_bokeh.BokehModel`` (same frontend model and view) that keeps the kernel's document one-way:
     kernel → page. What the page sends (echoed streams, computed ranges, tool events) is not applied."""
+
+    def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict[str, Any]:
+        """The widget's state; asked for whole once the widget is open (a page reloaded mid-run fetching it), its
+        ``render_bundle`` is the document now: the bundle made with the widget holds none of the points streamed
+        since, and a new page gets only the patches sent after it asked."""
+        state: dict[str, Any] = super().get_state(key, drop_defaults)
+        if key is None and "render_bundle" in state and self.comm is not None and self._document is not None:
+            state["render_bundle"] = serialize_json(self._model_to_traits(self._model))
+        return state
 
     def _sync_model(self, _model: BokehModel, content: dict[str, Any], _buffers: list[Any]) -> None:
         return  # an echo of the kernel's own change, or view state (ranges) that must not pin the kernel's figures

@@ -1,10 +1,8 @@
 """The dashboard survives a reload in the middle of a run (issue 25), in a real JupyterLab in a real chromium.
 
-Save while ``%%taco_run`` trains, reload the page: once the cell ends the final picture is under it. The page
-restores the saved live view's widget from the kernel, and the kernel answers a page's widget requests (shell
-messages: ``comm_info_request``, ``request_state``) only between cells, so while the cell still runs the reloaded
-page shows JupyterLab's "Loading widget..." placeholder; at the end it finds the live view's box holding the final
-picture (``Dashboard.close_live_views``), not a closed model.
+Save while ``%%taco_run`` trains, reload the page: while the cell still runs the live dashboard is back under it and
+keeps moving (the wait loop answers the page's widget requests: ``widgets/comm_pump.py``), and once the cell ends
+the final picture is under it (the live view's box holds it: ``Dashboard.close_live_views``).
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import (
+    ARTIFACTS,
     cell_output,
     code_cells,
     open_notebook,
@@ -24,7 +23,15 @@ from .conftest import (
     wait_for_cell_output,
     wait_for_kernel_idle,
 )
-from .test_dashboard_browser import DOCS, STATIC, _picture, frame_sources, painted_canvases, static_frame
+from .test_dashboard_browser import (
+    CANVAS_COLOURS_JS,
+    DOCS,
+    STATIC,
+    _picture,
+    frame_sources,
+    painted_canvases,
+    static_frame,
+)
 
 STEPS = 300
 LONG_TRAIN = f"""%%taco_run -np 2
@@ -44,6 +51,42 @@ def _progress(page) -> int:
     texts = cell_output(page, 1).locator(".taco-progress-text").all_inner_texts()
     found = [int(m.group(1)) for t in texts if (m := re.search(rf"(\d+)/{STEPS}", t))]
     return max(found, default=0)
+
+
+def _live_progress(page) -> int:
+    """The step the live view's progress label shows (0 while no live view renders)."""
+    texts = cell_output(page, 1).locator(".taco-dashboard .taco-progress-text").all_inner_texts()
+    found = [int(m.group(1)) for t in texts if (m := re.search(rf"(\d+)/{STEPS}", t))]
+    return max(found, default=0)
+
+
+def _wait_for_live_progress(page, above: int, timeout: float) -> int:
+    """Until the live view (not the final picture) shows a step above ``above``; fail if the cell ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cell_output(page, 1).locator(STATIC).count():
+            text = cell_output(page, 1).inner_text(timeout=5_000)
+            pytest.fail(f"the cell ended before the reloaded page showed the live dashboard past step {above}:\n"
+                        f"{text[-3000:]}")
+        n = _live_progress(page)
+        if n > above:
+            return n
+        time.sleep(0.25)
+    text = cell_output(page, 1).inner_text(timeout=5_000)
+    pytest.fail(f"the reloaded page's live dashboard did not pass step {above} within {timeout:.0f} s:\n{text[-3000:]}")
+
+
+def _live_canvases(page, timeout: float = 30.0) -> list[dict[str, int]]:
+    """The live view's bokeh canvases, once one of them holds two colours or more."""
+    live = cell_output(page, 1).locator(".taco-dashboard").first
+    deadline = time.monotonic() + timeout
+    canvases: list[dict[str, int]] = []
+    while time.monotonic() < deadline:
+        canvases = page.evaluate(CANVAS_COLOURS_JS, live.element_handle())
+        if any(c["colours"] >= 2 for c in canvases):
+            return canvases
+        time.sleep(0.5)
+    pytest.fail(f"the reloaded page's live bokeh canvases stayed blank: {canvases}")
 
 
 def _wait_for_progress(page, at_least: int, timeout: float) -> int:
@@ -78,7 +121,7 @@ def _save_now(page, path: Path, holds: str, timeout: float = 60.0) -> dict:
         time.sleep(0.5)
 
 
-def test_a_notebook_saved_mid_run_and_reloaded_shows_the_dashboard_then_the_final_picture(lab, page):
+def test_a_notebook_saved_mid_run_and_reloaded_shows_the_live_dashboard_then_the_final_picture(lab, page):
     from playwright.sync_api import expect
 
     path = lab.write_notebook("midrun.ipynb", ["%load_ext taco_notebook", LONG_TRAIN])
@@ -87,22 +130,42 @@ def test_a_notebook_saved_mid_run_and_reloaded_shows_the_dashboard_then_the_fina
     before = _wait_for_progress(page, 20, timeout=180)  # cluster start, then 20 steps
 
     _save_now(page, path, "application/vnd.jupyter.widget-view+json")  # the live view's output, mid-run
+    saved_at = _progress(page)
     page.reload()
+    reloaded = time.monotonic()
     page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
 
     wait_for_cell_output(page, 1, "cluster 'default' ready", timeout=60)  # the reloaded page shows the saved output
+    # While the cell still runs: the live view is back (not "Loading widget..."), painted, and it moves.
+    first = _wait_for_live_progress(page, saved_at, timeout=90)
+    shown_after = time.monotonic() - reloaded
+    expect(cell_output(page, 1).locator(".taco-dashboard").first).to_be_visible()
+    assert "Loading widget" not in cell_output(page, 1).inner_text()
+    _live_canvases(page)
+    live_times = frame_sources(page.main_frame, ["taco-throughput"])["taco-throughput"]["time"]
+    later = _wait_for_live_progress(page, first, timeout=60)
+    assert later < STEPS and not cell_output(page, 1).locator(STATIC).count()
+    ARTIFACTS.mkdir(exist_ok=True)
+    code_cells(page).nth(1).screenshot(path=str(ARTIFACTS / "dashboard-live-after-reload.png"))
+
     wait_for_kernel_idle(page, timeout=240)  # the cell ended
     final = cell_output(page, 1).locator(STATIC).first
     expect(final).to_be_visible(timeout=60_000)
     expect(final.locator(".taco-progress-text")).to_contain_text(f"{STEPS}/{STEPS}")
     expect(final.locator(".taco-status")).to_contain_text("finished")
     frame = static_frame(page, 1)
-    assert len(frame_sources(frame, ["taco-throughput"])["taco-throughput"]["time"]) >= 20
+    final_times = frame_sources(frame, ["taco-throughput"])["taco-throughput"]["time"]
+    assert len(final_times) >= 20
+    assert live_times and live_times[0] < final_times[0] + 1, (
+        f"the reloaded live plot starts at {live_times[:1]} s, the run at {final_times[0]} s: it lost the points "
+        "streamed before the reload")
     painted_canvases(frame)
     assert "Loading widget" not in cell_output(page, 1).inner_text()
 
     _picture(page, 1, DOCS / "dashboard-long-run.png")  # a 300-step run's final picture, for the docs
-    print(f"mid-run reload: saved at step {before}; after the reload, the final picture at the cell's end")
+    print(f"mid-run reload: saved at step {saved_at} (first seen {before}); after the reload the live view showed "
+          f"step {first} {shown_after:.1f} s later, then {later}, its plot from {live_times[0]:.2f} s "
+          f"({len(live_times)} points); the final picture at the end")
 
 
 VISIBLE_FIGURES_JS = """

@@ -89,6 +89,29 @@ def test_cell_output_streams_live_and_interrupt_keeps_the_cluster(kernel):
     assert stream_text(pids) == stream_text(pids_after), "the interrupt restarted the engines"
 
 
+def test_a_running_cell_answers_widget_requests_while_queued_cells_wait_their_turn(kernel):
+    """Issue 25: a page reloaded mid-run asks for its widgets over the shell channel; the wait loop answers it
+    (``widgets/comm_pump.py``) while an ``execute_request`` sent meanwhile still runs after the cell, in order."""
+    _, client = kernel
+    cell = client.execute("%%taco_run -np 2\nimport time\nprint('training', flush=True)\ntime.sleep(6)")
+    deadline = time.monotonic() + 120
+    while True:  # the cluster starts, then the ranks print
+        msg = client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["msg_type"] == "stream" and "training" in msg["content"]["text"]:
+            break
+    info = client.comm_info(target_name="jupyter.widget")
+    after = client.execute("print('after', flush=True)")
+    replies = []
+    while len(replies) < 3:
+        reply = client.get_shell_msg(timeout=60)
+        replies.append((time.monotonic(), reply))
+    assert [m["parent_header"]["msg_id"] for _, m in replies] == [info, cell, after]
+    assert replies[0][1]["content"]["status"] == "ok"
+    assert replies[1][0] - replies[0][0] > 3, "comm_info_request was answered only once the cell had ended"
+    assert replies[1][1]["content"]["status"] == "ok" and replies[2][1]["content"]["status"] == "ok"
+    assert replies[2][1]["content"]["execution_count"] == replies[1][1]["content"]["execution_count"] + 1
+
+
 def test_kernel_shutdown_stops_its_clusters(kernel):
     manager, client = kernel
     before = set(session_processes())  # the kernel, and the suite's shared cluster if an earlier test started it

@@ -97,6 +97,29 @@ def test_the_dashboards_live_views_ignore_echoed_streams() -> None:
     assert list(compression.data["time"]) == drawn  # "bytes saved" drawn once
 
 
+def bundle_times(bundle: Any) -> list[float]:
+    """The throughput source's times in a ``render_bundle`` (as sent to the page, or the trait itself)."""
+    from bokeh.document import Document
+
+    bundle = json.loads(bundle) if isinstance(bundle, str) else bundle
+    (doc_json,) = bundle["docs_json"].values()
+    source = Document.from_json(doc_json).select_one({"type": ColumnDataSource, "name": "taco-throughput"})
+    return [float(t) for t in source.data["time"]]
+
+
+def test_a_page_asking_for_a_live_views_whole_state_gets_the_document_as_it_is_now() -> None:
+    """Issue 25: a page reloaded mid-run asks for the live view's state; the bundle made with the widget (before
+    the first points) would draw only what is streamed after the reload."""
+    board = Dashboard(NODE_OF_RANK)
+    plots = board.widget().children[-1]
+    for elapsed, n in ((1.0, 10), (1.5, 20), (2.0, 30)):
+        board.update(payloads(elapsed, n), running=4, elapsed=elapsed)
+    assert bundle_times(plots.render_bundle) == []  # what the widget was made with
+    assert bundle_times(plots.get_state()["render_bundle"]) == throughput_times(board) and len(throughput_times(board))
+    assert "render_bundle" not in plots.get_state("combine_events")  # a trait's own update sends no bundle
+    plots.close()
+
+
 def finished_board() -> Dashboard:
     board = Dashboard(NODE_OF_RANK, title="cluster 'x'")
     for elapsed, n in ((1.0, 20), (1.5, 40), (2.0, 60)):

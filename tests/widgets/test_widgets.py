@@ -422,6 +422,42 @@ def test_legends_list_only_series_with_data_and_fit_under_their_plot() -> None:
     assert not issues.error and not issues.warning, issues
 
 
+def test_a_step_part_that_stays_zero_is_neither_drawn_nor_listed() -> None:
+    """Issue 25: the step-time legend listed "communication (overlapped)" for a loop whose communication never
+    overlapped compute; the part joins the legend (and its bars show) once some rank's is visible (2% of the
+    tallest bar: ``stream.STEP_PART_SEEN``), and stays while the run goes on; the final picture lists the parts
+    its bars show."""
+    stream = MetricsStream(NODE_OF_RANK, capacity_bps=CAPACITY)
+
+    def overlapped(elapsed: float, comm_seconds: float) -> list[dict[str, Any]]:
+        snaps = batch(elapsed)
+        for snap in snaps:
+            snap["comm_seconds"] = comm_seconds  # a counter: what overlapped since the start
+        return snaps
+
+    stream.push(overlapped(1.0, 0.0))
+    stream.push(overlapped(1.5, 0.0))
+    fig = stream.plots.step_time.figure
+    comm_bars = next(r for r in fig.renderers if r.name == "step_comm")
+    assert fig.visible and max(stream.plots.step_time.sources["step_time"].data["wait"]) > 0
+    assert legend_labels(fig) == ["compute", "waiting for communication"] and not comm_bars.visible
+    _assert_legends_fit_below(stream.plots)
+
+    stream.push(overlapped(2.0, 1e-5))  # overlapped, but a sliver no one sees next to a 0.25 s step
+    assert 0 < max(stream.plots.step_time.sources["step_time"].data["comm"]) < 1e-4
+    assert legend_labels(fig) == ["compute", "waiting for communication"] and not comm_bars.visible
+
+    stream.push(overlapped(2.5, 0.05))
+    every = ["compute", "communication (overlapped)", "waiting for communication"]
+    assert legend_labels(fig) == every and comm_bars.visible
+    stream.push(overlapped(3.0, 0.05))  # no overlap in this interval: the part is zero again, its entry stays
+    assert max(stream.plots.step_time.sources["step_time"].data["comm"]) == 0
+    assert legend_labels(fig) == every and comm_bars.visible
+    _assert_legends_fit_below(stream.plots)
+    stream.finish()  # the final picture lists what its bars show
+    assert legend_labels(fig) == ["compute", "waiting for communication"] and not comm_bars.visible
+
+
 def test_a_legend_of_many_ranks_wraps_into_rows_and_the_figure_grows_by_them() -> None:
     plots = build_plots({rank: rank // 8 for rank in range(16)})
     assert len(legend_labels(plots.throughput.figure)) == 3 + 16

@@ -13,7 +13,8 @@ Whatever happened, the next cell on a live cluster first rebuilds the process gr
 
 While the cell runs, what the engines send (metric snapshots and ``taco.progress`` counts, see
 ``cluster/cells/engine.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
-``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome.
+``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome; meanwhile a page's widget requests (a
+page reloaded mid-run) are answered while queued cells still wait (``widgets/comm_pump.py``).
 
 A cell reaches each rank as one call of ``cells/runner.py`` (``view.apply``), whose reply brings back the value of
 its last expression (``cells/result.py``); the wait loop reads only the ranks with news (``cells/tracker.py``).
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 from ipyparallel.error import RemoteError
 
 from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankFailedError
+from ...widgets.comm_pump import CommPump
 from ..session import TacoCluster
 from . import engine, runner
 from .autopsy import after_stall
@@ -105,6 +107,7 @@ class _CellRun:
         self.reported: tuple[dict[int, int], list[int]] = ({}, [])
         self.sending = any(m.wants_metrics for m in options.monitors)
         self.origin: str | None = None  # a script's path: its tracebacks are shown from its first frame
+        self.comms = CommPump()  # a page reloaded mid-cell gets its widgets from the kernel (widgets/comm_pump.py)
 
     # ---------------------------------------------------------------- output
     def absorb(self) -> None:
@@ -231,6 +234,7 @@ class _CellRun:
             self.check_alive()
             self.drain()
             self.report()
+            self.comms()
             self.collect_errors()
             if self.errors:
                 self.release_peers()
