@@ -68,6 +68,7 @@ from .gather_ops import (
     broadcast_async,
     broadcast_async_,
 )
+from .grouped_ops import grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_
 from .mpi_ops import (
     HorovodInternalError,
     allreduce,
@@ -75,10 +76,6 @@ from .mpi_ops import (
     allreduce_async,
     allreduce_async_,
     barrier,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
     join,
     poll,
     synchronize,

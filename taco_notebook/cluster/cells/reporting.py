@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CellTimeoutError, RankDiedError, RankFailedError
@@ -159,3 +159,26 @@ def render_traceback(error: Any, origin: str | None = None) -> str:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def rank_failure(errors: Mapping[int, Any], killed: Sequence[int], targets: Sequence[int],
+                 host: Callable[[int], str], origin: str | None = None) -> RankFailedError:
+    """The error of a cell in which ranks raised (``errors``, the first seen first) and ``killed`` hung after:
+    the first rank and its host, the stalled, the others that failed, the killed and the ranks that finished;
+    every failed rank's traceback, the first's first."""
+    first = next(iter(errors))
+    message = f"rank {first} (host {host(first)}) raised {error_line(errors[first])}"
+    others = {r: e for r, e in errors.items() if r != first}
+    stalled = stalled_ranks(errors)
+    if stalled:
+        message += f"; {ranks_phrase(stalled)} stalled (never entered the collective the others waited in)"
+    if others:
+        message += f"; {ranks_phrase(list(others))} also failed ({error_kinds(others)})"
+    if killed:
+        message += f"; {ranks_phrase(killed)} hung after it and {were(killed)} killed"
+    ok = [r for r in targets if r not in errors and r not in killed]
+    if ok:
+        message += f"; {ranks_phrase(ok)} finished"
+    tracebacks = {r: render_traceback(e, origin) for r, e in errors.items()}
+    tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
+    return RankFailedError(message, tracebacks, first_rank=first)

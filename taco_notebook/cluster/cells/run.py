@@ -36,7 +36,7 @@ from ..session import TacoCluster
 from . import engine, runner
 from .autopsy import after_stall
 from .replicas import check_replicas
-from .reporting import cell_outcome, error_kinds, error_line, ranks_phrase, render_traceback, stalled_ranks, were
+from .reporting import cell_outcome, error_line, rank_failure, ranks_phrase, render_traceback, were
 from .result import capture_last_expression, unwrap_result
 from .script import Script
 from .tracker import RankTracker
@@ -340,24 +340,8 @@ class _CellRun:
             f"running{fate}", running)
 
     def failure(self) -> RankFailedError:
-        first = next(iter(self.errors))  # first seen: the others failed after we shut its peers' group down
-        error = self.errors[first]
-        host = self._host(first)
-        others = {r: e for r, e in self.errors.items() if r != first}
-        message = f"rank {first} (host {host}) raised {error_line(error)}"
-        stalled = stalled_ranks(self.errors)
-        if stalled:
-            message += f"; {ranks_phrase(stalled)} stalled (never entered the collective the others waited in)"
-        if others:
-            message += f"; {ranks_phrase(list(others))} also failed ({error_kinds(others)})"
-        if self.killed:
-            message += f"; {ranks_phrase(self.killed)} hung after it and {were(self.killed)} killed"
-        ok = [r for r in self.targets if r not in self.errors and r not in self.killed]
-        if ok:
-            message += f"; {ranks_phrase(ok)} finished"
-        tracebacks = {r: render_traceback(e, self.origin) for r, e in self.errors.items()}
-        tracebacks = {first: tracebacks[first], **{r: t for r, t in tracebacks.items() if r != first}}
-        return RankFailedError(message, tracebacks, first_rank=first)
+        # the first seen failed first: the others failed after their peers' group was shut down
+        return rank_failure(self.errors, self.killed, self.targets, self._host, self.origin)
 
     def interrupted(self) -> CellInterrupted:
         """The KeyboardInterrupt the user sees: where each rank's code was when SIGINT reached it (the ranks'
