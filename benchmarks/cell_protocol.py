@@ -70,7 +70,7 @@ def plain_noop(*_: Any) -> bool:
 class Plain:
     """N plain ipyparallel engines (no torch) on loopback, in a private profile directory."""
 
-    def __init__(self, size: int, timeout: float) -> None:
+    def __init__(self, size: int, timeout: float, controller: str = "taco") -> None:
         import ipyparallel as ipp
 
         self.size = size
@@ -78,13 +78,13 @@ class Plain:
         os.chmod(self.home, 0o700)
         from traitlets.config import Config
 
-        from taco_notebook.cluster.launch.engineset import heartbeat_ms, registration_timeout
+        from taco_notebook.cluster.launch.engineset import controller_args, registration_timeout
 
-        config = Config()  # the same registration timeout and heartbeat as a TacoCluster of this size
+        config = Config()  # the same registration timeout and controller as a TacoCluster of this size
         config.LocalEngineSetLauncher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}"]
-        config.HeartMonitor.period = heartbeat_ms(size)
         self.cluster = ipp.Cluster(n=size, engines="local", profile_dir=self.home, controller_ip="127.0.0.1",
-                                   log_level=40, shutdown_atexit=False, config=config)
+                                   log_level=40, shutdown_atexit=False, config=config,
+                                   controller_args=controller_args(size) if controller == "taco" else [])
         try:
             self.cluster.start_cluster_sync()
             self.client = self.cluster.connect_client_sync()
@@ -188,9 +188,9 @@ def watch_news_only(client: Any, ar: Any, size: int) -> None:
         tracker.wait(POLL_S)
 
 
-def measure(kind: str, size: int, cells: int, sleep: float, timeout: float) -> dict[str, Any]:
+def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, controller: str = "taco") -> dict[str, Any]:
     began = time.perf_counter()
-    cluster = Plain(size, timeout) if kind == "plain" else Taco(size, timeout)
+    cluster = Plain(size, timeout, controller) if kind == "plain" else Taco(size, timeout)
     start_s = time.perf_counter() - began
     try:
         controller = cluster.controller_processes()
@@ -237,16 +237,17 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float) -> d
 def table(rows: list[dict[str, Any]], cells: int, at: int) -> str:
     out = [f"Empty cells, {cells} per protocol, in turn; wall ms median; CPU ms per cell over all of them. "
            "Each column: old / new / new through the coalescing broadcast view.", "",
-           "| engines | ranks | start s | wall ms | notebook CPU ms | controller CPU ms "
+           "| engines | controller | ranks | start s | wall ms | notebook CPU ms | controller CPU ms "
            "| notebook + controller CPU per rank ms | notebook CPU share while a cell runs: poll all / "
-           "news only | load |", "|" + "---|" * 9]
+           "news only | load |", "|" + "---|" * 10]
 
     def three(r: dict[str, Any], key: str, form: str) -> str:
         return " / ".join(format(r[f"{v}_{key}"], form) for v in VARIANTS)
 
     for r in rows:
         w = r["watch_cpu_share"]
-        out.append(f"| {r['engines']} | {r['ranks']} | {r['start_s']:.1f} | {three(r, 'wall_ms', '.1f')} | "
+        out.append(f"| {r['engines']} | {r.get('controller', 'taco')} | {r['ranks']} | {r['start_s']:.1f} | "
+                   f"{three(r, 'wall_ms', '.1f')} | "
                    f"{three(r, 'notebook_cpu_ms', '.1f')} | {three(r, 'controller_cpu_ms', '.1f')} | "
                    f"{three(r, 'per_rank_ms', '.3f')} | {w['poll all']:.1%} / {w['news only']:.1%} | "
                    f"{r['load']:.1f} |")
@@ -270,13 +271,19 @@ def main() -> None:
     parser.add_argument("--extrapolate", type=int, default=1000)
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--controller", choices=("taco", "ipyparallel"), default="taco",
+                        help="plain engines only: the controller as TacoCluster starts it (engineset.controller_args), "
+                             "or with ipyparallel's defaults (DictDB, DEBUG logger)")
     args = parser.parse_args()
+    if args.controller != "taco" and args.engines != "plain":
+        parser.error("--controller ipyparallel needs --engines plain (a TacoCluster always starts taco's)")
     sizes = args.ranks
     if args.cells < 2:
         parser.error("--cells must be at least 2")
     rows = []
     for size in sizes:
-        rows.append(measure(args.engines, size, args.cells, args.sleep, args.start_timeout))
+        rows.append({**measure(args.engines, size, args.cells, args.sleep, args.start_timeout, args.controller),
+                     "controller": args.controller})
         print(f"[{size} {args.engines} ranks measured]", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "cores": os.cpu_count()}, indent=1))

@@ -186,6 +186,7 @@ class TacoCluster:
                                                          cluster_id, self.progress)
             self.ipp_cluster = ipp.Cluster(engines=self._engines, n=self.size, profile=PROFILE, config=config,
                                            controller_ip=self.profile.controller_ip, log=IPP_LOG,
+                                           controller_args=engineset.controller_args(self.size),
                                            shutdown_atexit=False, cluster_id=cluster_id)
             self.ipp_cluster.start_cluster_sync()
             self._refresh_engine_sets()

@@ -20,8 +20,8 @@ from ..processes.tree import CLUSTER_ID_ENV, alive, descendants
 from .mpi import MPIInfo, single_host_env
 from .profiles import Profile
 
-__all__ = ["engine_environment", "ipp_config", "wait_for_engines", "read_ranks", "engine_sets", "log_paths",
-           "set_processes", "sets_alive"]
+__all__ = ["engine_environment", "ipp_config", "controller_args", "wait_for_engines", "read_ranks", "engine_sets",
+           "log_paths", "set_processes", "sets_alive"]
 
 
 def engine_environment(name: str, size: int, profile: Profile, mpi: MPIInfo | None, env: Mapping[str, str],
@@ -60,9 +60,6 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
     environment = engine_environment(name, size, profile, mpi, env, cluster_id)
     launcher.environment = {**mpi.environment, **environment}  # mpi4py loads mpiexec's MPI
     launcher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}"]
-    # the controller pings every engine each period: at hundreds of engines a longer one (detecting a silent
-    # engine later; a dead rank is seen by mpiexec and the wrapper, not by the heartbeat)
-    config.HeartMonitor.period = heartbeat_ms(size)
     if profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
         from .slurm.engines import engine_config
 
@@ -83,6 +80,27 @@ def registration_timeout(size: int) -> float:
     (5.08, 25.0)
     """
     return 5.0 + 0.02 * size
+
+
+def controller_args(size: int) -> list[str]:
+    """The controller's command line for ``size`` engines (``ipp.Cluster(controller_args=)``): the controller
+    is a process of its own, which reads its settings from its command line and its profile, never from the
+    ``Config`` handed to ``ipp.Cluster`` (a ``HeartMonitor.period`` put there leaves it beating every 3 s).
+
+    * ``HeartMonitor.period``: :func:`heartbeat_ms`. The controller pings every engine each period; at
+      hundreds of engines a longer one (a dead rank is seen by mpiexec and the wrapper, not by the heartbeat).
+    * ``db_class=NoDB``: ipyparallel 9's default ``DictDB`` keeps every request, reply (its result buffers)
+      and output in the controller's memory, up to 1 GiB, and rebuilds a rank's stdout by string concatenation
+      on every write; taco never reads it back (no ``db_query``, ``get_result`` or resubmission).
+    * the controller's logger at WARNING: traitlets sets the application's logger to DEBUG and filters at the
+      handler, so every message the hub forwards built two or three log records (and wrote one per request
+      and reply to the log file, without end). Warnings and errors are still logged.
+
+    >>> controller_args(16)[0], controller_args(1000)[0]
+    ('--HeartMonitor.period=3000', '--HeartMonitor.period=30000')
+    """
+    return [f"--HeartMonitor.period={heartbeat_ms(size)}", "--IPController.db_class=NoDB",
+            '--IPController.logging_config={"loggers": {"IPController": {"level": "WARNING"}}}']
 
 
 def heartbeat_ms(size: int) -> int:

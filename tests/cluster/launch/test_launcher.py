@@ -125,6 +125,25 @@ def test_cluster_runs_under_gforker_with_engine_id_equal_to_rank(ip, shared_clus
     assert "gforker" in capsys.readouterr().out
 
 
+
+def test_the_controller_runs_with_taco_settings_and_logs_no_line_per_request(shared_cluster):
+    """The controller is a process of its own: its settings go on its command line (a ``Config`` handed to
+    ``ipp.Cluster`` never reaches it). With them it keeps no record of requests (NoDB) and writes no log line per
+    request and reply (its logger at WARNING)."""
+    import psutil
+
+    from taco_notebook.cluster.launch.engineset import controller_args
+
+    controller = shared_cluster.ipp_cluster.controller
+    command = psutil.Process(controller.process.pid).cmdline()
+    assert command[-len(controller_args(4)):] == controller_args(4), command
+    assert "--HeartMonitor.period=3000" in command
+    before = Path(controller.output_file).read_text(errors="replace")
+    assert shared_cluster.view.apply_sync(os.getpid) and len(shared_cluster.view.apply_sync(os.getpid)) == 4
+    after = Path(controller.output_file).read_text(errors="replace")
+    assert "queue::request" not in after and "Hub using DB backend: DictDB" not in after, after[-2000:]
+    assert len(after) - len(before) < 200, after[len(before):]
+
 LOUD = """
 import os, sys
 for i in range(100):
