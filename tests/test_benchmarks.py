@@ -124,7 +124,7 @@ def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(t
         [sys.executable, str(BENCHMARKS / "cell_protocol.py"), "--engines", "plain", "--ranks", "2", "--cells", "4",
          "--sleep", "0.5", "--json", str(out)], timeout=110, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert any(line.startswith("| plain | 2 | ") for line in result.stdout.splitlines()), result.stdout
+    assert any(line.startswith("| plain | taco | 2 | ") for line in result.stdout.splitlines()), result.stdout
     (row,) = json.loads(out.read_text())["rows"]
     for variant in ("old", "new", "coalescing"):
         assert row[f"{variant}_wall_ms"] > 0 and row[f"{variant}_notebook_cpu_ms"] > 0, row

@@ -185,9 +185,8 @@ class TacoCluster:
             config, self._engines = engineset.ipp_config(self.name, self.size, self.profile, self.mpi, self.env,
                                                          cluster_id, self.progress)
             self.ipp_cluster = ipp.Cluster(engines=self._engines, n=self.size, profile=PROFILE, config=config,
-                                           controller_ip=self.profile.controller_ip, log=IPP_LOG,
-                                           controller_args=engineset.controller_args(self.size),
-                                           shutdown_atexit=False, cluster_id=cluster_id)
+                                           controller_ip=self.profile.controller_ip, log=IPP_LOG, cluster_id=cluster_id,
+                                           controller_args=engineset.controller_args(self.size), shutdown_atexit=False)
             self.ipp_cluster.start_cluster_sync()
             self._refresh_engine_sets()
             self.client = self.ipp_cluster.connect_client_sync()
