@@ -92,15 +92,16 @@ def controller_args(size: int) -> list[str]:
     * ``db_class=NoDB``: ipyparallel 9's default ``DictDB`` keeps every request, reply (its result buffers)
       and output in the controller's memory, up to 1 GiB, and rebuilds a rank's stdout by string concatenation
       on every write; taco never reads it back (no ``db_query``, ``get_result`` or resubmission).
-    * the controller's logger at WARNING: traitlets sets the application's logger to DEBUG and filters at the
-      handler, so every message the hub forwards built two or three log records (and wrote one per request
-      and reply to the log file, without end). Warnings and errors are still logged.
+    * the controller's logger at ERROR: traitlets sets the application's logger to DEBUG and filters at the
+      handler, so every message the hub forwards built two or three log records, and it wrote a line per
+      request and reply (INFO) and per dashboard payload (a WARNING: the hub does not know ipyparallel's own
+      ``data_message``) to its log file, without end. Errors are still logged.
 
     >>> controller_args(16)[0], controller_args(1000)[0]
     ('--HeartMonitor.period=3000', '--HeartMonitor.period=30000')
     """
     return [f"--HeartMonitor.period={heartbeat_ms(size)}", "--IPController.db_class=NoDB",
-            '--IPController.logging_config={"loggers": {"IPController": {"level": "WARNING"}}}']
+            '--IPController.logging_config={"loggers": {"IPController": {"level": "ERROR"}}}']
 
 
 def heartbeat_ms(size: int) -> int:
