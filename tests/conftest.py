@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -154,6 +156,29 @@ def no_leaked_processes(request) -> Iterator[None]:
         left -= shared_memory_in_use()
         if left:
             pytest.fail(f"{request.node.nodeid} left shared memory behind: {sorted(left)}")
+
+
+IPYKERNEL6 = "6.29.5"  # the last ipykernel 6 (pyproject allows >= 6.29): it reads the shell socket on the main thread
+
+
+def kernel_env(site: str) -> dict[str, Any]:
+    """``start_new_kernel`` options for a kernel that imports from ``site`` first (the ``ipykernel6`` fixture)."""
+    path = [site, os.environ.get("PYTHONPATH", "")]
+    return {"env": dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))}
+
+
+@pytest.fixture(scope="session")
+def ipykernel6(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A directory holding ipykernel 6 (and nest_asyncio, its one need the test environment lacks), to put first
+    on a kernel's PYTHONPATH: the same kernel launcher, the older kernel."""
+    target = tmp_path_factory.mktemp("ipykernel6")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+                           "--target", str(target), f"ipykernel=={IPYKERNEL6}", "nest_asyncio"],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.skip(f"could not install ipykernel {IPYKERNEL6} from the package index: "
+                    f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return str(target)
 
 
 @pytest.fixture

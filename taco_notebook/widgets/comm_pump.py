@@ -19,15 +19,21 @@ end it showed JupyterLab's "Loading widget..." where the live dashboard had been
   waits for the kernel's shell lock behind the running cell and ahead of whatever arrives later, so queued cells
   run after this one, in their order.
 
-Anywhere else it does nothing: plain IPython, no IPython, a kernel without ipykernel 7's shell channel thread
-(ipykernel 6, the in-process kernel), a call from another thread than the kernel's main shell thread (a
-subshell), or a nested call (a widget callback that waits for a cell).
+ipykernel 6 reads the shell socket itself, on the main thread's event loop, and queues each message for its
+``dispatch_queue`` (``schedule_dispatch``): the same sort applies to that socket's ``ZMQStream``. Its
+``dispatch_shell`` first waits for the control thread (so it cannot run to its end here), and it has no concurrent
+mode: a comm message is handed to its handler in ``shell_handlers`` directly, under its own parent and without
+busy/idle, as ipykernel 7's concurrent dispatch does.
+
+Anywhere else it does nothing: plain IPython, no IPython, the in-process kernel, a call from another thread than
+the kernel's main shell thread (a subshell), or a nested call (a widget callback that waits for a cell).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import sys
 import threading
@@ -63,7 +69,7 @@ class CommPump:
         self.interval = interval
         self.last = 0.0
         self.dispatched = 0  # comm messages handled here (tests, debugging)
-        self._kernel, self._stream = _shell_inbox()
+        self._kernel, self._stream, self._direct = _shell_inbox()
 
     @property
     def active(self) -> bool:
@@ -122,33 +128,70 @@ class CommPump:
                 out.flush()
         context = contextvars.copy_context()
         try:
-            _run_or_schedule(kernel.dispatch_shell(frames, None, concurrent=True), context)
+            if self._direct:
+                _handle(kernel, frames, context)
+            else:
+                _run_or_schedule(kernel.dispatch_shell(frames, None, concurrent=True), context)
         finally:
             kernel.set_parent(ident, parent, channel="shell")
         self.dispatched += 1
 
 
-def _shell_inbox() -> tuple[Any, Any]:
-    """The kernel and the ``ZMQStream`` its main shell thread reads messages from, if pumping can work here."""
+def _shell_inbox() -> tuple[Any, Any, bool]:
+    """The kernel, the ``ZMQStream`` its main shell thread reads messages from, and whether comm messages go to
+    their handlers directly (ipykernel 6) rather than through ``dispatch_shell`` (7), if pumping can work here."""
+    nothing = None, None, False
     try:
         from IPython import get_ipython
     except ImportError:
-        return None, None
+        return nothing
     shell = get_ipython()
     kernel = getattr(shell, "kernel", None)
-    channel = getattr(kernel, "shell_channel_thread", None)  # ipykernel >= 7
-    if channel is None or threading.current_thread() is not getattr(channel, "parent_thread", None):
-        return None, None
+    channel: Any = getattr(kernel, "shell_channel_thread", None)  # ipykernel >= 7
+    direct = channel is None
     try:
         asyncio.get_running_loop()  # the kernel's loop runs the cell: deferred messages become its tasks
-        pair = channel.manager.get_shell_channel_to_subshell_pair(None)
+        if direct:  # ipykernel 6: the main thread's loop reads the shell socket and queues for dispatch_queue
+            if threading.current_thread() is not threading.main_thread() or not hasattr(kernel, "msg_queue"):
+                return nothing
+            stream = getattr(kernel, "shell_stream", None)
+        elif threading.current_thread() is not getattr(channel, "parent_thread", None):
+            return nothing
+        else:
+            stream = getattr(channel.manager.get_shell_channel_to_subshell_pair(None), "to_stream", None)
     except (RuntimeError, AttributeError, AssertionError):
-        return None, None
-    stream = getattr(pair, "to_stream", None)
+        return nothing
     needed = ("flush", "on_recv", "_recv_callback")
     if stream is None or not all(hasattr(stream, name) for name in needed) or not hasattr(kernel, "dispatch_shell"):
-        return None, None
-    return kernel, stream
+        return nothing
+    if direct and not isinstance(getattr(kernel, "shell_handlers", None), dict):
+        return nothing
+    return kernel, stream, direct
+
+
+def _handle(kernel: Any, frames: list[Any], context: contextvars.Context) -> None:
+    """ipykernel 6: a comm message to its handler in ``shell_handlers``, under its own parent (what its
+    ``dispatch_shell`` does between the busy and idle it publishes)."""
+    idents, rest = kernel.session.feed_identities(frames, copy=False)
+    msg = kernel.session.deserialize(rest, content=True, copy=False)
+    handler = kernel.shell_handlers.get(msg["header"]["msg_type"])
+    if handler is None:
+        return
+    kernel.set_parent(idents, msg, channel="shell")
+    result = context.run(handler, kernel.shell_stream, idents, msg)
+    if inspect.isawaitable(result):
+        _run_or_schedule(_awaited(result), context)
+    kernel.shell_stream.flush(_zmq_pollout())  # a reply (comm_info_reply) is queued on the stream: send it now
+
+
+def _zmq_pollout() -> int:
+    import zmq
+
+    return int(zmq.POLLOUT)
+
+
+async def _awaited(result: Any) -> Any:
+    return await result
 
 
 def _msg_type(kernel: Any, frames: list[Any]) -> str | None:

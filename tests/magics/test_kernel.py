@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from ..conftest import session_processes
+from ..conftest import IPYKERNEL6, kernel_env, session_processes
 
 pytestmark = pytest.mark.cluster
 
@@ -41,8 +41,11 @@ def stream_text(messages: list[tuple[float, dict[str, Any]]], name: str = "stdou
 
 
 @pytest.fixture
-def kernel() -> Iterator[tuple[Any, Any]]:
-    manager, client = start_new_kernel(kernel_name="python3")
+def kernel(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+    """A real kernel with the extension loaded: the installed ipykernel, or ipykernel 6 where a test is
+    parametrized with ``kernel`` = IPYKERNEL6 (indirectly)."""
+    options = kernel_env(request.getfixturevalue("ipykernel6")) if getattr(request, "param", None) else {}
+    manager, client = start_new_kernel(kernel_name="python3", **options)
     try:
         reply, _ = execute(client, "%load_ext taco_notebook")
         assert reply["status"] == "ok"
@@ -89,6 +92,7 @@ def test_cell_output_streams_live_and_interrupt_keeps_the_cluster(kernel):
     assert stream_text(pids) == stream_text(pids_after), "the interrupt restarted the engines"
 
 
+@pytest.mark.parametrize("kernel", [None, IPYKERNEL6], indirect=True, ids=["installed", IPYKERNEL6])
 def test_a_running_cell_answers_widget_requests_while_queued_cells_wait_their_turn(kernel):
     """Issue 25: a page reloaded mid-run asks for its widgets over the shell channel; the wait loop answers it
     (``widgets/comm_pump.py``) while an ``execute_request`` sent meanwhile still runs after the cell, in order."""

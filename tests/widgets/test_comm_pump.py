@@ -11,6 +11,8 @@ from jupyter_client.manager import start_new_kernel
 
 from taco_notebook.widgets.comm_pump import CommPump
 
+from ..conftest import IPYKERNEL6, kernel_env
+
 ECHO_TARGET = """
 def _echo(comm, msg):
     comm.on_msg(lambda m: comm.send({"echo": m["content"]["data"]}))
@@ -35,10 +37,14 @@ def test_outside_a_kernel_the_pump_does_nothing():
     assert pump(force=True) == 0
 
 
-@pytest.fixture
-def client() -> Iterator[Any]:
-    manager, client = start_new_kernel(kernel_name="python3")
+@pytest.fixture(params=["installed", IPYKERNEL6])
+def client(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A real kernel: the installed ipykernel (7), and ipykernel 6."""
+    options = kernel_env(request.getfixturevalue("ipykernel6")) if request.param == IPYKERNEL6 else {}
+    manager, client = start_new_kernel(kernel_name="python3", **options)
     try:
+        if request.param == IPYKERNEL6:
+            _run(client, f"import ipykernel\nassert ipykernel.__version__ == {IPYKERNEL6!r}, ipykernel.__version__")
         yield client
     finally:
         client.stop_channels()

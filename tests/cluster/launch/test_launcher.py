@@ -125,7 +125,6 @@ def test_cluster_runs_under_gforker_with_engine_id_equal_to_rank(ip, shared_clus
     assert "gforker" in capsys.readouterr().out
 
 
-
 def _publish_and_pid() -> int:
     from ipyparallel.datapub import publish_data
 
@@ -151,6 +150,7 @@ def test_the_controller_runs_with_taco_settings_and_logs_no_line_per_request(sha
     for line in ("queue::request", "Hub using DB backend: DictDB", "unhandled iopub msg_type"):
         assert line not in after, after[-2000:]
     assert len(after) - len(before) < 200, after[len(before):]
+
 
 LOUD = """
 import os, sys
