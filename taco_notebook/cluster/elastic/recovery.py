@@ -202,8 +202,8 @@ def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
         deaths += run.watch.read()
         gone = {(d.host, d.pid) for d in deaths}
         live = [r for r in survivors if (r.host, r.pid) not in gone]
-        running = [r for r in live if not parts[r.rank].ready()]
-        done = [r for r in live if parts[r.rank].ready() and r.rank not in aborted]
+        running = [r for r in live if not parts[r.rank].done()]
+        done = [r for r in live if parts[r.rank].done() and r.rank not in aborted]
         registered = set(cluster.client.ids)  # a rank of a lost node can be unregistered before its death is read
         reachable = [r for r in done if r.engine_id in registered]
         if reachable and running:
