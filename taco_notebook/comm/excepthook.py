@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -65,6 +66,9 @@ def _rank() -> str:
     return "?"
 
 
+ABORT_GRACE_S = 0.2  # between the abort's message and MPI_Abort
+
+
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
@@ -101,6 +105,9 @@ def _abort_job(etype: type[BaseException]) -> None:
     print(f"[taco] rank {_rank()}: uncaught {etype.__name__}: aborting the MPI job (every rank). "
           "Set TACO_ABORT_ON_EXCEPTION=0 to let the other ranks go on.", file=sys.stderr)
     _flush()
+    # the line is in the pipe to mpiexec's proxy, which relays it; Abort has the job's processes killed, and
+    # the line was once lost that way (the traceback just before it came through): give the relay a moment
+    time.sleep(ABORT_GRACE_S)
     mpi.COMM_WORLD.Abort(1)
 
 
