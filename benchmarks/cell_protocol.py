@@ -188,9 +188,11 @@ def watch_news_only(client: Any, ar: Any, size: int) -> None:
         tracker.wait(POLL_S)
 
 
-def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, controller: str = "taco") -> dict[str, Any]:
+def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, settings: str = "taco") -> dict[str, Any]:
+    """One cluster of ``size`` ranks, ``cells`` empty cells per protocol; ``settings``: whose controller settings
+    plain engines get (``--controller``)."""
     began = time.perf_counter()
-    cluster = Plain(size, timeout, controller) if kind == "plain" else Taco(size, timeout)
+    cluster = Plain(size, timeout, settings) if kind == "plain" else Taco(size, timeout)
     start_s = time.perf_counter() - began
     try:
         controller = cluster.controller_processes()

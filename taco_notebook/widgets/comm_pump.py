@@ -112,7 +112,7 @@ class CommPump:
 
         stream.on_recv(sort, copy=copy)
         try:
-            stream.flush(_zmq_pollin(), limit=MAX_MESSAGES)
+            stream.flush(_zmq_flag("POLLIN"), limit=MAX_MESSAGES)
         finally:
             stream.on_recv(deliver, copy=copy)
         return self.dispatched - before
@@ -181,13 +181,7 @@ def _handle(kernel: Any, frames: list[Any], context: contextvars.Context) -> Non
     result = context.run(handler, kernel.shell_stream, idents, msg)
     if inspect.isawaitable(result):
         _run_or_schedule(_awaited(result), context)
-    kernel.shell_stream.flush(_zmq_pollout())  # a reply (comm_info_reply) is queued on the stream: send it now
-
-
-def _zmq_pollout() -> int:
-    import zmq
-
-    return int(zmq.POLLOUT)
+    kernel.shell_stream.flush(_zmq_flag("POLLOUT"))  # a reply (comm_info_reply) is queued on the stream: send it now
 
 
 async def _awaited(result: Any) -> Any:
@@ -204,10 +198,11 @@ def _msg_type(kernel: Any, frames: list[Any]) -> str | None:
         return None
 
 
-def _zmq_pollin() -> int:
+def _zmq_flag(name: str) -> int:
+    """``zmq.POLLIN`` or ``zmq.POLLOUT`` (zmq is imported only where a kernel runs)."""
     import zmq
 
-    return int(zmq.POLLIN)
+    return int(getattr(zmq, name))
 
 
 def _run_or_schedule(coro: Coroutine[Any, Any, Any], context: contextvars.Context) -> None:

@@ -36,8 +36,7 @@ class RankTracker:
         self.ar = ar
         children = list(getattr(ar, "_children", ()))
         # rank -> its request's MessageFuture (or, failing that, its own AsyncResult): done when its reply is in
-        self.light = len(children) == len(targets) and all(
-            hasattr(child, "done") and isinstance(getattr(child, "iopub_callbacks", None), list) for child in children)
+        self.light = len(children) == len(targets) and all(_told_of(child) for child in children)
         self.parts: dict[int, Any] = dict(zip(targets, children if self.light else ar.split(), strict=True))
         self.metadata: dict[int, Any] = {rank: client.metadata[msg_id]
                                          for rank, msg_id in zip(targets, ar.msg_ids, strict=True)}
@@ -53,12 +52,12 @@ class RankTracker:
         # ipyparallel has no public way to be told of a request's IOPub messages: its own stream_output() appends
         # to the request's MessageFuture.iopub_callbacks, reached through the AsyncResult's children. Where that
         # is not there (another ipyparallel), every rank counts as having news on every look: slower, not wrong.
-        futures = {rank: part if self.light else (getattr(part, "_children", None) or [None])[0]
-                   for rank, part in self.parts.items()}
-        self.told = all(isinstance(getattr(f, "iopub_callbacks", None), list) for f in futures.values())
+        told = {rank: part if self.light else (getattr(part, "_children", None) or [None])[0]
+                for rank, part in self.parts.items()}  # rank -> the MessageFuture its IOPub callbacks hang on
+        self.told = all(_told_of(future) for future in told.values())
         for rank, part in self.parts.items():
             if self.told:
-                futures[rank].iopub_callbacks.append(lambda _msg, rank=rank: self._news.append(rank))
+                told[rank].iopub_callbacks.append(lambda _msg, rank=rank: self._news.append(rank))
             part.add_done_callback(lambda _future, rank=rank: self._ended_one(rank))
 
     def _ended_one(self, rank: int) -> None:
@@ -143,3 +142,8 @@ class RankTracker:
     def outcomes(self) -> dict[int, Any]:
         self.update()
         return {rank: self.outcome(rank) for rank in self.finished}
+
+
+def _told_of(future: Any) -> bool:
+    """Whether ``future`` is an ipyparallel MessageFuture whose IOPub callbacks we can hang on."""
+    return hasattr(future, "done") and isinstance(getattr(future, "iopub_callbacks", None), list)
