@@ -45,6 +45,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
 
+from taco_notebook.cluster.launch.controller import raise_open_files_limit  # noqa: E402
+
 EMPTY = "pass"
 POLL_S = 0.05  # run.py's
 VARIANTS = ("old", "new", "coalescing")  # coalescing: the new runner through broadcast_view(is_coalescing=True)
@@ -78,13 +80,15 @@ class Plain:
         os.chmod(self.home, 0o700)
         from traitlets.config import Config
 
-        from taco_notebook.cluster.launch.engineset import controller_args, registration_timeout
+        from taco_notebook.cluster.launch.engineset import CONTROLLER_CMD, controller_args, registration_timeout
 
         config = Config()  # the same registration timeout and controller as a TacoCluster of this size
         config.LocalEngineSetLauncher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}"]
+        if controller == "taco":
+            config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
         self.cluster = ipp.Cluster(n=size, engines="local", profile_dir=self.home, controller_ip="127.0.0.1",
                                    log_level=40, shutdown_atexit=False, config=config,
-                                   controller_args=controller_args(size) if controller == "taco" else [])
+                                   controller_args=controller_args(size) if controller != "ipyparallel" else [])
         try:
             self.cluster.start_cluster_sync()
             self.client = self.cluster.connect_client_sync()
@@ -196,6 +200,7 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
     start_s = time.perf_counter() - began
     try:
         controller = cluster.controller_processes()
+        fds = max(process.num_fds() for process in controller)
         for _ in range(3):  # warm-up
             cluster.old(EMPTY)
             cluster.new(EMPTY).get()
@@ -226,7 +231,8 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
             watch[name] = (time.process_time() - c0) / (time.perf_counter() - t0)
     finally:
         cluster.stop()
-    row: dict[str, Any] = {"ranks": size, "engines": kind, "start_s": start_s, "load": os.getloadavg()[0]}
+    row: dict[str, Any] = {"ranks": size, "engines": kind, "start_s": start_s, "load": os.getloadavg()[0],
+                           "controller_fds": fds}  # the most open files one of the controller's processes holds
     for variant in VARIANTS:
         row[f"{variant}_wall_ms"] = statistics.median(wall[variant]) * 1e3
         row[f"{variant}_notebook_cpu_ms"] = cpu[variant] / cells * 1e3
@@ -241,7 +247,7 @@ def table(rows: list[dict[str, Any]], cells: int, at: int) -> str:
            "Each column: old / new / new through the coalescing broadcast view.", "",
            "| engines | controller | ranks | start s | wall ms | notebook CPU ms | controller CPU ms "
            "| notebook + controller CPU per rank ms | notebook CPU share while a cell runs: poll all / "
-           "news only | load |", "|" + "---|" * 10]
+           "news only | controller's open files (most in one process) | load |", "|" + "---|" * 11]
 
     def three(r: dict[str, Any], key: str, form: str) -> str:
         return " / ".join(format(r[f"{v}_{key}"], form) for v in VARIANTS)
@@ -252,16 +258,33 @@ def table(rows: list[dict[str, Any]], cells: int, at: int) -> str:
                    f"{three(r, 'wall_ms', '.1f')} | "
                    f"{three(r, 'notebook_cpu_ms', '.1f')} | {three(r, 'controller_cpu_ms', '.1f')} | "
                    f"{three(r, 'per_rank_ms', '.3f')} | {w['poll all']:.1%} / {w['news only']:.1%} | "
-                   f"{r['load']:.1f} |")
-    if len(rows) > 1:
-        xs = [float(r["ranks"]) for r in rows]
-        out += ["", f"Line fit a + b·N to the new path's figures (N = {', '.join(str(r['ranks']) for r in rows)}), "
-                f"at N = {at}:", "", "| what | a | b per rank | at N |", "|---|---|---|---|"]
+                   f"{r.get('controller_fds', '')} | {r['load']:.1f} |")
+    first = rows[0].get("controller", "taco")  # the line is fitted to one controller's rows
+    fitted = [r for r in rows if r.get("controller", "taco") == first]
+    if len({r["ranks"] for r in fitted}) > 1:
+        xs = [float(r["ranks"]) for r in fitted]
+        out += ["", f"Line fit a + b·N to the new path's figures with the {first} controller "
+                f"(N = {', '.join(str(r['ranks']) for r in fitted)}), at N = {at}:", "",
+                "| what | a | b per rank | at N |", "|---|---|---|---|"]
+        rows = fitted
         for label, key in (("empty cell wall ms", "new_wall_ms"), ("notebook CPU ms per cell", "new_notebook_cpu_ms"),
                            ("controller CPU ms per cell", "new_controller_cpu_ms")):
             a, b = fit_line(xs, [r[key] for r in rows])
             out.append(f"| {label} | {a:.2f} | {b:.3f} | {a + b * at:.0f} |")
     return "\n".join(out)
+
+
+CONTROLLERS = {"taco": "as TacoCluster starts it (engineset.CONTROLLER_CMD and controller_args)",
+               "ipyparallel-hub": "taco's settings (controller_args) on ipyparallel's own hub",
+               "ipyparallel": "ipyparallel's defaults (its hub, DictDB, DEBUG logger)"}
+
+
+def controllers(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONTROLLERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"controllers are {', '.join(CONTROLLERS)}; got {text!r}")
+    return names
 
 
 def main() -> None:
@@ -273,20 +296,22 @@ def main() -> None:
     parser.add_argument("--extrapolate", type=int, default=1000)
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--controller", choices=("taco", "ipyparallel"), default="taco",
-                        help="plain engines only: the controller as TacoCluster starts it (engineset.controller_args), "
-                             "or with ipyparallel's defaults (DictDB, DEBUG logger)")
+    parser.add_argument("--controller", type=controllers, default="taco",
+                        help="plain engines only, comma-separated, each size measured with each in turn: "
+                             f"{', '.join(f'{k}: {v}' for k, v in CONTROLLERS.items())}")
     args = parser.parse_args()
-    if args.controller != "taco" and args.engines != "plain":
-        parser.error("--controller ipyparallel needs --engines plain (a TacoCluster always starts taco's)")
+    raise_open_files_limit()  # hundreds of engines started from here, as from the notebook
+    if args.controller != ["taco"] and args.engines != "plain":
+        parser.error("--controller other than taco needs --engines plain (a TacoCluster always starts taco's)")
     sizes = args.ranks
     if args.cells < 2:
         parser.error("--cells must be at least 2")
     rows = []
     for size in sizes:
-        rows.append({**measure(args.engines, size, args.cells, args.sleep, args.start_timeout, args.controller),
-                     "controller": args.controller})
-        print(f"[{size} {args.engines} ranks measured]", flush=True)
+        for settings in args.controller:
+            rows.append({**measure(args.engines, size, args.cells, args.sleep, args.start_timeout, settings),
+                         "controller": settings})
+            print(f"[{size} {args.engines} ranks measured, {settings} controller]", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "cores": os.cpu_count()}, indent=1))
     print(f"cell protocol, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M %Z')}")

@@ -6,6 +6,7 @@ session.py keeps only the cluster's state and lifecycle.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -20,8 +21,8 @@ from ..processes.tree import CLUSTER_ID_ENV, alive, descendants
 from .mpi import MPIInfo, single_host_env
 from .profiles import Profile
 
-__all__ = ["engine_environment", "ipp_config", "controller_args", "wait_for_engines", "read_ranks", "engine_sets",
-           "log_paths", "set_processes", "sets_alive"]
+__all__ = ["engine_environment", "ipp_config", "CONTROLLER_CMD", "controller_args", "wait_for_engines", "read_ranks",
+           "engine_sets", "log_paths", "set_processes", "sets_alive"]
 
 
 def engine_environment(name: str, size: int, profile: Profile, mpi: MPIInfo | None, env: Mapping[str, str],
@@ -64,9 +65,15 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
         from .slurm.engines import engine_config
 
         engines = engine_config(config, profile.slurm, launcher.engine_cmd, launcher.environment, progress)
+    config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
     if cluster_id:
         config.LocalControllerLauncher.environment = {CLUSTER_ID_ENV: cluster_id}
     return config, engines
+
+
+# ipyparallel's controller with a hub that reads only what it acts on (controller.py); its command line is
+# ipyparallel's (controller_args)
+CONTROLLER_CMD = [sys.executable, "-m", "taco_notebook.cluster.launch.controller"]
 
 
 def registration_timeout(size: int) -> float:
@@ -100,8 +107,9 @@ def controller_args(size: int) -> list[str]:
     >>> controller_args(16)[0], controller_args(1000)[0]
     ('--HeartMonitor.period=3000', '--HeartMonitor.period=30000')
     """
+    quiet = {name: {"level": "ERROR"} for name in ("TacoController", "IPController")}  # the logger is the app's class
     return [f"--HeartMonitor.period={heartbeat_ms(size)}", "--IPController.db_class=NoDB",
-            '--IPController.logging_config={"loggers": {"IPController": {"level": "ERROR"}}}']
+            f"--IPController.logging_config={json.dumps({'loggers': quiet})}"]
 
 
 def heartbeat_ms(size: int) -> int:

@@ -138,14 +138,19 @@ def test_the_controller_runs_with_taco_settings_and_logs_no_line_per_request(sha
     request, reply or dashboard payload (its logger at ERROR)."""
     import psutil
 
-    from taco_notebook.cluster.launch.engineset import controller_args
+    from taco_notebook.cluster.launch.engineset import CONTROLLER_CMD, controller_args
 
     controller = shared_cluster.ipp_cluster.controller
     command = psutil.Process(controller.process.pid).cmdline()
+    assert command[1:3] == CONTROLLER_CMD[1:], command  # taco's hub (controller.py)
     assert command[-len(controller_args(4)):] == controller_args(4), command
     assert "--HeartMonitor.period=3000" in command
     before = Path(controller.output_file).read_text(errors="replace")
+    completed = shared_cluster.client.queue_status()
     assert len(shared_cluster.view.apply_sync(_publish_and_pid)) == 4
+    status = shared_cluster.client.queue_status()  # the lean hub still counts every rank's request and reply
+    for rank in range(4):
+        assert status[rank]["queue"] == 0 and status[rank]["completed"] == completed[rank]["completed"] + 1, status
     after = Path(controller.output_file).read_text(errors="replace")
     for line in ("queue::request", "Hub using DB backend: DictDB", "unhandled iopub msg_type"):
         assert line not in after, after[-2000:]
