@@ -200,7 +200,7 @@ def _listening_during_allreduce(cluster, allow_hydra: bool) -> tuple[list[psutil
     steps = running.get(timeout=120)
     assert all(s > 0 for s in steps), steps
     assert not outside, f"listening off loopback: {outside}"
-    assert any("ipyparallel.controller" in item.command for item in inside), inside  # on 127.0.0.1
+    assert any("taco_notebook.cluster.launch.controller" in item.command for item in inside), inside  # on 127.0.0.1
     engines = {item.pid for item in inside if "ipyparallel.engine --mpi" in item.command}
     assert len(engines) == cluster.size, inside  # each rank's gloo pair, on loopback
     return procs, inside

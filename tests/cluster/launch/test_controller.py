@@ -6,11 +6,16 @@ IOPub message the hub acts on). Real controller and engines (plain ipyparallel e
 from __future__ import annotations
 
 import os
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 
 import psutil
 import pytest
+
+from ...support.hub import queues_when
 
 ipp = pytest.importorskip("ipyparallel")
 
@@ -27,8 +32,13 @@ def plain_cluster():
     config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
     cluster = ipp.Cluster(n=3, engines="local", profile_dir=home, controller_ip="127.0.0.1", log_level=40,
                           shutdown_atexit=False, config=config, controller_args=controller_args(3))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
-        cluster.start_cluster_sync()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))  # the usual soft limit, for the controller
+        try:
+            cluster.start_cluster_sync()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         client = cluster.connect_client_sync()
         client.wait_for_engines(3, timeout=120, interactive=False)
         yield cluster, client
@@ -49,15 +59,17 @@ def _nap(seconds: float) -> int:
 
 def test_the_hub_counts_each_engines_queue_and_lets_a_shut_down_engine_go(plain_cluster):
     cluster, client = plain_cluster
-    assert "taco_notebook.cluster.launch.controller" in psutil.Process(cluster.controller.process.pid).cmdline()
-    running = client[:].apply_async(_nap, 2.0)
-    time.sleep(0.5)
-    during = client.queue_status()
-    assert [during[i]["queue"] for i in range(3)] == [1, 1, 1], during
+    controller = psutil.Process(cluster.controller.process.pid)
+    assert "taco_notebook.cluster.launch.controller" in controller.cmdline()
+    soft, hard = controller.rlimit(psutil.RLIMIT_NOFILE)  # started under a soft limit of 1,024, raised to the hard
+    assert soft == hard or soft == resource.RLIM_INFINITY, (soft, hard)
+    running = client[:].apply_async(_nap, 4.0)
+    during = queues_when(client, lambda status: [status[i]["queue"] for i in range(3)] == [1, 1, 1])
+    assert not running.ready(), during
     running.get(timeout=60)
     client[0].apply_sync(_nap, 0.0)
-    after = client.queue_status()
-    assert [(after[i]["queue"], after[i]["completed"]) for i in range(3)] == [(0, 2), (0, 1), (0, 1)], after
+    queues_when(client, lambda status: [(status[i]["queue"], status[i]["completed"]) for i in range(3)]
+                == [(0, 2), (0, 1), (0, 1)])
 
     began = time.monotonic()  # gone from the hub's list long before a missed heartbeat (3 s) would say so
     client.shutdown(targets=[2], block=True)
@@ -67,3 +79,29 @@ def test_the_hub_counts_each_engines_queue_and_lets_a_shut_down_engine_go(plain_
     assert client[:].apply_sync(_nap, 0.0)  # the others still answer
     log = open(cluster.controller.output_file, errors="replace").read()
     assert "Traceback" not in log, log[-2000:]
+
+
+REFUSED = """
+import os, resource, sys
+import psutil
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+os.environ["TACO_MAX_RANKS"] = "1000"
+from taco_notebook.cluster.session import TacoCluster
+from taco_notebook.errors import ClusterStartError
+try:
+    TacoCluster(name="fds", size=200).start()
+except ClusterStartError as exc:
+    print("REFUSED:", exc)
+print("children:", len(psutil.Process().children(recursive=True)))
+"""
+
+
+def test_a_size_the_hard_open_files_limit_cannot_hold_is_refused_before_anything_starts():
+    """200 ranks need about 656 open files in the controller; under a hard limit of 300 the start says so, and
+    how to raise it, without starting a process."""
+    done = subprocess.run([sys.executable, "-c", REFUSED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED: 200 ranks need about 656 open files in the controller" in done.stdout, done.stdout
+    assert "hard limit is 300: raise it (`ulimit -Hn 656`" in done.stdout and "nothing was started" in done.stdout
+    assert "children: 0" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
