@@ -176,7 +176,6 @@ class TacoCluster:
         """
         import ipyparallel as ipp
 
-        engineset.check_open_files(self.size)
         self.mpi = mpi_for(self.profile, self.mpi, self.mpiexec)
         cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
         self.error, self._phase, _live[cluster_id] = None, "starting", self

@@ -48,9 +48,11 @@ def engine_environment(name: str, size: int, profile: Profile, mpi: MPIInfo | No
 def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mapping[str, str], cluster_id: str | None,
                progress: Callable[[str], None] | None) -> tuple[Any, Any]:
     """``(config, engines)`` for ``ipp.Cluster`` to start cluster ``name``'s ``size`` engines with
-    :func:`engine_environment`: engines is ``"mpi"``, or the slurm profile's launcher class."""
+    :func:`engine_environment`: engines is ``"mpi"``, or the slurm profile's launcher class. Raises
+    :class:`ClusterStartError` first if this host cannot hold their connections (:func:`check_open_files`)."""
     from traitlets.config import Config
 
+    check_open_files(size)
     config = Config()
     engines: Any = "mpi"
     launcher = config.MPIEngineSetLauncher
