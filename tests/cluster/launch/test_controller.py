@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,7 @@ def plain_cluster():
     finally:
         controller = getattr(cluster.controller, "process", None)
         cluster.stop_cluster_sync()
+        shutil.rmtree(home, ignore_errors=True)
         assert controller is None or not psutil.pid_exists(controller.pid) or \
             psutil.Process(controller.pid).status() == psutil.STATUS_ZOMBIE
 
