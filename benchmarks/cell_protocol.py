@@ -266,10 +266,9 @@ def table(rows: list[dict[str, Any]], cells: int, at: int) -> str:
         out += ["", f"Line fit a + b·N to the new path's figures with the {first} controller "
                 f"(N = {', '.join(str(r['ranks']) for r in fitted)}), at N = {at}:", "",
                 "| what | a | b per rank | at N |", "|---|---|---|---|"]
-        rows = fitted
         for label, key in (("empty cell wall ms", "new_wall_ms"), ("notebook CPU ms per cell", "new_notebook_cpu_ms"),
                            ("controller CPU ms per cell", "new_controller_cpu_ms")):
-            a, b = fit_line(xs, [r[key] for r in rows])
+            a, b = fit_line(xs, [r[key] for r in fitted])
             out.append(f"| {label} | {a:.2f} | {b:.3f} | {a + b * at:.0f} |")
     return "\n".join(out)
 

@@ -1,53 +1,43 @@
 """taco's controller (cluster/launch/controller.py): ipyparallel's, with a hub that reads only the frame each
 monitor message needs. What users can ask the hub must stay right: the queue of every engine while a request
 runs and after it, and an engine that shuts down leaving the cluster at once (its ``shutdown_reply`` is the one
-IOPub message the hub acts on). Real controller and engines (plain ipyparallel engines, no MPI)."""
+IOPub message the hub acts on). Real controller and engines (plain ipyparallel engines, no MPI), started as
+``benchmarks/cell_protocol.py`` starts them."""
 
 from __future__ import annotations
 
-import os
 import resource
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from ...support.hub import queues_when
+from ...support.waiting import wait_until
 
-ipp = pytest.importorskip("ipyparallel")
+pytest.importorskip("ipyparallel")
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 @pytest.fixture
-def plain_cluster():
-    from traitlets.config import Config
+def plain_cluster(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from cell_protocol import Plain
 
-    from taco_notebook.cluster.launch.engineset import CONTROLLER_CMD, controller_args
-
-    home = tempfile.mkdtemp(prefix="taco-controller-test-")
-    os.chmod(home, 0o700)
-    config = Config()
-    config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
-    cluster = ipp.Cluster(n=3, engines="local", profile_dir=home, controller_ip="127.0.0.1", log_level=40,
-                          shutdown_atexit=False, config=config, controller_args=controller_args(3))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))  # the usual soft limit, for the controller
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))  # the usual soft limit, for the controller
-        try:
-            cluster.start_cluster_sync()
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        client = cluster.connect_client_sync()
-        client.wait_for_engines(3, timeout=120, interactive=False)
-        yield cluster, client
+        plain = Plain(3, timeout=120, controller="taco")  # taco's controller command and settings
     finally:
-        controller = getattr(cluster.controller, "process", None)
-        cluster.stop_cluster_sync()
-        shutil.rmtree(home, ignore_errors=True)
-        assert controller is None or not psutil.pid_exists(controller.pid) or \
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    controller = plain.cluster.controller.process
+    try:
+        yield plain.cluster, plain.client
+    finally:
+        plain.stop()
+        assert not psutil.pid_exists(controller.pid) or \
             psutil.Process(controller.pid).status() == psutil.STATUS_ZOMBIE
 
 
@@ -59,6 +49,16 @@ def _nap(seconds: float) -> int:
     return os.getpid()
 
 
+def queues(client, wanted: list) -> dict:
+    """``client.queue_status()`` once each engine's (queue, completed) is ``wanted``: the hub reads its copy of a
+    request or reply a moment after the engine or the client has it (ipyparallel's own hub too)."""
+    def status() -> dict | None:
+        now = client.queue_status()
+        return now if [(now[i]["queue"], now[i]["completed"]) for i in range(len(wanted))] == wanted else None
+
+    return wait_until(status, 10, f"the hub's queues reaching {wanted} (now {client.queue_status()})")
+
+
 def test_the_hub_counts_each_engines_queue_and_lets_a_shut_down_engine_go(plain_cluster):
     cluster, client = plain_cluster
     controller = psutil.Process(cluster.controller.process.pid)
@@ -66,17 +66,15 @@ def test_the_hub_counts_each_engines_queue_and_lets_a_shut_down_engine_go(plain_
     soft, hard = controller.rlimit(psutil.RLIMIT_NOFILE)  # started under a soft limit of 1,024, raised to the hard
     assert soft == hard or soft == resource.RLIM_INFINITY, (soft, hard)
     running = client[:].apply_async(_nap, 4.0)
-    during = queues_when(client, lambda status: [status[i]["queue"] for i in range(3)] == [1, 1, 1])
+    during = queues(client, [(1, 0), (1, 0), (1, 0)])
     assert not running.ready(), during
     running.get(timeout=60)
     client[0].apply_sync(_nap, 0.0)
-    queues_when(client, lambda status: [(status[i]["queue"], status[i]["completed"]) for i in range(3)]
-                == [(0, 2), (0, 1), (0, 1)])
+    queues(client, [(0, 2), (0, 1), (0, 1)])
 
     began = time.monotonic()  # gone from the hub's list long before a missed heartbeat (3 s) would say so
     client.shutdown(targets=[2], block=True)
-    while 2 in client.ids and time.monotonic() - began < 10:
-        time.sleep(0.05)
+    wait_until(lambda: client.ids == [0, 1], 10, f"engine 2 leaving the hub's list (now {client.ids})", poll=0.05)
     assert client.ids == [0, 1] and time.monotonic() - began < 2.5, client.ids
     assert client[:].apply_sync(_nap, 0.0)  # the others still answer
     log = open(cluster.controller.output_file, errors="replace").read()

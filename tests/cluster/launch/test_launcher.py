@@ -20,8 +20,8 @@ from taco_notebook.cluster.launch.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, fo
 from taco_notebook.cluster.processes.rankwrap import LAUNCHED_BY_ENV, MARKER
 from taco_notebook.errors import MPINotFoundError
 
-from ...support.hub import queues_when
 from ...support.mpirun import run_in_session
+from ...support.waiting import wait_until
 
 BIN = Path(sys.executable).parent
 GFORKER = BIN / "mpiexec.gforker"
@@ -149,9 +149,12 @@ def test_the_controller_runs_with_taco_settings_and_logs_no_line_per_request(sha
     before = Path(controller.output_file).read_text(errors="replace")
     completed = shared_cluster.client.queue_status()
     assert len(shared_cluster.view.apply_sync(_publish_and_pid)) == 4
-    queues_when(shared_cluster.client, lambda status: all(  # the lean hub still counts every request and reply
-        status[rank]["queue"] == 0 and status[rank]["completed"] == completed[rank]["completed"] + 1
-        for rank in range(4)))
+
+    def counted() -> bool:  # the lean hub still counts every request and reply, a moment after the client has it
+        now = shared_cluster.client.queue_status()
+        return all(now[r]["queue"] == 0 and now[r]["completed"] == completed[r]["completed"] + 1 for r in range(4))
+
+    wait_until(counted, 10, "the hub counting the cell's replies")
     after = Path(controller.output_file).read_text(errors="replace")
     for line in ("queue::request", "Hub using DB backend: DictDB", "unhandled iopub msg_type"):
         assert line not in after, after[-2000:]
