@@ -30,6 +30,7 @@ What listens, after this (measured with mpich 5.0.2 and torch 2.13, see tests/co
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
@@ -60,12 +61,17 @@ class Rendezvous:
     def close(self, wait_s: float = 0.0) -> None:
         """Forget the store, remove the private directory (its creator only), undo the loopback pin.
 
-        Not collective. torch's FileStore destructor checks the file exists and then opens it to count itself
-        out (the last rank's removes the file): a directory removed between the two aborts that rank
-        (``terminate called after throwing c10::DistStoreError``; seen at a job's exit). So the creator first
-        waits up to ``wait_s`` for the peers' destructors to have removed the file (``shutdown()``: every
-        rank is closing at the same time, milliseconds), then removes the directory anyway (``abort()``
-        passes 0: its peers are failing, and a directory must not outlive the group).
+        Not collective. torch's FileStore destructor checks that the file exists, then opens it (``O_CREAT``) to
+        count itself out; the last rank's removes the file. If the directory goes between the check and the open,
+        that open fails with ENOENT and torch retries it every 10 ms for the store's whole timeout (the collective
+        timeout, 1800 s by default) while holding the GIL, then terminates the process: a peer released by
+        :func:`.bootstrap.abort` hung there (measured on 4 ranks, abort then reinit in a loop: it hung at the 7th
+        and at the 32nd abort; 300 in a row pass since). So the creator waits up to ``wait_s`` for the peers'
+        destructors to have removed the file (``shutdown()``: every rank is closing at the same time, milliseconds);
+        a directory left empty is removed at once. Otherwise (``abort()`` passes 0: its peers are failing) the store
+        file is unlinked now, so that a peer's destructor from then on finds no file and returns, and the directory
+        goes :data:`REAP_AFTER_S` later on a timer thread, when a destructor that had already seen the file has long
+        created its own in the directory still there.
         """
         self.store = None
         if self.directory is not None and self.kind == "file" and wait_s > 0:
@@ -73,11 +79,48 @@ class Rendezvous:
             while os.path.exists(self.address) and time.monotonic() < deadline:
                 time.sleep(0.005)
         if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            if self.kind == "file" and os.path.exists(self.address):
+                _reap_later(self.directory, self.address)
+            else:
+                shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
         if self.pinned_ifname:
             os.environ.pop(_IFNAME, None)
             self.pinned_ifname = False
+
+
+REAP_AFTER_S = 2.0  # a peer's FileStore destructor between its check of the file and its open: microseconds
+_reaping: dict[str, Any] = {}  # directory -> the timer that removes it (removed at exit if still pending)
+
+
+def _reap_later(directory: str, store_file: str) -> None:
+    """Unlink ``store_file`` now and remove ``directory`` :data:`REAP_AFTER_S` later (see
+    :meth:`Rendezvous.close`) on a daemon timer thread; at interpreter exit, at once. A process that ends without
+    exiting (``MPI_Abort``, a signal) leaves it to the next job's :func:`sweep_stale`."""
+    import threading
+
+    try:
+        os.unlink(store_file)
+    except OSError:
+        pass  # the last peer removed it meanwhile
+    timer = threading.Timer(REAP_AFTER_S, _reap, args=(directory,))
+    timer.name, timer.daemon = "taco-rendezvous-reaper", True
+    _reaping[directory] = timer
+    timer.start()
+
+
+def _reap(directory: str) -> None:
+    _reaping.pop(directory, None)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _reap_all() -> None:
+    for directory, timer in list(_reaping.items()):
+        timer.cancel()
+        _reap(directory)
+
+
+atexit.register(_reap_all)
 
 
 def _boot_id() -> str:

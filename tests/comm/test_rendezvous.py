@@ -20,11 +20,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from ..support.mpirun import SCRIPTS, kill_session
+from ..support.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,8 @@ def test_taco_cluster_listens_on_nothing_off_loopback_and_reinit_replaces_the_st
     view.apply_sync(_reinit)  # the group is rebuilt: a new private store, the old one removed
     after = view.apply_sync(_rendezvous_report)
     assert len({r["address"] for r in after}) == 1 and after[0]["address"] != before[0]["address"], after
-    assert not store.parent.exists()
+    # at once when every peer let go within shutdown's wait, else a moment after (Rendezvous.close)
+    wait_until(lambda: not store.parent.exists(), 10, "the old store's directory removed")
 
 
 def test_hydra_chosen_by_env_listens_only_on_its_control_port_off_loopback(monkeypatch):
@@ -275,6 +278,76 @@ def test_sweep_removes_only_our_directories_whose_rank_0_is_gone(tmp_path):
         kept.append(foreign)
     assert rendezvous.sweep_stale(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and all(p.exists() or p.is_symlink() for p in kept)
+
+
+def _file_rendezvous(world: int) -> list[Any]:
+    """A one-host rendezvous as ``create`` makes it, for ``world`` ranks of this process: real FileStores on one
+    file in a fresh private directory, the first (rank 0's) owning the directory."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from taco_notebook.comm import rendezvous
+
+    directory, path = rendezvous._new_store_file()
+    made = []
+    for rank in range(world):
+        store = dist.FileStore(path, world)
+        store.set_timeout(timedelta(seconds=30))
+        made.append(rendezvous.Rendezvous(store, "file", path, directory if rank == 0 else None))
+    return made
+
+
+def _reapers() -> int:
+    import threading
+
+    return sum(t.name == "taco-rendezvous-reaper" for t in threading.enumerate())
+
+
+def test_an_aborting_creator_unlinks_the_store_at_once_and_removes_its_directory_after_the_peers(monkeypatch):
+    """abort() closes with no wait. Removing the directory at once let a peer's FileStore destructor, between its
+    check of the file and its open, retry ENOENT for the whole store timeout with the GIL held (the peer's
+    ``engine.abort`` hung at the 7th and the 32nd of a loop of aborts on 4 ranks). Now the file goes at once, so a
+    peer closing after finds nothing to count itself out of, and a peer that already saw the file recreates it in
+    a directory that is still there; the directory goes REAP_AFTER_S later."""
+    from taco_notebook.comm import rendezvous
+
+    monkeypatch.setattr(rendezvous, "REAP_AFTER_S", 0.5)
+    creator, late, in_window = _file_rendezvous(3)
+    directory, path = Path(creator.directory), Path(creator.address)
+    creator.close(0.0)
+    assert not path.exists() and directory.is_dir() and _reapers() == 1
+    started = time.monotonic()
+    late.close(0.0)  # its destructor finds no file: it returns at once
+    assert time.monotonic() - started < 1.0 and not path.exists()
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # what a destructor already past its check does
+    in_window.close(0.0)
+    wait_until(lambda: not directory.exists(), 10, "the reaper removing the rendezvous directory")
+    wait_until(lambda: _reapers() == 0, 10, "the reaper thread ending")
+
+
+def test_a_shutdown_after_the_peers_let_go_removes_the_directory_at_once():
+    """shutdown(): the peers' destructors count themselves out and the last removes the file; the creator waits
+    for that and removes the directory itself, no timer."""
+    creator, peer = _file_rendezvous(2)
+    directory = Path(creator.directory)
+    peer.close(2.0)
+    creator.close(2.0)  # its own destructor is the last: it removes the file
+    assert not directory.exists() and _reapers() == 0
+
+
+def test_a_pending_removal_is_done_at_exit(tmp_path):
+    """A creator that exits before its timer fires still removes the directory (atexit), not the next job."""
+    code = ("from taco_notebook.comm import rendezvous\n"
+            "from tests.comm.test_rendezvous import _file_rendezvous\n"
+            "made = _file_rendezvous(2)\n"
+            "print(made[0].directory, flush=True)\n"
+            "made[0].close(0.0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    directory = Path(done.stdout.strip())
+    assert directory.name.startswith("taco-rendezvous-") and not directory.exists(), done.stdout
 
 
 @pytest.mark.parametrize("local, world, preset, expect", [
