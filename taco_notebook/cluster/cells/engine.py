@@ -31,6 +31,8 @@ import sys
 import types
 from typing import Any
 
+from .streams import lean_streams
+
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
            "configure_cell", "send_interval", "user_shell", "send_end_state", "check_replicas", "settings_in_force",
            "reset_settings", "reinit", "abort", "fetch_result", "elastic_mode", "placement", "open_group",
@@ -159,6 +161,7 @@ def setup_joiner() -> None:
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)
     _listen_for_autopsy()
+    lean_streams()
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 
@@ -189,6 +192,7 @@ def setup_namespace() -> None:
     shell.user_ns.update(taco=taco, torch=torch)  # what a cell sees as `taco`: the rank's API (module docstring)
     taco.init()
     _listen_for_autopsy()
+    lean_streams()  # no IOPub round trip for a stream with nothing to flush (streams.py)
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 

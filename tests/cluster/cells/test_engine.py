@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,25 @@ def _sender_state() -> tuple[bool, int]:
     return metrics.sender() is engine._sender, metrics.steps()
 
 
+def _flushes() -> tuple[str, str, int, bool, str]:
+    """The streams' class, and how many tasks flushing handed the IOPub thread: both streams with nothing in
+    them, then stdout after a write (ipykernel's own ``schedule``, counted on the real thread object)."""
+    pub = sys.stdout.pub_thread
+    handed: list[Any] = []
+    schedule = pub.schedule
+    pub.schedule = lambda task: (handed.append(task), schedule(task))[1]
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        quiet = len(handed)
+        print("written", end="")
+        sys.stdout.flush()
+        loud = len(handed) - quiet >= 2  # ipykernel's flush: its _flush and the event it waits for (and more)
+    finally:
+        del pub.schedule
+    return type(sys.stdout).__name__, type(sys.stderr).__name__, quiet, loud, type(sys.stdout).__mro__[1].__name__
+
+
 @pytest.fixture
 def view(shared_cluster: Any) -> Iterator[Any]:
     """The shared cluster's engines; each test leaves them with default settings, a group and no sender."""
@@ -69,6 +89,23 @@ def view(shared_cluster: Any) -> Iterator[Any]:
 @pytest.mark.cluster
 def test_setup_made_taco_the_rank_api_with_plain_tracebacks_and_one_flush(view):
     assert view.apply_sync(_namespace) == [("taco_notebook.comm", "Plain", 1)] * 4
+
+
+@pytest.mark.cluster
+def test_an_empty_stream_flushes_without_the_iopub_thread_and_output_still_arrives(view):
+    """streams.py: flushing a stream with nothing in it hands the IOPub thread nothing (it was four round trips
+    per request); after a write, the flush goes through ipykernel's as before, and every line arrives, also
+    lines a thread wrote just before the cell ended."""
+    probe = view.apply_async(_flushes)
+    assert probe.get(60) == [("LeanOutStream", "LeanOutStream", 0, True, "OutStream")] * 4
+    probe.wait_for_output(5)
+    assert probe.stdout == ["written"] * 4
+    threaded = view.execute("import threading\n"
+                            "t = threading.Thread(target=lambda: [print('line', i) for i in range(300)])\n"
+                            "t.start(); t.join()", block=False)
+    threaded.get(60)
+    threaded.wait_for_output(5)
+    assert threaded.stdout == ["".join(f"line {i}\n" for i in range(300))] * 4
 
 
 @pytest.mark.cluster
