@@ -31,6 +31,7 @@ What listens, after this (measured with mpich 5.0.2 and torch 2.13, see tests/co
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import socket
@@ -79,7 +80,7 @@ class Rendezvous:
             while os.path.exists(self.address) and time.monotonic() < deadline:
                 time.sleep(0.005)
         if self.directory is not None:
-            if self.kind == "file" and os.path.exists(self.address):
+            if os.path.exists(self.address):  # a directory is made for a FileStore only: the address is its file
                 _reap_later(self.directory, self.address)
             else:
                 shutil.rmtree(self.directory, ignore_errors=True)
@@ -99,10 +100,8 @@ def _reap_later(directory: str, store_file: str) -> None:
     exiting (``MPI_Abort``, a signal) leaves it to the next job's :func:`sweep_stale`."""
     import threading
 
-    try:
+    with contextlib.suppress(OSError):  # the last peer removed it meanwhile
         os.unlink(store_file)
-    except OSError:
-        pass  # the last peer removed it meanwhile
     timer = threading.Timer(REAP_AFTER_S, _reap, args=(directory,))
     timer.name, timer.daemon = "taco-rendezvous-reaper", True
     _reaping[directory] = timer

@@ -298,12 +298,6 @@ def _file_rendezvous(world: int) -> list[Any]:
     return made
 
 
-def _reapers() -> int:
-    import threading
-
-    return sum(t.name == "taco-rendezvous-reaper" for t in threading.enumerate())
-
-
 def test_an_aborting_creator_unlinks_the_store_at_once_and_removes_its_directory_after_the_peers(monkeypatch):
     """abort() closes with no wait. Removing the directory at once let a peer's FileStore destructor, between its
     check of the file and its open, retry ENOENT for the whole store timeout with the GIL held (the peer's
@@ -316,24 +310,28 @@ def test_an_aborting_creator_unlinks_the_store_at_once_and_removes_its_directory
     creator, late, in_window = _file_rendezvous(3)
     directory, path = Path(creator.directory), Path(creator.address)
     creator.close(0.0)
-    assert not path.exists() and directory.is_dir() and _reapers() == 1
+    reaper = rendezvous._reaping.get(str(directory))
+    assert not path.exists() and directory.is_dir() and reaper is not None and reaper.is_alive()
     started = time.monotonic()
     late.close(0.0)  # its destructor finds no file: it returns at once
     assert time.monotonic() - started < 1.0 and not path.exists()
     os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # what a destructor already past its check does
     in_window.close(0.0)
     wait_until(lambda: not directory.exists(), 10, "the reaper removing the rendezvous directory")
-    wait_until(lambda: _reapers() == 0, 10, "the reaper thread ending")
+    reaper.join(10)
+    assert not reaper.is_alive() and str(directory) not in rendezvous._reaping
 
 
 def test_a_shutdown_after_the_peers_let_go_removes_the_directory_at_once():
     """shutdown(): the peers' destructors count themselves out and the last removes the file; the creator waits
     for that and removes the directory itself, no timer."""
+    from taco_notebook.comm import rendezvous
+
     creator, peer = _file_rendezvous(2)
     directory = Path(creator.directory)
     peer.close(2.0)
     creator.close(2.0)  # its own destructor is the last: it removes the file
-    assert not directory.exists() and _reapers() == 0
+    assert not directory.exists() and str(directory) not in rendezvous._reaping
 
 
 def test_a_pending_removal_is_done_at_exit(tmp_path):

@@ -9,7 +9,7 @@ py-spy at 16 ranks: 49.1 ms of the engines' CPU per empty cell, 33-35 ms without
 The barrier orders nothing that needs it when the stream holds nothing: the reply goes on the shell socket, the
 idle status that tells the client a request's output is complete is queued on the same IOPub thread after
 anything queued before it, and ``%%taco_run`` waits for that status (``AsyncResult.wait_for_output``) before it
-reads a cell's output. So :class:`LeanOutStream` flushes as ipykernel does whenever the stream has a write in
+reads a cell's output. So ``LeanOutStream`` flushes as ipykernel does whenever the stream has a write in
 its buffers or a flush pending (or echoes to a terminal), and returns at once otherwise. A write from another
 thread fills the buffer before it marks the flush pending, and the IOPub thread marks it done before it empties
 the buffer: either is seen.
@@ -20,15 +20,17 @@ objects the subclass; anything else (a stream a user or another library put in p
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any
 
-__all__ = ["lean_streams", "LeanOutStream"]
+__all__ = ["lean_streams"]
 
 _STATE = ("_flush_pending", "_subprocess_flush_pending", "_buffers", "echo", "pub_thread")
 
 
+@functools.cache
 def _lean_class() -> type:
+    """``LeanOutStream``, made on first use: ipykernel is imported only in a process whose streams are its."""
     from ipykernel.iostream import OutStream
 
     class LeanOutStream(OutStream):  # type: ignore[misc]
@@ -43,24 +45,12 @@ def _lean_class() -> type:
     return LeanOutStream
 
 
-LeanOutStream: Any = None  # the class, made on first use (ipykernel is imported only where streams are)
-
-
-def lean_streams() -> list[str]:
+def lean_streams() -> None:
     """Give this process's ``sys.stdout`` and ``sys.stderr`` the lean flush where they are ipykernel's
-    ``OutStream``; the names of those changed (idempotent)."""
-    global LeanOutStream
-    try:
-        from ipykernel.iostream import OutStream
-    except ImportError:
-        return []
-    changed = []
+    ``OutStream`` (idempotent: a stream that has it is no longer exactly an ``OutStream``)."""
+    from ipykernel.iostream import OutStream
+
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if type(stream) is OutStream and all(hasattr(stream, attr) for attr in _STATE):
-            if LeanOutStream is None:
-                LeanOutStream = _lean_class()
-            stream.__class__ = LeanOutStream
-        if LeanOutStream is not None and type(stream) is LeanOutStream:
-            changed.append(name)
-    return changed
+            stream.__class__ = _lean_class()
