@@ -31,6 +31,7 @@ import sys
 import types
 from typing import Any
 
+from .quiet import quiet_kernel
 from .streams import lean_streams
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
@@ -162,6 +163,7 @@ def setup_joiner() -> None:
     shell.user_ns.update(taco=taco, torch=torch)
     _listen_for_autopsy()
     lean_streams()
+    quiet_kernel()
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 
@@ -193,6 +195,7 @@ def setup_namespace() -> None:
     taco.init()
     _listen_for_autopsy()
     lean_streams()  # no IOPub round trip for a stream with nothing to flush (streams.py)
+    quiet_kernel()  # nor a busy status or debug log records per request that no one reads (quiet.py)
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import logging
 import re
 import sys
 from collections.abc import Iterator
@@ -76,6 +77,38 @@ def _flushes() -> tuple[str, str, int, bool, str]:
     return type(sys.stdout).__name__, type(sys.stderr).__name__, quiet, loud, type(sys.stdout).__mro__[1].__name__
 
 
+def _say(word: str) -> tuple[str, list[int]]:
+    """Prints ``word``; the kernel's class, and the log levels its logger builds records for that none of its
+    handlers emits."""
+    from IPython import get_ipython
+
+    print(word)
+    kernel = get_ipython().kernel
+    log = kernel.log
+    unemitted = [level for level in (logging.DEBUG, logging.INFO, logging.WARNING)
+                 if log.isEnabledFor(level) and all(level < handler.level for handler in log.handlers)]
+    return type(kernel).__name__, unemitted
+
+
+def _statuses(client: Any, rank: int, word: str) -> tuple[tuple[str, list[int]], list[tuple[str, str]]]:
+    """Send ``_say(word)`` to ``rank`` and list the request's IOPub messages as the notebook's client receives
+    them, from before the request leaves (the hook runs before the send is handed to the IO thread), until its
+    idle status resolved the request's output future. The idle status is listed only when it came before the
+    reply: when it completes the request, ipyparallel drops the request's futures before it calls their callbacks."""
+    seen: list[tuple[str, str]] = []
+
+    def watch(future: Any) -> None:
+        future.iopub_callbacks.append(lambda msg: seen.append(
+            (msg["header"]["msg_type"], msg["content"].get("execution_state") or msg["content"].get("text"))))
+
+    (ident,), _ = client._build_targets(rank)
+    future = client.send_apply_request(client[rank]._socket, _say, [word], ident=ident,
+                                       message_future_hook=watch)
+    reply = future.result(60)
+    assert future.output.wait(10), f"rank {rank}'s idle status did not arrive"
+    return reply, seen
+
+
 @pytest.fixture
 def view(shared_cluster: Any) -> Iterator[Any]:
     """The shared cluster's engines; each test leaves them with default settings, a group and no sender."""
@@ -106,6 +139,21 @@ def test_an_empty_stream_flushes_without_the_iopub_thread_and_output_still_arriv
     threaded.get(60)
     threaded.wait_for_output(5)
     assert threaded.stdout == ["".join(f"line {i}\n" for i in range(300))] * 4
+
+
+@pytest.mark.cluster
+def test_a_request_reaches_the_client_with_its_output_and_idle_status_but_no_busy(shared_cluster, view):
+    """quiet.py: the shell's busy status, which no client reads, is not sent, and the kernel's logger builds no
+    record its handlers would drop; the output and the idle status that tells the client the output is complete
+    still arrive, in that order, on every rank."""
+    for rank in shared_cluster.client.ids:
+        reply, seen = _statuses(shared_cluster.client, rank, f"hello from {rank}")
+        assert reply == ("QuietIPythonParallelKernel", [])
+        assert [message for message in seen if message != ("status", "idle")] == [("stream", f"hello from {rank}\n")]
+    several = view.apply_async(_say, "again")
+    several.get(60)
+    several.wait_for_output(5)
+    assert several.stdout == ["again\n"] * 4
 
 
 @pytest.mark.cluster
