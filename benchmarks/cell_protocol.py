@@ -19,8 +19,9 @@ Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed 
 
 Engines: ``--engines taco`` starts a real ``TacoCluster`` (MPI, torch and the process group on every rank:
 ~275 MiB each, so 64 is about this machine's limit); ``--engines plain`` starts plain ipyparallel engines with
-no torch (~60 MiB each) and a runner with the same message shape as ``runner.run_cell``, so hundreds fit: the
-notebook's and the controller's side of the control plane are the same, which is what is measured.
+no torch (~60 MiB each), their kernel and streams set up as a taco engine's are (``quiet.py``, ``streams.py``),
+and a runner with the same message shape as ``runner.run_cell``, so hundreds fit: the notebook's and the
+controller's side of the control plane are the same, which is what is measured.
 
 Per N: wall ms per empty cell (median), the notebook's and the controller's CPU ms per empty cell (over all
 cells of the variant), their sum per rank, and the notebook's CPU per second of a running cell for each watch.
@@ -65,6 +66,15 @@ def plain_run_cell(source: str, captured: bool) -> dict[str, Any]:
     return {"value": shell.user_ns.get("__taco_result__") if captured else None, "replicas": False}
 
 
+def plain_setup() -> None:
+    """What a taco engine's set-up does to its kernel and streams (``engine.setup_namespace``), without torch."""
+    from taco_notebook.cluster.cells.quiet import quiet_kernel
+    from taco_notebook.cluster.cells.streams import lean_streams
+
+    lean_streams()
+    quiet_kernel()
+
+
 def plain_noop(*_: Any) -> bool:
     return False
 
@@ -93,10 +103,11 @@ class Plain:
             self.cluster.start_cluster_sync()
             self.client = self.cluster.connect_client_sync()
             self.client.wait_for_engines(size, timeout=timeout, interactive=False)
+            self.view = self.client[:]
+            self.view.apply_sync(plain_setup)
         except BaseException:
             self.stop()
             raise
-        self.view = self.client[:]
 
     def controller_processes(self) -> list[Any]:
         import psutil

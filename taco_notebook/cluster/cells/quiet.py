@@ -11,10 +11,13 @@
   plain ranks on 2 cores (1.012 -> 0.847 ms a rank, 147.1 -> 131.9 ms, the two in turn). The kernel publishes
   everything else as before: ``idle`` after every request, ``starting``, and both statuses of control
   requests (abort, shutdown, interrupts).
-* **Debug log records.** ipyparallel leaves the engine's logger at DEBUG and filters at its handler (INFO), so
-  the kernel's five ``log.debug`` calls per request each build a ``LogRecord`` (caller, time, thread) that no
-  handler emits: about 3% of an engine's CPU for an empty cell (py-spy, 16 ranks). The logger's level is raised
-  to its handlers' lowest, which emits exactly what was emitted before.
+* **Log lines per request.** ipyparallel's engine logs ``Handling apply_request: <id>`` at INFO for every
+  request, and its log level is INFO: a line per rank per cell into the engine set's log through mpiexec's
+  output forwarding, without end (64,000 lines for 1,000 cells on 64 ranks). And it leaves the engine's logger
+  at DEBUG behind that INFO handler, so the kernel's five ``log.debug`` calls per request each build a
+  ``LogRecord`` (caller, time, thread) that is then dropped: about 3% of an engine's CPU for an empty cell
+  (py-spy, 16 ranks). Once the engine is set up, its logger keeps warnings and errors only, unless its
+  handlers were set to DEBUG (``--log-level=DEBUG``, asked for to debug an engine), which keeps everything.
 
 The kernel is changed by giving the object a subclass of its own class (ipyparallel's ``IPythonParallelKernel``,
 or whatever runs the engine) that overrides ``_publish_status``; a kernel without that method keeps its class.
@@ -49,7 +52,7 @@ def _quiet_class(base: type) -> type:
 
 
 def quiet_kernel() -> None:
-    """This engine's kernel without the shell's ``busy`` status and without log records no handler emits
+    """This engine's kernel without the shell's ``busy`` status and without a log line per request
     (idempotent; a process that is not a kernel is left as it is)."""
     from IPython import get_ipython
 
@@ -58,14 +61,13 @@ def quiet_kernel() -> None:
         return
     if callable(getattr(kernel, "_publish_status", None)) and not getattr(kernel, "quiet_busy", False):
         kernel.__class__ = _quiet_class(type(kernel))
-    _no_unemitted_records(getattr(kernel, "log", None))
+    _quiet_log(getattr(kernel, "log", None))
 
 
-def _no_unemitted_records(log: Any) -> None:
-    """Raise ``log``'s level to the lowest of its handlers' when it is below it and nothing propagates past it:
-    a record below every handler's level is built and dropped."""
+def _quiet_log(log: Any) -> None:
+    """``log`` (the engine's own logger: it has handlers and propagates nowhere) at WARNING, or at its handlers'
+    lowest level when one is at DEBUG."""
     if not isinstance(log, logging.Logger) or log.propagate or not log.handlers:
         return
     lowest = min(handler.level for handler in log.handlers)
-    if log.level < lowest:
-        log.setLevel(lowest)
+    log.setLevel(lowest if logging.NOTSET < lowest < logging.INFO else max(lowest, logging.WARNING))

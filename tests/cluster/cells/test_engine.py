@@ -15,6 +15,8 @@ import pytest
 
 from taco_notebook.cluster.cells import engine, runner
 
+from ...support.waiting import wait_until
+
 CLUSTER_DIR = Path(engine.__file__).parents[1]
 TRAIN = "for _ in taco.progress(range(20)):\n    taco.metrics.step(samples=2)\n"
 
@@ -77,20 +79,22 @@ def _flushes() -> tuple[str, str, int, bool, str]:
     return type(sys.stdout).__name__, type(sys.stderr).__name__, quiet, loud, type(sys.stdout).__mro__[1].__name__
 
 
-def _say(word: str) -> tuple[str, list[int]]:
-    """Prints ``word``; the kernel's class, and the log levels its logger builds records for that none of its
-    handlers emits."""
+def _say(word: str) -> tuple[str, int]:
+    """Prints ``word``; the kernel's class and its logger's level."""
     from IPython import get_ipython
 
     print(word)
     kernel = get_ipython().kernel
-    log = kernel.log
-    unemitted = [level for level in (logging.DEBUG, logging.INFO, logging.WARNING)
-                 if log.isEnabledFor(level) and all(level < handler.level for handler in log.handlers)]
-    return type(kernel).__name__, unemitted
+    return type(kernel).__name__, kernel.log.getEffectiveLevel()
 
 
-def _statuses(client: Any, rank: int, word: str) -> tuple[tuple[str, list[int]], list[tuple[str, str]]]:
+def _warn(text: str) -> None:
+    from IPython import get_ipython
+
+    get_ipython().kernel.log.warning(text)
+
+
+def _statuses(client: Any, rank: int, word: str) -> tuple[tuple[str, int], list[tuple[str, str]]]:
     """Send ``_say(word)`` to ``rank`` and list the request's IOPub messages as the notebook's client receives
     them, from before the request leaves (the hook runs before the send is handed to the IO thread), until its
     idle status resolved the request's output future. The idle status is listed only when it came before the
@@ -143,17 +147,32 @@ def test_an_empty_stream_flushes_without_the_iopub_thread_and_output_still_arriv
 
 @pytest.mark.cluster
 def test_a_request_reaches_the_client_with_its_output_and_idle_status_but_no_busy(shared_cluster, view):
-    """quiet.py: the shell's busy status, which no client reads, is not sent, and the kernel's logger builds no
-    record its handlers would drop; the output and the idle status that tells the client the output is complete
-    still arrive, in that order, on every rank."""
+    """quiet.py: the shell's busy status, which no client reads, is not sent; the output and the idle status
+    that tells the client the output is complete still arrive, in that order, on every rank."""
     for rank in shared_cluster.client.ids:
         reply, seen = _statuses(shared_cluster.client, rank, f"hello from {rank}")
-        assert reply == ("QuietIPythonParallelKernel", [])
+        assert reply == ("QuietIPythonParallelKernel", logging.WARNING)
         assert [message for message in seen if message != ("status", "idle")] == [("stream", f"hello from {rank}\n")]
     several = view.apply_async(_say, "again")
     several.get(60)
     several.wait_for_output(5)
     assert several.stdout == ["again\n"] * 4
+
+
+@pytest.mark.cluster
+def test_requests_write_no_line_to_the_engines_log_and_warnings_still_do(shared_cluster, view):
+    """quiet.py: ipyparallel logged a line per rank per request into the engine set's log (mpiexec forwards
+    it), without end; a warning an engine logs still gets there, after anything logged before it."""
+    def lines(text: str) -> int:
+        return sum(Path(path).read_text().count(text) for path in shared_cluster.engine_log_paths())
+
+    handled = lines("Handling apply_request")
+    for _ in range(5):
+        view.apply_sync(_say, "quiet")
+    marker = f"taco-test-marker-{id(view)}"
+    view.apply_sync(_warn, marker)
+    wait_until(lambda: lines(marker) == 4, 30, "the four ranks' warnings in the engine log")
+    assert lines("Handling apply_request") == handled
 
 
 @pytest.mark.cluster
