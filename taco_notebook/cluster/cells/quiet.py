@@ -26,9 +26,10 @@ or whatever runs the engine) that overrides ``_publish_status``; a kernel withou
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
-__all__ = ["quiet_kernel"]
+__all__ = ["quiet_kernel", "iopub_mark", "end_silently"]
 
 _quiet: dict[type, type] = {}  # kernel class -> its quiet subclass, made once
 
@@ -40,10 +41,16 @@ def _quiet_class(base: type) -> type:
 
     class QuietKernel(base):  # type: ignore[misc, valid-type]
         quiet_busy = True
+        iopub_sent = 0  # IOPub messages handed to the IOPub thread, by any thread (_count_iopub)
+        silent: tuple[str, int] | None = None  # (request, iopub_sent) a runner ended with nothing published
 
         def _publish_status(self, status: str, channel: str, parent: Any = None) -> None:
-            if status == "busy" and channel == "shell":
+            if channel == "shell" and status == "busy":
                 return
+            if channel == "shell" and status == "idle" and self.silent is not None:
+                (request, sent), self.silent = self.silent, None
+                if sent == self.iopub_sent and _msg_id(parent or self.get_parent(channel)) == request:
+                    return
             super()._publish_status(status, channel, parent)
 
     QuietKernel.__name__ = QuietKernel.__qualname__ = f"Quiet{base.__name__}"
@@ -61,7 +68,61 @@ def quiet_kernel() -> None:
         return
     if callable(getattr(kernel, "_publish_status", None)) and not getattr(kernel, "quiet_busy", False):
         kernel.__class__ = _quiet_class(type(kernel))
+        _count_iopub(kernel)
     _quiet_log(getattr(kernel, "log", None))
+
+
+def _count_iopub(kernel: Any) -> None:
+    """Count what is handed to the kernel's IOPub thread (ipyparallel's engine sends every IOPub message, the
+    streams' included, through its ``send_multipart``). From several threads the count may lose an increment,
+    never a change: it is read only to see whether anything was sent since."""
+    thread: Any = getattr(kernel, "iopub_socket", None)
+    send = getattr(thread, "send_multipart", None)
+    if send is None:
+        return
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        kernel.iopub_sent += 1
+        return send(*args, **kwargs)
+
+    thread.send_multipart = counted
+
+
+def _msg_id(message: Any) -> str | None:
+    return (message or {}).get("header", {}).get("msg_id")
+
+
+def iopub_mark() -> int | None:
+    """How many IOPub messages this engine has sent so far (None where the kernel is not quiet): a runner's
+    first step, for :func:`end_silently`."""
+    from IPython import get_ipython
+
+    kernel: Any = getattr(get_ipython(), "kernel", None)
+    return kernel.iopub_sent if getattr(kernel, "quiet_busy", False) else None
+
+
+def end_silently(mark: int | None) -> bool:
+    """A runner's last step: whether its request has sent nothing on IOPub since ``mark`` (:func:`iopub_mark`)
+    and its streams hold nothing. If so its kernel will send no idle status for it either, and the runner says
+    so in its reply: the notebook then takes the reply as the end of the request's output (``RankTracker``).
+
+    The streams are flushed first, so what a cell printed is sent (and counted) before the count is read. What
+    another thread publishes after this (and before the kernel's idle status) makes the kernel send the idle
+    status after all, but arrives after the notebook stopped reading this request: as output a thread prints
+    just after a request's idle status always has."""
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    if mark is None or kernel is None:
+        return False
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    request = _msg_id(kernel.get_parent("shell"))
+    if kernel.iopub_sent != mark or request is None:
+        return False
+    kernel.silent = (request, mark)
+    return True
 
 
 def _quiet_log(log: Any) -> None:

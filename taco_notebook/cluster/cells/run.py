@@ -279,7 +279,8 @@ class _CellRun:
                 self.sink.notice(notes[0])
             settings = None
         setup = runner.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings),
-                                 output=self.options.output, interval=engine.send_interval(len(self.targets)))
+                                 output=self.options.output, interval=engine.send_interval(len(self.targets)),
+                                 silent=True)  # the RankTracker ends a silent rank's output at its reply
         try:
             value = self._execute(lambda view: submit(view, setup), captured)
         except BaseException as exc:

@@ -29,6 +29,7 @@ from .engine import (
     settings_in_force,
     user_shell,
 )
+from .quiet import end_silently, iopub_mark
 from .script import Script
 
 __all__ = ["CellSetup", "run_cell", "run_script", "ScriptExit", "HELD_CHARS"]
@@ -42,6 +43,9 @@ class CellSetup(NamedTuple):
     reset: bool = False  # taco.configure(reset=True) after it (the settings were set here or by configure_cell)
     output: str = "all"  # whose stdout is sent: all, rank0 (and a failing rank's) or errors (failing ranks')
     interval: float = SEND_S  # seconds between this rank's dashboard payloads (send_interval)
+    # a request that sent nothing on IOPub ends without the idle status, its reply saying so: for a caller whose
+    # RankTracker takes such a reply as the end of the output (quiet.end_silently)
+    silent: bool = False
 
 
 HELD_CHARS = 64 * 1024  # the most of a quiet rank's stdout kept, to show if the rank fails
@@ -108,6 +112,7 @@ def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
     request's IOPub, where the kernel does not read it."""
     from ...comm.replicas import wanted
 
+    mark = iopub_mark() if setup.silent else None
     try:
         _around(setup)
         with _quiet_unless_failed(setup.output) as held:
@@ -119,7 +124,8 @@ def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
     if error is not None:
         _show_held(held, setup.output)
         raise error
-    return {"value": fetch_result() if captured else None, "replicas": wanted()}
+    # end_silently last: it reads whether anything before it in this request was sent on IOPub
+    return {"value": fetch_result() if captured else None, "replicas": wanted(), "silent": end_silently(mark)}
 
 
 class ScriptExit(RuntimeError):
@@ -133,6 +139,7 @@ def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
     for the next cell, and send the dashboard its end state (an applied call fires no post_execute)."""
     from ...comm.replicas import wanted
 
+    mark = iopub_mark() if setup.silent else None
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=script.path, __builtins__=__builtins__, __cached__=None)
     saved = sys.modules.get("__main__"), sys.argv, list(sys.path)
@@ -160,4 +167,4 @@ def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
         send_end_state()
         if setup.reset:
             reset_settings()
-    return {"value": None, "replicas": wanted()}
+    return {"value": None, "replicas": wanted(), "silent": end_silently(mark)}

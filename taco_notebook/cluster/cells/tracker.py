@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import InvalidStateError
 from typing import Any
 
 __all__ = ["RankTracker"]
@@ -62,6 +63,8 @@ class RankTracker:
 
     def _ended_one(self, rank: int) -> None:
         """A rank's done callback (the client's IO thread, or this one when it was done already)."""
+        if self.light:
+            _end_silent_output(self.parts[rank])
         self._done.append(rank)
         with self._lock:
             self._ended += 1
@@ -142,6 +145,21 @@ class RankTracker:
     def outcomes(self) -> dict[int, Any]:
         self.update()
         return {rank: self.outcome(rank) for rank in self.finished}
+
+
+def _end_silent_output(future: Any) -> None:
+    """A runner whose request sent nothing on IOPub says so in its reply (``"silent"``, ``quiet.end_silently``)
+    and its engine sends no idle status: the reply is then the end of the request's output, so resolve the
+    output future ipyparallel would have resolved at the idle status (``MessageFuture.output``), which lets
+    ``wait_for_output`` return and ipyparallel drop the request's bookkeeping."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    reply, output = future.result(), getattr(future, "output", None)
+    if isinstance(reply, dict) and reply.get("silent") is True and output is not None and not output.done():
+        try:
+            output.set_result(None)
+        except InvalidStateError:  # an idle status resolved it meanwhile (quiet.end_silently: sent after all)
+            pass
 
 
 def _told_of(future: Any) -> bool:

@@ -301,7 +301,58 @@ def test_the_tracker_sees_output_and_each_ranks_end(shared_cluster, view, told):
     news |= tracker.news()
     assert news == {0, 1, 2, 3}
     assert [tracker.metadata[r]["stdout"] for r in range(4)] == [f"hello from {r}\n" for r in range(4)]
-    assert all(tracker.outcome(r) == {"value": None, "replicas": False} for r in range(4))
+    assert all(tracker.outcome(r) == {"value": None, "replicas": False, "silent": False} for r in range(4))
+
+
+def _iopub_sent() -> int:
+    from IPython import get_ipython
+
+    return get_ipython().kernel.iopub_sent
+
+
+def _sent_by(view: Any, request: Any) -> list[int]:
+    """How many IOPub messages each rank sent for ``request()`` (a request whose reply is waited for), its idle
+    status included: the count read before and after, less the idle status of the request that read it first
+    (a rank handles its requests in order, and sends a request's idle status before it reads the next)."""
+    before = view.apply_sync(_iopub_sent)
+    request()
+    after = view.apply_sync(_iopub_sent)
+    return [b - a - 1 for a, b in zip(before, after, strict=True)]
+
+
+def test_a_silent_cell_ends_at_its_reply_without_an_idle_status(shared_cluster, view):
+    """quiet.end_silently: a cell that sends nothing on IOPub says so in its reply and its rank sends no idle
+    status; the tracker then ends the request's output at the reply, so ``wait_for_output`` returns and
+    ipyparallel forgets the request. A cell that prints sends its output and its idle status as before, and so
+    does a runner not asked to be silent."""
+    from taco_notebook.cluster.cells.tracker import RankTracker
+
+    client = shared_cluster.client
+
+    def cell(code: str, silent: bool) -> tuple[list[dict[str, Any]], Any]:
+        ar = view.apply_async(runner.run_cell, code, runner.CellSetup(False, silent=silent), False)
+        tracker = RankTracker(client, ar, [0, 1, 2, 3])
+        replies = ar.get(60)
+        assert tracker.wait(10)
+        assert ar.wait_for_output(5), "the output of the request never ended"
+        return replies, ar
+
+    found: dict[str, Any] = {}
+
+    def silent() -> None:
+        found["replies"], found["ar"] = cell("x = 1", silent=True)
+
+    assert _sent_by(view, silent) == [0, 0, 0, 0]
+    assert [reply["silent"] for reply in found["replies"]] == [True] * 4
+    assert not set(found["ar"].msg_ids) & set(client.metadata)  # ipyparallel's bookkeeping of it is gone
+
+    def printing() -> None:
+        found["replies"], found["ar"] = cell("print('said', taco.rank())", silent=True)
+
+    assert _sent_by(view, printing) == [2, 2, 2, 2]  # the stream and the idle status
+    assert [reply["silent"] for reply in found["replies"]] == [False] * 4
+    assert found["ar"].stdout == [f"said {rank}\n" for rank in range(4)]
+    assert _sent_by(view, lambda: cell("x = 2", silent=False)) == [1, 1, 1, 1]  # not asked: the idle status
 
 
 def _calls(path: Path) -> Iterator[tuple[str, ast.Call]]:
