@@ -8,7 +8,12 @@ on every engine with one reply), on the same cluster, in turn cell by cell (a bu
   check's question as an ``apply`` (3 requests per rank per empty cell; a 4th, ``fetch_result``, when the
   cell ends in an expression);
 * **new**: one ``apply`` of the engine-side runner (``runner.run_cell``), which does the set-up, runs the code
-  through the engine's IPython shell and answers both questions in its reply.
+  through the engine's IPython shell and answers both questions in its reply; watched by a ``RankTracker`` as
+  ``run.py`` watches it, so a rank whose request sent nothing on IOPub ends at its reply (``quiet.py``).
+
+Each variant's cell ends as ``%%taco_run`` waits for one: every reply, then every rank's output
+(``wait_for_output``; until 2026-11-27 12:50 UTC the replies only). Through the coalescing view, the replies
+only: ipyparallel never ends that request's output.
 
 Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed every 50 ms as ``run.py`` does):
 
@@ -53,17 +58,22 @@ POLL_S = 0.05  # run.py's
 VARIANTS = ("old", "new", "coalescing")  # coalescing: the new runner through broadcast_view(is_coalescing=True)
 
 
-def plain_run_cell(source: str, captured: bool) -> dict[str, Any]:
+def plain_run_cell(source: str, captured: bool, silent: bool = False) -> dict[str, Any]:
     """The new protocol's runner on a plain engine: ``runner.run_cell``'s message shape without taco (the code
-    through the shell; the reply carries the value and the replica answer)."""
+    through the shell; the reply carries the value, the replica answer, and whether the request ended without
+    sending anything on IOPub, ``quiet.end_silently``)."""
     from IPython import get_ipython
 
+    from taco_notebook.cluster.cells.quiet import end_silently, iopub_mark
+
+    mark = iopub_mark() if silent else None
     shell = get_ipython()
     result = shell.run_cell(source, store_history=True)
     error = result.error_before_exec or result.error_in_exec
     if error is not None:
         raise error
-    return {"value": shell.user_ns.get("__taco_result__") if captured else None, "replicas": False}
+    return {"value": shell.user_ns.get("__taco_result__") if captured else None, "replicas": False,
+            "silent": end_silently(mark)}
 
 
 def plain_setup() -> None:
@@ -117,11 +127,13 @@ class Plain:
 
     def old(self, source: str) -> None:
         self.view.apply_async(plain_noop, False)  # begin_cell, no reply awaited
-        self.view.execute(source, silent=False, block=True)
+        finish(self.view.execute(source, silent=False, block=False))
         self.view.apply_sync(plain_noop, False)  # the replica check's question
 
     def new(self, source: str, view: Any = None) -> Any:
-        return (view or self.view).apply_async(plain_run_cell, source, False)
+        if view is not None:  # the coalescing view: one reply for every rank, read without a tracker
+            return view.apply_async(plain_run_cell, source, False)
+        return tracked(self.client, self.view.apply_async(plain_run_cell, source, False, True), self.size)
 
     def stop(self) -> None:
         import shutil
@@ -159,13 +171,16 @@ class Taco:
         from taco_notebook.cluster.cells import engine
 
         self.view.apply_async(engine.begin_cell, False)
-        self.view.execute(source, silent=False, block=True)
+        finish(self.view.execute(source, silent=False, block=False))
         self.view.apply_sync(engine.check_replicas, False)
 
     def new(self, source: str, view: Any = None) -> Any:
         from taco_notebook.cluster.cells import runner
 
-        return (view or self.view).apply_async(runner.run_cell, source, runner.CellSetup(dashboard=False), False)
+        if view is not None:  # the coalescing view: one reply for every rank, read without a tracker
+            return view.apply_async(runner.run_cell, source, runner.CellSetup(dashboard=False), False)
+        setup = runner.CellSetup(dashboard=False, silent=True)  # as run.py's
+        return tracked(self.client, self.view.apply_async(runner.run_cell, source, setup, False), self.size)
 
     def stop(self) -> None:
         import shutil
@@ -174,6 +189,23 @@ class Taco:
             self.taco.stop()
         finally:
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def tracked(client: Any, ar: Any, size: int) -> Any:
+    """``ar`` with a RankTracker on it, as run.py's: it ends a silent rank's output at its reply."""
+    from taco_notebook.cluster.cells.tracker import RankTracker
+
+    RankTracker(client, ar, list(range(size)))
+    return ar
+
+
+def finish(ar: Any, output: bool = True) -> None:
+    """A cell's request done as ``%%taco_run`` waits for it: every reply, then every rank's output (not through
+    the coalescing view, whose request's output ipyparallel never ends: the ranks' IOPub messages name each
+    rank's own request)."""
+    ar.get()
+    if output:
+        ar.wait_for_output()
 
 
 def watch_poll_all(ar: Any) -> None:
@@ -214,9 +246,9 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
         fds = max(process.num_fds() for process in controller)
         for _ in range(3):  # warm-up
             cluster.old(EMPTY)
-            cluster.new(EMPTY).get()
+            finish(cluster.new(EMPTY))
         coalescing = cluster.client.broadcast_view(is_coalescing=True)
-        cluster.new(EMPTY, coalescing).get()
+        finish(cluster.new(EMPTY, coalescing), output=False)
         wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
         cpu = dict.fromkeys(VARIANTS, 0.0)
         ctl = dict.fromkeys(VARIANTS, 0.0)
@@ -226,7 +258,8 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
                 if variant == "old":
                     cluster.old(EMPTY)
                 else:
-                    cluster.new(EMPTY, coalescing if variant == "coalescing" else None).get()
+                    finish(cluster.new(EMPTY, coalescing if variant == "coalescing" else None),
+                           output=variant != "coalescing")
                 wall[variant].append(time.perf_counter() - t0)
                 cpu[variant] += time.process_time() - c0
                 ctl[variant] += cpu_seconds(controller) - k0
