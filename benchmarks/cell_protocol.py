@@ -76,13 +76,13 @@ def plain_run_cell(source: str, captured: bool, silent: bool = False) -> dict[st
             "silent": end_silently(mark)}
 
 
-def plain_setup() -> None:
-    """What a taco engine's set-up does to its kernel and streams (``engine.setup_namespace``), without torch."""
+def plain_setup() -> list[Any]:
+    """What a taco engine's set-up does to its kernel and streams (``engine.setup_namespace``), without torch:
+    the functions, each for an ``apply`` of its own."""
     from taco_notebook.cluster.cells.quiet import quiet_kernel
     from taco_notebook.cluster.cells.streams import lean_streams
 
-    lean_streams()
-    quiet_kernel()
+    return [lean_streams, quiet_kernel]
 
 
 def plain_noop(*_: Any) -> bool:
@@ -114,7 +114,8 @@ class Plain:
             self.client = self.cluster.connect_client_sync()
             self.client.wait_for_engines(size, timeout=timeout, interactive=False)
             self.view = self.client[:]
-            self.view.apply_sync(plain_setup)
+            for setup in plain_setup():  # taco's own functions: they reach the engines by reference
+                self.view.apply_sync(setup)
         except BaseException:
             self.stop()
             raise

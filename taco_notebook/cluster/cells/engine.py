@@ -195,7 +195,7 @@ def setup_namespace() -> None:
     taco.init()
     _listen_for_autopsy()
     lean_streams()  # no IOPub round trip for a stream with nothing to flush (streams.py)
-    quiet_kernel()  # nor a busy status or debug log records per request that no one reads (quiet.py)
+    quiet_kernel()  # nor a busy status, a log line per request, an idle status for a silent cell (quiet.py)
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 

@@ -18,9 +18,18 @@
   ``LogRecord`` (caller, time, thread) that is then dropped: about 3% of an engine's CPU for an empty cell
   (py-spy, 16 ranks). Once the engine is set up, its logger keeps warnings and errors only, unless its
   handlers were set to DEBUG (``--log-level=DEBUG``, asked for to debug an engine), which keeps everything.
+* **The idle status of a silent cell.** A ``%%taco_run`` cell that sends nothing on IOPub (no output, no
+  dashboard payload, no error: an empty cell, or one that only computes) needs no idle status to say its output
+  is complete: its runner says so in its reply (:func:`end_silently`), the kernel then sends no idle status for
+  the request, and the notebook's ``RankTracker`` ends the request's output at the reply. That leaves two
+  messages per rank for such a cell, the request and the reply. At 64 torch ranks on 2 cores an empty cell went
+  from 163.5 to 122.7-130.1 ms (``benchmarks/README.md``, fifth round). A cell that sent anything, or whose
+  runner was not asked (``CellSetup.silent``: only ``%%taco_run`` asks, as only it has the tracker), ends with
+  its idle status as before.
 
 The kernel is changed by giving the object a subclass of its own class (ipyparallel's ``IPythonParallelKernel``,
-or whatever runs the engine) that overrides ``_publish_status``; a kernel without that method keeps its class.
+or whatever runs the engine) that overrides ``_publish_status``, and its IOPub thread's ``send_multipart`` is
+wrapped to count what it sends; a kernel without ``_publish_status`` keeps its class.
 """
 
 from __future__ import annotations

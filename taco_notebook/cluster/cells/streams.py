@@ -7,12 +7,12 @@ after every request (ipyparallel's ``apply_request``) and again after every mess
 py-spy at 16 ranks: 49.1 ms of the engines' CPU per empty cell, 33-35 ms without them).
 
 The barrier orders nothing that needs it when the stream holds nothing: the reply goes on the shell socket, the
-idle status that tells the client a request's output is complete is queued on the same IOPub thread after
-anything queued before it, and ``%%taco_run`` waits for that status (``AsyncResult.wait_for_output``) before it
-reads a cell's output. So ``LeanOutStream`` flushes as ipykernel does whenever the stream has a write in
-its buffers or a flush pending (or echoes to a terminal), and returns at once otherwise. A write from another
-thread fills the buffer before it marks the flush pending, and the IOPub thread marks it done before it empties
-the buffer: either is seen.
+idle status that tells the client a request's output is complete is queued on the same IOPub thread after anything
+queued before it, and ``%%taco_run`` waits for that status (``AsyncResult.wait_for_output``) before it reads a
+cell's output (for a cell that sent nothing, its reply says so instead: ``quiet.py``). So ``LeanOutStream`` flushes
+as ipykernel does whenever the stream has a write in its buffers or a flush pending (or echoes to a terminal), and
+returns at once otherwise. A write from another thread fills the buffer before it marks the flush pending, and the
+IOPub thread marks it done before it empties the buffer: either is seen.
 
 Only ipykernel's own ``OutStream`` with that state (ipykernel 6.29 to 7) is changed, by giving the two stream
 objects the subclass; anything else (a stream a user or another library put in place) is left as it is.

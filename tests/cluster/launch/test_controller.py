@@ -65,12 +65,16 @@ def test_the_hub_counts_each_engines_queue_and_lets_a_shut_down_engine_go(plain_
     assert "taco_notebook.cluster.launch.controller" in controller.cmdline()
     soft, hard = controller.rlimit(psutil.RLIMIT_NOFILE)  # started under a soft limit of 1,024, raised to the hard
     assert soft == hard or soft == resource.RLIM_INFINITY, (soft, hard)
+    from cell_protocol import plain_setup
+
+    setup = len(plain_setup())  # requests Plain made to set each engine up as taco's
+    queues(client, [(0, setup)] * 3)
     running = client[:].apply_async(_nap, 4.0)
-    during = queues(client, [(1, 0), (1, 0), (1, 0)])
+    during = queues(client, [(1, setup)] * 3)
     assert not running.ready(), during
     running.get(timeout=60)
     client[0].apply_sync(_nap, 0.0)
-    queues(client, [(0, 2), (0, 1), (0, 1)])
+    queues(client, [(0, setup + 2), (0, setup + 1), (0, setup + 1)])
 
     began = time.monotonic()  # gone from the hub's list long before a missed heartbeat (3 s) would say so
     client.shutdown(targets=[2], block=True)
