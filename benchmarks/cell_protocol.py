@@ -51,10 +51,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
 
+from taco_notebook.cluster.cells.quiet import quiet_kernel  # noqa: E402
+from taco_notebook.cluster.cells.streams import lean_streams  # noqa: E402
 from taco_notebook.cluster.launch.controller import raise_open_files_limit  # noqa: E402
 
 EMPTY = "pass"
 POLL_S = 0.05  # run.py's
+# what a taco engine's set-up does to its kernel and streams (engine.setup_namespace), without torch: taco's own
+# functions, one apply each, which reach the engines by reference
+PLAIN_SETUP = (lean_streams, quiet_kernel)
 VARIANTS = ("old", "new", "coalescing")  # coalescing: the new runner through broadcast_view(is_coalescing=True)
 
 
@@ -74,15 +79,6 @@ def plain_run_cell(source: str, captured: bool, silent: bool = False) -> dict[st
         raise error
     return {"value": shell.user_ns.get("__taco_result__") if captured else None, "replicas": False,
             "silent": end_silently(mark)}
-
-
-def plain_setup() -> list[Any]:
-    """What a taco engine's set-up does to its kernel and streams (``engine.setup_namespace``), without torch:
-    the functions, each for an ``apply`` of its own."""
-    from taco_notebook.cluster.cells.quiet import quiet_kernel
-    from taco_notebook.cluster.cells.streams import lean_streams
-
-    return [lean_streams, quiet_kernel]
 
 
 def plain_noop(*_: Any) -> bool:
@@ -114,7 +110,7 @@ class Plain:
             self.client = self.cluster.connect_client_sync()
             self.client.wait_for_engines(size, timeout=timeout, interactive=False)
             self.view = self.client[:]
-            for setup in plain_setup():  # taco's own functions: they reach the engines by reference
+            for setup in PLAIN_SETUP:
                 self.view.apply_sync(setup)
         except BaseException:
             self.stop()

@@ -161,6 +161,13 @@ def setup_joiner() -> None:
     shell = user_shell()
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)
+    _serve_cells(shell)
+
+
+def _serve_cells(shell: Any) -> None:
+    """What every engine needs to run cells, after its namespace: the autopsy's listener, the lean streams (no
+    IOPub round trip for a stream with nothing to flush, streams.py), the quiet kernel (no busy status, no log
+    line per request, no idle status for a silent cell, quiet.py) and the metrics' end-of-execution flush."""
     _listen_for_autopsy()
     lean_streams()
     quiet_kernel()
@@ -193,11 +200,7 @@ def setup_namespace() -> None:
     shell.run_line_magic("xmode", "Plain")
     shell.user_ns.update(taco=taco, torch=torch)  # what a cell sees as `taco`: the rank's API (module docstring)
     taco.init()
-    _listen_for_autopsy()
-    lean_streams()  # no IOPub round trip for a stream with nothing to flush (streams.py)
-    quiet_kernel()  # nor a busy status, a log line per request, an idle status for a silent cell (quiet.py)
-    if _sender.flush not in shell.events.callbacks["post_execute"]:
-        shell.events.register("post_execute", _sender.flush)
+    _serve_cells(shell)
 
 
 def rank_info() -> dict[str, Any]:

@@ -49,8 +49,7 @@ def _quiet_class(base: type) -> type:
         return _quiet[base]
 
     class QuietKernel(base):  # type: ignore[misc, valid-type]
-        quiet_busy = True
-        iopub_sent = 0  # IOPub messages handed to the IOPub thread, by any thread (_count_iopub)
+        iopub_sent: int | None = None  # IOPub messages handed to the IOPub thread (_count_iopub); None: not counted
         silent: tuple[str, int] | None = None  # (request, iopub_sent) a runner ended with nothing published
 
         def _publish_status(self, status: str, channel: str, parent: Any = None) -> None:
@@ -75,7 +74,7 @@ def quiet_kernel() -> None:
     kernel = getattr(get_ipython(), "kernel", None)
     if kernel is None:
         return
-    if callable(getattr(kernel, "_publish_status", None)) and not getattr(kernel, "quiet_busy", False):
+    if callable(getattr(kernel, "_publish_status", None)) and type(kernel) not in _quiet.values():
         kernel.__class__ = _quiet_class(type(kernel))
         _count_iopub(kernel)
     _quiet_log(getattr(kernel, "log", None))
@@ -84,11 +83,13 @@ def quiet_kernel() -> None:
 def _count_iopub(kernel: Any) -> None:
     """Count what is handed to the kernel's IOPub thread (ipyparallel's engine sends every IOPub message, the
     streams' included, through its ``send_multipart``). From several threads the count may lose an increment,
-    never a change: it is read only to see whether anything was sent since."""
+    never a change: it is read only to see whether anything was sent since. Where there is no such thread the
+    count stays None, and no runner's request goes silent (:func:`iopub_mark`)."""
     thread: Any = getattr(kernel, "iopub_socket", None)
     send = getattr(thread, "send_multipart", None)
     if send is None:
         return
+    kernel.iopub_sent = 0
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         kernel.iopub_sent += 1
@@ -102,12 +103,11 @@ def _msg_id(message: Any) -> str | None:
 
 
 def iopub_mark() -> int | None:
-    """How many IOPub messages this engine has sent so far (None where the kernel is not quiet): a runner's
-    first step, for :func:`end_silently`."""
+    """How many IOPub messages this engine has sent so far (None where they are not counted): a runner's first
+    step, for :func:`end_silently`."""
     from IPython import get_ipython
 
-    kernel: Any = getattr(get_ipython(), "kernel", None)
-    return kernel.iopub_sent if getattr(kernel, "quiet_busy", False) else None
+    return getattr(getattr(get_ipython(), "kernel", None), "iopub_sent", None)
 
 
 def end_silently(mark: int | None) -> bool:

@@ -65,9 +65,9 @@ def test_the_hub_counts_each_engines_queue_and_lets_a_shut_down_engine_go(plain_
     assert "taco_notebook.cluster.launch.controller" in controller.cmdline()
     soft, hard = controller.rlimit(psutil.RLIMIT_NOFILE)  # started under a soft limit of 1,024, raised to the hard
     assert soft == hard or soft == resource.RLIM_INFINITY, (soft, hard)
-    from cell_protocol import plain_setup
+    from cell_protocol import PLAIN_SETUP
 
-    setup = len(plain_setup())  # requests Plain made to set each engine up as taco's
+    setup = len(PLAIN_SETUP)  # requests Plain made to set each engine up as taco's
     queues(client, [(0, setup)] * 3)
     running = client[:].apply_async(_nap, 4.0)
     during = queues(client, [(1, setup)] * 3)
