@@ -176,12 +176,18 @@ def _group(group: Any) -> Any:
 
 
 def _exchange(sig: Signature, extra: int, group: Any) -> tuple[list[int], list[int]]:
-    """Every rank's (hash, extra), in group order: one allgather of 16 bytes (CPU, so it never syncs a GPU)."""
+    """Every rank's (hash, extra), in group order: one allgather of 16 bytes (CPU, so it never syncs a GPU);
+    among all ranks of a one-node job, through the node's shared segment instead (no round over the group)."""
     import torch
     import torch.distributed as dist
 
+    from .algorithms import node_exchange
     from .transport.reduction import all_gather
 
+    if group is None:
+        said = node_exchange((_hash(sig), extra))
+        if said is not None:
+            return said
     group = _group(group)
 
     mine = torch.tensor([_hash(sig), extra], dtype=torch.int64)

@@ -10,8 +10,12 @@
 3. allgather inside the node.
 
 ``flat`` is the backend's own allreduce over all ranks (gloo's ring on CPU, NCCL's on GPU), compressed as a
-whole if asked. The compressed step is the compressor's own :meth:`.compression.Compressor.reduce` (a dense
-allreduce of the cast payload, TopK's sparse allgather): this module never looks at which compressor it has.
+whole if asked. ``auto`` on a job of one node with several ranks reduces uncompressed CPU tensors through
+the node's shared memory instead (the 2D algorithm's intra-node passes with no cross-node step,
+:func:`.pipeline.reduce_node_shm`; resolved as ``node``); anything else there (CUDA tensors, compression,
+``shm`` off, no room in ``/dev/shm``) takes ``flat``. The compressed step is the compressor's own
+:meth:`.compression.Compressor.reduce` (a dense allreduce of the cast payload, TopK's sparse allgather): this
+module only asks whether a compressor compresses at all (``name == "none"``: the node algorithm's question).
 All collectives of this module run on one background thread per process (``state.comm_thread``), in the
 order they were submitted, so gradient buckets can be reduced while backward still runs, and the order of
 collectives is the same on every rank. The 2D groups are cached per group generation in the process state
@@ -38,9 +42,9 @@ from .config import check_algorithm, compressor_for, settings
 from .stall import tracked
 from .state import state
 from .transport import streams
-from .transport.pipeline import Calibration, calibrate, reduce_2d_shm
+from .transport.pipeline import Calibration, calibrate, reduce_2d_shm, reduce_node_shm
 from .transport.reduction import all_gather, merge_sends, reduce_scatter, spread
-from .transport.shm import NodeSegment, new_tag
+from .transport.shm import MAX_LOCAL, NodeSegment, new_tag
 
 __all__ = ["allreduce", "allreduce_async", "reduce_flat", "scale_", "resolve_algorithm", "forget_groups", "comm_thread",
            "single_rank"]
@@ -83,6 +87,7 @@ def _build_hierarchy() -> _Hierarchy | None:
 
 
 _world: dict[int, Any] = {}  # generation -> taco's own group of every rank, for the flat algorithm
+_node: dict[int, NodeSegment] = {}  # generation -> the shared segment of a one-node job (the node algorithm)
 
 
 # Built as soon as the process group is, while every rank is there: built lazily by the first collective, it
@@ -110,6 +115,35 @@ def hierarchy() -> _Hierarchy | None:
     return _hierarchy[generation]
 
 
+def node_segment() -> NodeSegment:
+    """The shared-memory segment of a one-node job, over taco's world group (collective the first time in a
+    generation: every rank calls it, on the comm thread; it maps nothing until a tensor needs it)."""
+    generation = state.generation
+    if generation not in _node:
+        topo = state.topology
+        assert topo is not None and topo.num_nodes == 1
+        for segment in _node.values():
+            segment.close(leaving=True)  # left by a generation that was not torn down
+        _node.clear()
+        group = world_group()
+        _node[generation] = NodeSegment(group, topo.rank, topo.size, new_tag(group), settings().collective_timeout)
+    return _node[generation]
+
+
+def node_exchange(values: tuple[int, int]) -> tuple[list[int], list[int]] | None:
+    """Every rank's two int64 ``values`` (rank order) through the node's segment in a one-node job with the
+    shared-memory steps on, or None (then the caller exchanges over the group). Collective, on the comm thread:
+    the ranks' agreement on each collective (:mod:`.agreement`) goes this way."""
+    return node_segment().exchange(values) if _one_node() else None
+
+
+def _one_node() -> bool:
+    """Whether this job is one node of 2 to 1,024 ranks (the segment's header has room for that many) with the
+    shared-memory steps on: the node algorithm's and the node exchange's jobs (the same answer on every rank)."""
+    topo = state.topology
+    return topo is not None and topo.num_nodes == 1 and 1 < topo.size <= MAX_LOCAL and settings().shm
+
+
 @state.on_teardown
 def forget_groups() -> None:
     """Drop the 2D groups and unmap the node's segment, and leave the comm thread (the group is going away).
@@ -119,9 +153,12 @@ def forget_groups() -> None:
     """
     comm_thread.abandon()
     _world.clear()
+    for segment in _node.values():
+        segment.close(leaving=True)
+    _node.clear()
     for tiers in _hierarchy.values():
         if tiers is not None and tiers.segment is not None:
-            tiers.segment.close()
+            tiers.segment.close(leaving=True)
     _hierarchy.clear()
 
 
@@ -133,7 +170,8 @@ def single_rank() -> bool:
 
 
 def resolve_algorithm(algorithm: str | None) -> str:
-    """'flat' or '2d' for this job; 'auto' (the default) is 2d when the job has several multi-rank nodes."""
+    """'flat', '2d' or 'node' for this job. 'auto' (the default) is 2d when the job has several multi-rank
+    nodes, node when it is one node of several ranks and the shared-memory steps are on (``shm``), else flat."""
     name = check_algorithm(algorithm or settings().algorithm)
     if name == "flat":
         return "flat"
@@ -141,7 +179,8 @@ def resolve_algorithm(algorithm: str | None) -> str:
         if name == "2d":
             warnings.warn("2d allreduce needs several nodes with the same number (>1) of ranks each; "
                           "using flat", stacklevel=3)
-        return "flat"
+            return "flat"
+        return "node" if _one_node() else "flat"
     return "2d"
 
 
@@ -193,11 +232,22 @@ def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: 
     assert topo is not None
     me = topo.rank
     tiers = hierarchy() if algorithm == "2d" else None
+    done = None
     if tiers is not None:
-        raw, wire, sends = _reduce_2d(buf, compressor, key, tiers, me)
-    else:
-        raw, wire, sends = compressor.reduce(buf, (key, "flat"), world_group(), tuple(range(topo.size)), me)
+        done = _reduce_2d(buf, compressor, key, tiers, me)
+    elif algorithm == "node" and _through_node(buf, compressor):
+        done = reduce_node_shm(buf, compressor, key, node_segment(), tuple(range(topo.size)), me)
+    if done is None:  # flat (or node with no room for the segment: every rank learnt that together)
+        done = compressor.reduce(buf, (key, "flat"), world_group(), tuple(range(topo.size)), me)
+    raw, wire, sends = done
     metrics.record(time.perf_counter() - began, raw, wire, sends)
+
+
+def _through_node(buf: torch.Tensor, compressor: Compressor) -> bool:
+    """Whether the node algorithm takes ``buf``: an uncompressed CPU tensor whose ``+`` is a sum (not bool).
+    Compression stays on flat, where it changes what the ranks send to each other (a one-node job asks for it
+    to see its effect before going to several nodes); CUDA tensors stay on NCCL's own intra-node rings."""
+    return buf.device.type == "cpu" and compressor.name == "none" and buf.dtype != torch.bool
 
 
 def _check(tensor: Any, op: str) -> None:

@@ -4,7 +4,7 @@ Defaults come from the environment (parsed in :mod:`.specs`): TACO-Training's Li
 for it behave the same here (``LIGHT_2D_ALLREDUCE``: 1 = hierarchical, 0 = flat, unset = hierarchical when
 the job spans several nodes with several ranks each; ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` /
 ``LIGHT_TOPK_THRESHOLD``: TopK compression), ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by
-default), ``TACO_SHM`` (0 keeps the 2D algorithm's intra-node steps on the process group),
+default), ``TACO_SHM`` (0 keeps the intra-node steps on the process group: 2D's, a one-node job's allreduce),
 ``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default), ``TACO_STALL_TIMEOUT`` (seconds, 300 by default, 0
 = off: see :mod:`.stall`) and ``TACO_CHUNK_MB`` (the 2D pipeline's chunk in MiB; ``auto``, the default, picks
 it from measured speeds; 0 turns pipelining off). ``configure()``, each call's arguments and, from a notebook,
@@ -45,7 +45,7 @@ class Settings:
     algorithm: str  # "auto" picks 2d when the job spans several nodes of several ranks each
     compression: CompressionSpec  # what crosses the network; str(compression) is its text, e.g. "topk:0.01"
     fusion_mb: float  # gradients are packed into buckets up to this size before each allreduce
-    shm: bool = True  # 2D's intra-node steps through a shared-memory segment (CPU tensors), not the group
+    shm: bool = True  # intra-node steps (2D, and one-node jobs) through a shared-memory segment (CPU tensors)
     collective_timeout: float = 1800.0  # seconds a collective (and the rendezvous) of the next init() waits
     stall_timeout: float = 300.0  # seconds a collective waits for missing ranks before it fails naming them; 0: off
     # 2D pipeline chunk in MiB: None = from the speeds measured when the 2D groups are built (see

@@ -170,7 +170,8 @@ def fusion_mb_from_env(environ: Mapping[str, str] | None = None) -> float:
 
 
 def shm_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """``TACO_SHM``: false keeps the 2D algorithm's intra-node steps on the process group (default true)."""
+    """``TACO_SHM``: false keeps the intra-node steps on the process group: the 2D algorithm's, and a one-node
+    job's whole allreduce and agreement (default true)."""
     env = os.environ if environ is None else environ
     return parse_flag("TACO_SHM", env.get("TACO_SHM")) is not False
 

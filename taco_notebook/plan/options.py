@@ -135,11 +135,12 @@ OPTIONS: tuple[Option, ...] = (
                            "(TacoMagics.gpus, TACO_GPUS). A change restarts the cluster"),), _CLUSTER,
            trait=Unicode, summary=or_list(GPU_MODES), env="TACO_GPUS", default="auto",
            check=checks.choice(GPU_MODES), effect="cluster"),
-    Option("shm", (Flag(("--shm",), "2D allreduce's intra-node steps through shared memory (default; "
-                        "TacoMagics.shm, TACO_SHM)", action="store_const", const=True),
+    Option("shm", (Flag(("--shm",), "intra-node allreduce steps through shared memory: 2D's, and a one-node "
+                        "job's whole allreduce (default; TacoMagics.shm, TACO_SHM)", action="store_const",
+                        const=True),
                    Flag(("--no-shm",), "... through the process group instead. A change restarts the cluster",
                         action="store_const", const=False)), _CLUSTER,
-           trait=Bool, summary="2D allreduce's intra-node steps through shared memory", env="TACO_SHM",
+           trait=Bool, summary="intra-node allreduce steps through shared memory", env="TACO_SHM",
            default="on", check=checks.flag, effect="cluster"),
     Option("collective_timeout", (_value(("--collective-timeout",), "SECONDS", "how long a collective waits for its "
                                          "peers (default 1800; TacoMagics.collective_timeout, "

@@ -38,7 +38,8 @@ from ..state import CommThread, state
 from .reduction import Reduced, merge_sends, spread
 from .shm import NodeSegment
 
-__all__ = ["Calibration", "calibrate", "chunk_bounds", "reduce_2d_shm", "phase_seconds", "reset_phases"]
+__all__ = ["Calibration", "calibrate", "chunk_bounds", "reduce_2d_shm", "reduce_node_shm", "phase_seconds",
+           "reset_phases"]
 
 # Seconds this rank spent in each phase since reset_phases(): the passes ("scatter": copy in and sum,
 # "gather": read back), the cross-node steps ("cross") and the comm thread's waits for the passes
@@ -143,8 +144,9 @@ def _chunk_numel(buf: torch.Tensor, compressor: Compressor, calibration: Calibra
     if not compressor.pipelines or chosen == 0:
         return numel
     if chosen is None:
-        nbytes = calibration.chunk_bytes(numel * buf.element_size()) if calibration is not None else numel
-        return max(1, nbytes // buf.element_size())
+        if calibration is None:  # nothing measured to size chunks by (the node algorithm): one chunk
+            return numel
+        return max(1, calibration.chunk_bytes(numel * buf.element_size()) // buf.element_size())
     return max(1, int(chosen * (1 << 20)) // buf.element_size())
 
 
@@ -235,7 +237,10 @@ def reduce_2d_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segm
     """
     run = _Run(buf, compressor, key, segment, local_peers, me, calibration)
     chunks = len(run.bounds)
-    segment.prepare(buf.numel() * buf.element_size(), chunks)  # may grow: a node collective, on this thread
+    if not segment.prepare(buf.numel() * buf.element_size(), chunks, buf.element_size()):  # may grow: collective
+        raise RuntimeError(f"no room for the 2D allreduce's shared-memory segment ({buf.numel() * buf.element_size()}"
+                           f" bytes per local rank) in a hugetlbfs mount or /dev/shm on this node; give /dev/shm "
+                           "more room or turn it off with taco.configure(shm=False) / TACO_SHM=0")
     if chunks == 1:  # nothing to overlap: the passes on this thread, without two hand-offs to the other
         run.scatter(0)
         done, work = run.cross(0, cross, cross_peers, me)
@@ -266,6 +271,33 @@ def reduce_2d_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segm
         _passes.abandon()  # passes still queued wait on peers that may never come: leave them to time out
         raise
     return _accounted(buf, run.local_size, local_peers, me, total)
+
+
+def reduce_node_shm(buf: torch.Tensor, compressor: Compressor, key: Hashable, segment: NodeSegment,
+                    peers: tuple[int, ...], me: int) -> tuple[int, int, dict[int, int]] | None:
+    """Sum the CPU tensor ``buf`` over the ranks of a one-node job in place, through the node's segment: the
+    2D pipeline's passes with no cross-node step (copy in, sum this rank's shard, read every shard back).
+
+    A gloo ring among L processes on one host is 2(L-1) steps, each a loopback TCP exchange that needs its two
+    ranks on a core at once; this is two waits on counters, and each byte is copied three times. Returns what
+    :func:`reduce_2d_shm` returns (nothing is compressed: raw and wire are the bytes moved), or None on every
+    rank when the node has no room for the segment (the caller then takes the flat algorithm).
+    """
+    run = _Run(buf, compressor, key, segment, peers, me, None)
+    chunks = len(run.bounds)  # one, unless configure(chunk_mb=...) asks for chunks
+    if not segment.prepare(buf.numel() * buf.element_size(), chunks, buf.element_size()):  # may grow: collective
+        return None
+    for k in range(chunks):
+        began, (lo, hi) = time.perf_counter(), run.bounds[k]
+        start, end, width = run.shard(k)
+        segment.copy_in(buf, lo, hi, k)  # this rank's shard too: one strided sum then reads every slot
+        segment.sum_slots(buf.dtype, start, end, segment.output(buf.dtype, start, width), k)
+        segment.reduced(k)
+        _add("scatter", began)
+        run.gather(k)
+    _, _, sends = _accounted(buf, run.local_size, peers, me, Reduced(0, 0, {}))
+    moved = sum(sends.values())
+    return moved, moved, sends
 
 
 def _accounted(buf: torch.Tensor, local_size: int, local_peers: tuple[int, ...], me: int,

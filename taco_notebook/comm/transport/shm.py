@@ -9,15 +9,27 @@ group; the passes wait for each other through counters in the segment's header, 
 of their own, chunk after chunk, while the communication thread is in the cross-node step of an earlier
 chunk (:mod:`.pipeline`).
 
+The same passes with no cross-node step are the whole allreduce of a one-node job
+(:func:`.pipeline.reduce_node_shm`), and the header carries the ranks' agreement on each collective there
+(:meth:`NodeSegment.exchange`).
+
 The segment lives in a hugetlbfs mount when the node has free huge pages (what HARP-style stacks need
-anyway), else in ``/dev/shm``. Its file is unlinked as soon as every local rank has mapped it, so nothing is
-left behind even if a rank is killed.
+anyway), else in ``/dev/shm`` when it has room for it (a container's ``/dev/shm`` is often 64 MiB, and a
+write past a tmpfs's limit kills the writer with SIGBUS): with no room, :meth:`NodeSegment.prepare` says so
+on every local rank. Its file is unlinked as soon as every local rank has mapped it, so nothing is left
+behind even if a rank is killed. A rank waiting in a pass for a local peer that died learns it within
+``_CHECK_S`` (the peer's pidfd turns readable), not at the collective timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import os
+import platform
+import select
+import sys
 import time
 import uuid
 from typing import Any
@@ -25,15 +37,60 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NodeSegment", "hugetlbfs_mount"]
+__all__ = ["NodeSegment", "hugetlbfs_mount", "MAX_LOCAL"]
 
 _HUGE_PAGE = 2 * 1024 * 1024
 # The segment opens with one huge page of flags (what each local rank has published so far, see
 # NodeSegment._wait), so the slots after it stay huge-page aligned.
 _HEADER = _HUGE_PAGE
 _MAX_LOCAL = 1024  # local ranks the header has flags for
+MAX_LOCAL = _MAX_LOCAL
 _COPIED, _REDUCED, _DONE = 0, 1, 2  # flag rows: chunk copied in, shard reduced into the output area, call read
-_ROWS = ("copy-in", "reduced shard", "end of call")
+_ROWS = ("copy-in", "reduced shard", "end of call", "", "", "agreement on a collective")
+_PID, _STARTED = 3, 4  # header rows: each local rank's pid and its start time (clock ticks after boot)
+_SAID = 5  # flag row: values published for :meth:`NodeSegment.exchange`; rows 6-9 hold them (two calls' worth)
+_SAYING = 6
+_LEFT = 10  # header row: 1 where a local rank let go of the segment with its process group (it will not come)
+_GATE = 11  # header row: column r is flag row r's gate, the futex word its waiters sleep on (see _publish)
+_HEADER_ROWS = 12
+
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the word is in a mapping of several processes
+_CHECK_S = 0.05  # a wait looks at its peers' pidfds, its deadline and the segment at least this often
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> Any:
+    if not sys.platform.startswith("linux") or _SYS_FUTEX is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released for the call
+        libc.syscall.restype = ctypes.c_long
+        return libc
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleep until the 32-bit word at ``address`` is woken, unless it no longer holds ``expected`` (checked
+    by the kernel atomically with going to sleep: a wake between our read and this call is not lost), or
+    ``timeout_s`` passed. Every outcome (woken, changed, timed out, interrupted) just returns: the caller
+    looks again."""
+    spec = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected & 0xFFFFFFFF),
+                  ctypes.byref(spec), None, 0)
+
+
+def _futex_wake(address: int) -> None:
+    """Wake every process sleeping on the word at ``address``."""
+    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 2**31 - 1, None, None, 0)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -82,12 +139,16 @@ class NodeSegment:
         # sequence, so "all ranks at n" is a row's minimum. _start/_end: the current call's first/last values.
         self._start = [0, 0, 0]
         self._end = [0, 0, 0]
+        self._pidfds = _Pidfds()  # local rank -> pidfd of that peer process (where it could be opened)
+        self._said = 0  # exchanges through this mapping (every local rank makes the same ones)
+        self._roomless = False  # the node had no room even for the header: exchange() goes over the group
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def _open(self, nbytes: int) -> None:
-        """Grow to hold tensors of ``nbytes`` (collective over the node)."""
+    def _open(self, nbytes: int) -> bool:
+        """Grow to hold tensors of ``nbytes`` (collective over the node); False on every local rank when the
+        node has no room for the segment (the old one is kept)."""
         capacity = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
         total = _HEADER + capacity * (self.local_size + 1)
         self.growths += 1
@@ -99,24 +160,53 @@ class NodeSegment:
         holder = [path]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
         path = holder[0]
+        if not path:
+            return False
         self.close()
         fd = _open_own(path)
         try:
             self.mapping = mmap.mmap(fd, total)
         finally:
             os.close(fd)
+        self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self._flags()[_PID, self.local_rank] = os.getpid()
+        self._flags()[_STARTED, self.local_rank] = _started(os.getpid())
         self._barrier()
         if self.local_rank == 0:
             os.unlink(path)  # every rank has it mapped: the memory lives on, the name does not
-        self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self._watch_peers()
         self.capacity = capacity
         self.location = os.path.dirname(path)
+        self._said = 0  # a new mapping starts with zero counters
+        return True
+
+    def _watch_peers(self) -> None:
+        """Open a pidfd on each local peer whose pid names the process that published it (same start time:
+        a peer in another pid namespace, or a pid reused since, is not watched; its waits end at the timeout)."""
+        rows, self._pidfds = self._flags(), _Pidfds()
+        for peer in range(self.local_size):
+            pid, started = int(rows[_PID, peer]), int(rows[_STARTED, peer])
+            if peer == self.local_rank or pid <= 0 or started <= 0 or not hasattr(os, "pidfd_open"):
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # gone already, or not visible from here
+                continue
+            if _started(pid) == started:
+                self._pidfds[peer] = fd
+            else:
+                os.close(fd)
 
     @staticmethod
     def _create(directory: str | None, name: str, total: int) -> str:
+        """The path of a new ``total``-byte segment, or "" when neither place has room for it."""
         for place in ([directory] if directory else []) + ["/dev/shm"]:
             path = os.path.join(place, name)
             try:
+                if place == "/dev/shm":  # a tmpfs maps past its limit, then kills the writer with SIGBUS
+                    room = os.statvfs(place)
+                    if room.f_bavail * room.f_frsize < total:
+                        continue
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 try:
                     os.ftruncate(fd, total)
@@ -128,25 +218,52 @@ class NodeSegment:
             except OSError:
                 if os.path.exists(path):
                     os.unlink(path)
-        raise RuntimeError(f"no shared memory for {total} bytes in {directory or ''} or /dev/shm")
+        return ""
 
     def _view(self, area: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at element ``offset`` of ``area`` (0..local_size-1: the input slots,
         local_size: the output area)."""
-        assert self.bytes is not None
         size = _itemsize(dtype)
         start = _HEADER + area * self.capacity + offset * size
-        return self.bytes[start: start + numel * size].view(dtype)
+        return self._mapped()[start: start + numel * size].view(dtype)
 
-    def prepare(self, nbytes: int, chunks: int) -> None:
-        """Make room for a tensor of ``nbytes`` going in ``chunks`` chunks (collective over the node when it
-        grows: call it on every local rank, on the thread that runs the node's collectives, before any pass)."""
-        room = nbytes + 8 * self.local_size  # the last chunk's shards are padded to equal widths
+    def prepare(self, nbytes: int, chunks: int, itemsize: int = 8) -> bool:
+        """Make room for a tensor of ``nbytes`` (elements of ``itemsize``) going in ``chunks`` chunks (collective
+        over the node when it grows: call it on every local rank, on the thread that runs the node's
+        collectives, before any pass). False on every local rank when the node has no room for it: no pass
+        may run then."""
+        room = nbytes + max(8, itemsize) * self.local_size  # the last chunk's shards are padded to equal widths
         if room > self.capacity:
-            self._open(room)
+            if not self._open(room):
+                return False
             self._end = [0, 0, 0]  # a new mapping starts with zero counters
         self._start = list(self._end)
         self._end = [self._start[_COPIED] + chunks, self._start[_REDUCED] + chunks, self._start[_DONE] + 1]
+        return True
+
+    def exchange(self, values: tuple[int, int]) -> tuple[list[int], list[int]] | None:
+        """Every local rank's two int64 ``values``, in local-rank order, through the header: what the ranks'
+        agreement on a collective exchanges (:mod:`..agreement`), without a round over the process group
+        (gloo's allgather among L processes is L-1 loopback steps). Collective over the node. None on every
+        local rank when the node has no room for the segment.
+
+        Two calls' values alternate between two pairs of rows: a rank overwrites call k's row only in call
+        k+2, after every rank published call k+1, which each did after reading call k.
+        """
+        if self.bytes is None:
+            if self._roomless or not self._open(0):
+                self._roomless = True
+                return None
+        rows = self._flags()
+        said = self._said
+        base = _SAYING + 2 * (said % 2)
+        rows[base, self.local_rank] = values[0]
+        rows[base + 1, self.local_rank] = values[1]
+        self._said = said + 1
+        self._publish(_SAID, said + 1)
+        self._wait(_SAID, said + 1)
+        every = rows[base: base + 2, : self.local_size].tolist()
+        return every[0], every[1]
 
     # ---- passes of chunk ``k`` of the call (elements ``[lo, hi)`` of the caller's buffer) ----------------------
     def copy_in(self, buf: torch.Tensor, lo: int, hi: int, k: int, own: tuple[int, int] | None = None) -> None:
@@ -191,6 +308,22 @@ class NodeSegment:
             acc.add_(slot)
         torch.add(acc, slots[-1], out=target)
 
+    def sum_slots(self, dtype: torch.dtype, lo: int, hi: int, out: torch.Tensor, k: int) -> None:
+        """``out`` = the sum over every slot of elements ``[lo, hi)`` (zeros past ``hi``), in one reduction over
+        a strided view of the slots, once every rank copied chunk ``k`` in whole (:meth:`copy_in` without
+        ``own``). One call where :meth:`sum_shard` makes one per slot: at 64 local ranks, 64 small adds cost
+        more than the bytes they read."""
+        self._wait(_COPIED, self._start[_COPIED] + k + 1)
+        width = max(0, hi - lo)
+        if width < out.numel():
+            out[width:].zero_()
+        if width == 0:
+            return
+        size = _itemsize(dtype)
+        slots = torch.as_strided(self._mapped().view(dtype), (self.local_size, width), (self.capacity // size, 1),
+                                 (_HEADER + lo * size) // size)
+        torch.sum(slots, dim=0, dtype=dtype, out=out[:width])
+
     def reduced(self, k: int) -> None:
         """Say that this rank's reduced shard of chunk ``k`` is in the output area."""
         self._publish(_REDUCED, self._start[_REDUCED] + k + 1)
@@ -209,40 +342,132 @@ class NodeSegment:
         return self._view(self.local_size, dtype, numel, lo)
 
     def _publish(self, row: int, value: int) -> None:
-        # Why a plain store is enough: the data was written by a finished torch call before this store, and
-        # x86 keeps stores in order (TSO); readers load the flag before the data.
-        self._flags()[row, self.local_rank] = value
+        """Say that this rank reached ``value`` in flag row ``row``; the last rank to get there opens the row's
+        gate, which wakes every rank waiting for it (:meth:`_wait`).
+
+        Why a plain store is enough for the data: it was written by a finished torch call before this store,
+        and x86 keeps stores in order (TSO); readers load the flag before the data. Why the last rank is
+        always seen: the futex wake on this rank's own flag (nobody sleeps there) runs a full memory barrier
+        in the kernel (``futex_hb_waiters_pending``), between this store and the loads of the others' flags.
+        Of two ranks arriving together each then sees the other's flag, and at least one opens the gate. A
+        gate only moves forward: a rank opens ``value`` before it publishes anything later in the row, so
+        before anyone can open a later one.
+        """
+        rows = self._flags()
+        rows[row, self.local_rank] = value
+        if _LIBC is None:
+            return
+        _futex_wake(self._address(row, self.local_rank))  # the barrier (a syscall with no one to wake)
+        if int(rows[row, : self.local_size].min()) >= value:
+            rows[_GATE, row] = value
+            _futex_wake(self._address(_GATE, row))
+
+    def _address(self, row: int, local_rank: int) -> int:
+        """Where a flag lives: its low 32 bits are the futex word waiters sleep on (little-endian hosts: the
+        counters stay far below 2**32, and a futex compares the low half the kernel reads there)."""
+        return int(self._mapped().data_ptr()) + (row * _MAX_LOCAL + local_rank) * 8
+
+    def _mapped(self) -> torch.Tensor:
+        """The mapping's bytes; a pass on a closed segment (its group torn down under it) raises."""
+        if self.bytes is None:
+            raise RuntimeError("the node's shared-memory segment is closed (the process group was torn down)")
+        return self.bytes
 
     def _flags(self) -> torch.Tensor:
-        assert self.bytes is not None
-        return self.bytes[: 3 * _MAX_LOCAL * 8].view(torch.int64).view(3, _MAX_LOCAL)
+        return self._mapped()[: _HEADER_ROWS * _MAX_LOCAL * 8].view(torch.int64).view(_HEADER_ROWS, _MAX_LOCAL)
 
     def _wait(self, row: int, target: int) -> None:
-        """Wait until every local rank published ``row`` at least ``target`` times (sleeping, not spinning:
-        ranks share cores). A rank that never gets there (it died, or the job diverged) ends the wait with an
-        error after the collective timeout instead of hanging."""
-        flags = self._flags()[row, : self.local_size]
+        """Wait until every local rank published ``row`` at least ``target`` times, asleep (ranks share cores).
+
+        The sleep is on the row's gate, a futex word that the last rank to arrive moves and wakes
+        (:meth:`_publish`): a waiter costs no CPU while it waits and wakes once, when everyone is there (64
+        ranks each waking on every arrival cost more than the passes themselves). Where there is no futex (not
+        Linux) it polls, sleeping up to 0.5 ms. At least every ``_CHECK_S`` it looks at the pidfds of the
+        ranks not there yet, so a peer that died ends the wait with an error naming it; one that
+        never gets there for another reason (the job diverged) ends it after the collective timeout, and so
+        does this segment's close (the group was torn down under the wait).
+        """
+        if self.bytes is None:
+            raise RuntimeError(f"the node's shared-memory segment was closed before step {_ROWS[row]} (the "
+                               "process group was torn down)")
+        rows, peers = self._flags(), self._pidfds  # held here: a close() on another thread drops only its own
+        flags = rows[row, : self.local_size]
         if int(flags.min()) >= target:
             return
-        delay, deadline = 2e-5, time.monotonic() + self.timeout_s
-        while int(flags.min()) < target:
-            if time.monotonic() > deadline:
-                late = [i for i, seen in enumerate(flags.tolist()) if seen < target]
+        delay, deadline, checked = 2e-5, time.monotonic() + self.timeout_s, time.monotonic()
+        gate = int(rows.data_ptr()) + (_GATE * _MAX_LOCAL + row) * 8
+        while True:
+            opened = int(rows[_GATE, row])  # read before the flags: a gate moved after this wakes the sleep below
+            seen = flags.tolist()
+            late = [i for i, count in enumerate(seen) if count < target]
+            if not late:
+                return
+            if self.bytes is None:
+                raise RuntimeError(f"the node's shared-memory segment was closed while waiting for local rank(s) "
+                                   f"{late} at step {_ROWS[row]} (the process group was torn down)")
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"local rank(s) {late} of this node did not reach the shared-memory step "
                                    f"{_ROWS[row]} #{target} within {self.timeout_s:g} s (a rank died or the "
                                    "ranks called different collectives)")
-            time.sleep(delay)
+            left = [i for i in late if int(rows[_LEFT, i])]
+            if left:
+                raise RuntimeError(f"local rank(s) {left} of this node left the shared-memory step {_ROWS[row]}: "
+                                   "their process group was torn down (they gave up on this collective)")
+            if _LIBC is not None and now - checked < _CHECK_S:
+                _futex_wait(gate, opened, _CHECK_S)
+                continue
+            checked = now
+            watched = [peers[i] for i in late if i in peers]
+            ended, _, _ = select.select(watched, [], [], 0.0 if _LIBC is not None else delay)
+            if ended:
+                dead = [i for i in late if peers.get(i) in ended]
+                pids = [int(rows[_PID, i]) for i in dead]
+                raise RuntimeError(f"local rank(s) {dead} of this node (pid {', '.join(map(str, pids))}) ended "
+                                   f"before the shared-memory step {_ROWS[row]}: connection to the peer lost")
             delay = min(2 * delay, 5e-4)
 
-    def close(self) -> None:
+    def close(self, leaving: bool = False) -> None:
+        """Let go of the mapping and the peers' pidfds; ``leaving``: for good, with the process group (teardown):
+        the other local ranks waiting for this one in a pass, now or when they arrive, raise at once instead of
+        waiting for their timeout or stall watchdog (a rank that arrives after its peers gave up).
+
+        Neither the mapping nor the pidfds are closed here, but when their last user lets go: a pass on another
+        thread may still be reading the mapping or waiting on the pidfds (the group torn down under it: that
+        wait then ends with an error), and an unmapped page read there is a segfault, a closed fd number
+        reused a wrong answer. The mapping's tensors keep it alive (torch.frombuffer holds the mmap object);
+        the pidfds go with the last reference to their holder (:class:`_Pidfds`)."""
+        if leaving and self.bytes is not None:
+            self._flags()[_LEFT, self.local_rank] = 1
+            if _LIBC is not None:  # move every gate and wake its sleepers: they look again and see this
+                for row in (_COPIED, _REDUCED, _DONE, _SAID):
+                    self._flags()[_GATE, row] = -1
+                    _futex_wake(self._address(_GATE, row))
+        self._pidfds = _Pidfds()
         self.bytes = None
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:  # a tensor still views it: the mapping goes when that tensor does
-                pass
-            self.mapping = None
+        self.mapping = None
         self.capacity = 0
+
+
+class _Pidfds(dict[int, int]):
+    """Local rank -> pidfd of that peer; the fds close when the last holder lets go (a wait on another thread
+    may hold them past :meth:`NodeSegment.close`)."""
+
+    def __del__(self) -> None:
+        for fd in self.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _started(pid: int) -> int:
+    """When process ``pid`` started (clock ticks after boot, /proc/PID/stat field 22), or 0 if unknown: with
+    the pid, it names one process, which a pid alone does not once the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22 of the line; fields[0] is field 3, the state
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _open_own(path: str) -> int:

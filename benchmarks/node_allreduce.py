@@ -1,0 +1,106 @@
+"""Allreduce on one host: gloo's ring against taco's node algorithm (shared memory), at several rank counts.
+
+A one-node job (a notebook's default local cluster, a single multi-GPU box running CPU tensors) resolves
+``algorithm="auto"`` to the node algorithm: every rank copies its tensor into a shared segment, sums its shard
+across the slots and reads every shard back (:func:`taco_notebook.comm.transport.pipeline.reduce_node_shm`).
+``flat`` is gloo's ring over the same ranks. Each launch is one ``mpiexec -n N``; the variants are interleaved
+iteration by iteration::
+
+    .venv/bin/python benchmarks/node_allreduce.py --ranks 4 16 64 --sizes-mib 1 16 --json out.json
+
+Per variant and size (float32, sum, in place): the median over ``--iters`` of the slowest rank's time, each
+iteration started after a barrier; and a check that every rank holds the exact sum (the node algorithm sums each
+element in one order on one rank, so every rank's result is bitwise the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("flat", "auto")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64], help="ranks per launch (one host)")
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16], help="payload sizes (MiB)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per variant and size")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations before them")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("ranks", "iters"):
+        if min(getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if min(args.ranks) < 2:
+        parser.error("--ranks: an allreduce needs at least 2 ranks")
+    if min(args.sizes_mib) <= 0:
+        parser.error("--sizes-mib must be positive")
+    return args
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import taco_notebook.comm as taco
+
+    r, n = taco.rank(), taco.size()
+    rows = []
+    for mib in args.sizes_mib:
+        numel = int(mib * (1 << 20)) // 4
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for it in range(args.warmup + args.iters):
+            for variant in VARIANTS:
+                t = torch.full((numel,), float(r + 1))
+                taco.barrier()
+                began = time.perf_counter()
+                taco.allreduce(t, algorithm=variant)
+                took = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                exact = float(n * (n + 1) // 2)
+                if not bool((t == exact).all()):
+                    raise SystemExit(f"rank {r}: {variant} gave {t[:4].tolist()}..., not {exact}")
+                if it >= args.warmup:
+                    times[variant].append(float(took))
+        rows.append({"ranks": n, "mib": mib, **{f"{v}_ms": statistics.median(times[v]) * 1e3 for v in VARIANTS}})
+    if r == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.rank_mode:
+        rank_main(args)
+        return 0
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    results = []
+    for n in args.ranks:
+        cmd = [str(mpiexec), "-n", str(n), sys.executable, __file__, "--rank-mode", "--iters", str(args.iters),
+               "--warmup", str(args.warmup), "--sizes-mib", *map(str, args.sizes_mib)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if done.returncode != 0 or line is None:
+            print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+            return 1
+        results.extend(json.loads(line[len("RESULT "):]))
+    print("| ranks | MiB | gloo ring (flat) ms | node (shared memory) ms | speed-up |")
+    print("|---|---|---|---|---|")
+    for row in results:
+        print(f"| {row['ranks']} | {row['mib']:g} | {row['flat_ms']:.1f} | {row['auto_ms']:.1f} | "
+              f"{row['flat_ms'] / row['auto_ms']:.1f}x |")
+    if args.json:
+        args.json.write_text(json.dumps({"argv": argv, "cores": os.cpu_count(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
