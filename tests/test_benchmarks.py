@@ -130,3 +130,18 @@ def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(t
         assert row[f"{variant}_wall_ms"] > 0 and row[f"{variant}_notebook_cpu_ms"] > 0, row
     assert row["old_wall_ms"] > row["new_wall_ms"], row
     assert set(row["watch_cpu_share"]) == {"poll all", "news only"}, row
+
+
+def test_node_allreduce_benchmark_compares_gloo_and_the_node_algorithm(tmp_path):
+    """Two ranks on one host, one size: both variants timed (each checked exact on every rank by the ranks
+    themselves), and a bad argument is refused before anything starts."""
+    out = tmp_path / "node.json"
+    result = run_in_session(
+        [sys.executable, str(BENCHMARKS / "node_allreduce.py"), "--ranks", "2", "--sizes-mib", "0.25", "--iters", "2",
+         "--warmup", "1", "--json", str(out)], timeout=110, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert any(line.startswith("| 2 | 0.25 | ") for line in result.stdout.splitlines()), result.stdout
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["ranks"] == 2 and row["flat_ms"] > 0 and row["auto_ms"] > 0, row
+    refused = run_in_session([sys.executable, str(BENCHMARKS / "node_allreduce.py"), "--ranks", "1"], timeout=30)
+    assert refused.returncode == 2 and "at least 2 ranks" in refused.stderr, refused.stderr
