@@ -94,7 +94,7 @@ def _futex_wake(address: int) -> None:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return int(dtype.itemsize)
 
 
 def hugetlbfs_mount() -> str | None:
@@ -132,6 +132,8 @@ class NodeSegment:
         self.capacity = 0
         self.mapping: mmap.mmap | None = None
         self.bytes: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # the header as int64 rows (a view made once per mapping)
+        self._base = 0  # the mapping's address: a flag's futex word is at _base + (row * _MAX_LOCAL + rank) * 8
         self.location = ""
         self.growths = 0
         self.timeout_s = timeout_s  # a pass waiting for a local rank gives up after this (collective timeout)
@@ -169,6 +171,8 @@ class NodeSegment:
         finally:
             os.close(fd)
         self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self._rows = self.bytes[: _HEADER_ROWS * _MAX_LOCAL * 8].view(torch.int64).view(_HEADER_ROWS, _MAX_LOCAL)
+        self._base = int(self.bytes.data_ptr())
         self._flags()[_PID, self.local_rank] = os.getpid()
         self._flags()[_STARTED, self.local_rank] = _started(os.getpid())
         self._barrier()
@@ -365,7 +369,8 @@ class NodeSegment:
     def _address(self, row: int, local_rank: int) -> int:
         """Where a flag lives: its low 32 bits are the futex word waiters sleep on (little-endian hosts: the
         counters stay far below 2**32, and a futex compares the low half the kernel reads there)."""
-        return int(self._mapped().data_ptr()) + (row * _MAX_LOCAL + local_rank) * 8
+        self._mapped()
+        return self._base + (row * _MAX_LOCAL + local_rank) * 8
 
     def _mapped(self) -> torch.Tensor:
         """The mapping's bytes; a pass on a closed segment (its group torn down under it) raises."""
@@ -374,7 +379,10 @@ class NodeSegment:
         return self.bytes
 
     def _flags(self) -> torch.Tensor:
-        return self._mapped()[: _HEADER_ROWS * _MAX_LOCAL * 8].view(torch.int64).view(_HEADER_ROWS, _MAX_LOCAL)
+        rows = self._rows
+        if rows is None:
+            raise RuntimeError("the node's shared-memory segment is closed (the process group was torn down)")
+        return rows
 
     def _wait(self, row: int, target: int) -> None:
         """Wait until every local rank published ``row`` at least ``target`` times, asleep (ranks share cores).
@@ -445,6 +453,7 @@ class NodeSegment:
                     _futex_wake(self._address(_GATE, row))
         self._pidfds = _Pidfds()
         self.bytes = None
+        self._rows = None
         self.mapping = None
         self.capacity = 0
 
