@@ -369,7 +369,7 @@ def test_a_kernels_cluster_names_its_notebook_and_server(api: Fetch, jp_serverap
 def test_a_rank_maps_no_segment_it_does_not_own_or_that_is_a_symlink(tmp_path: Path) -> None:
     """What rank 0 names (a hugetlbfs or /dev/shm path) is opened with O_NOFOLLOW and refused if another user owns
     it: a file planted under the expected name in a shared mount is never mapped."""
-    from taco_notebook.comm.transport.shm import _open_own
+    from taco_notebook.comm.transport.shmfile import open_own as _open_own
 
     own = tmp_path / "own"
     own.write_bytes(b"\0" * 16)

@@ -13,29 +13,27 @@ The same passes with no cross-node step are the whole allreduce of a one-node jo
 (:func:`.pipeline.reduce_node_shm`), and the header carries the ranks' agreement on each collective there
 (:meth:`NodeSegment.exchange`).
 
-The segment lives in a hugetlbfs mount when the node has free huge pages (what HARP-style stacks need
-anyway), else in ``/dev/shm`` when it has room for it (a container's ``/dev/shm`` is often 64 MiB, and a
-write past a tmpfs's limit kills the writer with SIGBUS): with no room, :meth:`NodeSegment.prepare` says so
-on every local rank. Its file is unlinked as soon as every local rank has mapped it, so nothing is left
-behind even if a rank is killed. A rank waiting in a pass for a local peer that died learns it within
-``_CHECK_S`` (the peer's pidfd turns readable), not at the collective timeout.
+The segment lives in a hugetlbfs mount or in ``/dev/shm`` (:mod:`.shmfile`); with no room in either,
+:meth:`NodeSegment.prepare` says so on every local rank. Its file is unlinked as soon as every local rank has
+mapped it, so nothing is left behind even if a rank is killed. The waits sleep on futex words in the header,
+and a rank waiting for a local peer that died learns it within ``_CHECK_S`` (:mod:`.peers`), not at the
+collective timeout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import mmap
 import os
-import platform
 import select
-import sys
 import time
 import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .peers import LIBC, Pidfds, futex_wait, futex_wake, started, watch
+from .shmfile import create, hugetlbfs_mount, open_own
 
 __all__ = ["NodeSegment", "hugetlbfs_mount", "MAX_LOCAL"]
 
@@ -53,61 +51,11 @@ _SAYING = 6
 _LEFT = 10  # header row: 1 where a local rank let go of the segment with its process group (it will not come)
 _GATE = 11  # header row: column r is flag row r's gate, the futex word its waiters sleep on (see _publish)
 _HEADER_ROWS = 12
-
-
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221}.get(platform.machine())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the word is in a mapping of several processes
 _CHECK_S = 0.05  # a wait looks at its peers' pidfds, its deadline and the segment at least this often
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _libc() -> Any:
-    if not sys.platform.startswith("linux") or _SYS_FUTEX is None:
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released for the call
-        libc.syscall.restype = ctypes.c_long
-        return libc
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
-def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
-    """Sleep until the 32-bit word at ``address`` is woken, unless it no longer holds ``expected`` (checked
-    by the kernel atomically with going to sleep: a wake between our read and this call is not lost), or
-    ``timeout_s`` passed. Every outcome (woken, changed, timed out, interrupted) just returns: the caller
-    looks again."""
-    spec = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected & 0xFFFFFFFF),
-                  ctypes.byref(spec), None, 0)
-
-
-def _futex_wake(address: int) -> None:
-    """Wake every process sleeping on the word at ``address``."""
-    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 2**31 - 1, None, None, 0)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return int(dtype.itemsize)
-
-
-def hugetlbfs_mount() -> str | None:
-    """A writable hugetlbfs mount with free huge pages, or None."""
-    try:
-        with open("/proc/mounts") as mounts:
-            paths = [line.split()[1] for line in mounts if line.split()[2:3] == ["hugetlbfs"]]
-        with open("/proc/meminfo") as meminfo:
-            free = next((int(line.split()[1]) for line in meminfo if line.startswith("HugePages_Free:")), 0)
-    except OSError:
-        return None
-    usable = [p for p in paths if os.access(p, os.W_OK)]
-    return usable[0] if usable and free > 0 else None
 
 
 class NodeSegment:
@@ -141,7 +89,7 @@ class NodeSegment:
         # sequence, so "all ranks at n" is a row's minimum. _start/_end: the current call's first/last values.
         self._start = [0, 0, 0]
         self._end = [0, 0, 0]
-        self._pidfds = _Pidfds()  # local rank -> pidfd of that peer process (where it could be opened)
+        self._pidfds = Pidfds()  # local rank -> pidfd of that peer process (where it could be opened)
         self._said = 0  # exchanges through this mapping (every local rank makes the same ones)
         self._roomless = False  # the node had no room even for the header: exchange() goes over the group
 
@@ -158,14 +106,14 @@ class NodeSegment:
         directory = hugetlbfs_mount() if self.local_rank == 0 else None
         path = ""
         if self.local_rank == 0:
-            path = self._create(directory, name, total)
+            path = create(directory, name, total)
         holder = [path]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
         path = holder[0]
         if not path:
             return False
         self.close()
-        fd = _open_own(path)
+        fd = open_own(path)
         try:
             self.mapping = mmap.mmap(fd, total)
         finally:
@@ -174,7 +122,7 @@ class NodeSegment:
         self._rows = self.bytes[: _HEADER_ROWS * _MAX_LOCAL * 8].view(torch.int64).view(_HEADER_ROWS, _MAX_LOCAL)
         self._base = int(self.bytes.data_ptr())
         self._flags()[_PID, self.local_rank] = os.getpid()
-        self._flags()[_STARTED, self.local_rank] = _started(os.getpid())
+        self._flags()[_STARTED, self.local_rank] = started(os.getpid())
         self._barrier()
         if self.local_rank == 0:
             os.unlink(path)  # every rank has it mapped: the memory lives on, the name does not
@@ -185,44 +133,10 @@ class NodeSegment:
         return True
 
     def _watch_peers(self) -> None:
-        """Open a pidfd on each local peer whose pid names the process that published it (same start time:
-        a peer in another pid namespace, or a pid reused since, is not watched; its waits end at the timeout)."""
-        rows, self._pidfds = self._flags(), _Pidfds()
-        for peer in range(self.local_size):
-            pid, started = int(rows[_PID, peer]), int(rows[_STARTED, peer])
-            if peer == self.local_rank or pid <= 0 or started <= 0 or not hasattr(os, "pidfd_open"):
-                continue
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:  # gone already, or not visible from here
-                continue
-            if _started(pid) == started:
-                self._pidfds[peer] = fd
-            else:
-                os.close(fd)
-
-    @staticmethod
-    def _create(directory: str | None, name: str, total: int) -> str:
-        """The path of a new ``total``-byte segment, or "" when neither place has room for it."""
-        for place in ([directory] if directory else []) + ["/dev/shm"]:
-            path = os.path.join(place, name)
-            try:
-                if place == "/dev/shm":  # a tmpfs maps past its limit, then kills the writer with SIGBUS
-                    room = os.statvfs(place)
-                    if room.f_bavail * room.f_frsize < total:
-                        continue
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                try:
-                    os.ftruncate(fd, total)
-                    if place != "/dev/shm":  # hugetlbfs: check the pages really exist before using them
-                        mmap.mmap(fd, total).close()
-                finally:
-                    os.close(fd)
-                return path
-            except OSError:
-                if os.path.exists(path):
-                    os.unlink(path)
-        return ""
+        """A pidfd on each local peer that published its pid and start time (:func:`.peers.watch`)."""
+        rows = self._flags()
+        self._pidfds = watch([(int(rows[_PID, i]), int(rows[_STARTED, i])) if i != self.local_rank else (0, 0)
+                              for i in range(self.local_size)])
 
     def _view(self, area: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at element ``offset`` of ``area`` (0..local_size-1: the input slots,
@@ -359,12 +273,12 @@ class NodeSegment:
         """
         rows = self._flags()
         rows[row, self.local_rank] = value
-        if _LIBC is None:
+        if LIBC is None:
             return
-        _futex_wake(self._address(row, self.local_rank))  # the barrier (a syscall with no one to wake)
+        futex_wake(self._address(row, self.local_rank))  # the barrier (a syscall with no one to wake)
         if int(rows[row, : self.local_size].min()) >= value:
             rows[_GATE, row] = value
-            _futex_wake(self._address(_GATE, row))
+            futex_wake(self._address(_GATE, row))
 
     def _address(self, row: int, local_rank: int) -> int:
         """Where a flag lives: its low 32 bits are the futex word waiters sleep on (little-endian hosts: the
@@ -422,12 +336,12 @@ class NodeSegment:
             if left:
                 raise RuntimeError(f"local rank(s) {left} of this node left the shared-memory step {_ROWS[row]}: "
                                    "their process group was torn down (they gave up on this collective)")
-            if _LIBC is not None and now - checked < _CHECK_S:
-                _futex_wait(gate, opened, _CHECK_S)
+            if LIBC is not None and now - checked < _CHECK_S:
+                futex_wait(gate, opened, _CHECK_S)
                 continue
             checked = now
             watched = [peers[i] for i in late if i in peers]
-            ended, _, _ = select.select(watched, [], [], 0.0 if _LIBC is not None else delay)
+            ended, _, _ = select.select(watched, [], [], 0.0 if LIBC is not None else delay)
             if ended:
                 dead = [i for i in late if peers.get(i) in ended]
                 pids = [int(rows[_PID, i]) for i in dead]
@@ -444,50 +358,18 @@ class NodeSegment:
         thread may still be reading the mapping or waiting on the pidfds (the group torn down under it: that
         wait then ends with an error), and an unmapped page read there is a segfault, a closed fd number
         reused a wrong answer. The mapping's tensors keep it alive (torch.frombuffer holds the mmap object);
-        the pidfds go with the last reference to their holder (:class:`_Pidfds`)."""
+        the pidfds go with the last reference to their holder (:class:`.peers.Pidfds`)."""
         if leaving and self.bytes is not None:
             self._flags()[_LEFT, self.local_rank] = 1
-            if _LIBC is not None:  # move every gate and wake its sleepers: they look again and see this
+            if LIBC is not None:  # move every gate and wake its sleepers: they look again and see this
                 for row in (_COPIED, _REDUCED, _DONE, _SAID):
                     self._flags()[_GATE, row] = -1
-                    _futex_wake(self._address(_GATE, row))
-        self._pidfds = _Pidfds()
+                    futex_wake(self._address(_GATE, row))
+        self._pidfds = Pidfds()
         self.bytes = None
         self._rows = None
         self.mapping = None
         self.capacity = 0
-
-
-class _Pidfds(dict[int, int]):
-    """Local rank -> pidfd of that peer; the fds close when the last holder lets go (a wait on another thread
-    may hold them past :meth:`NodeSegment.close`)."""
-
-    def __del__(self) -> None:
-        for fd in self.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-def _started(pid: int) -> int:
-    """When process ``pid`` started (clock ticks after boot, /proc/PID/stat field 22), or 0 if unknown: with
-    the pid, it names one process, which a pid alone does not once the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # field 22 of the line; fields[0] is field 3, the state
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _open_own(path: str) -> int:
-    """Open the segment rank 0 named, refusing a symlink (``O_NOFOLLOW``) or a file another user owns: in a shared
-    hugetlbfs mount or /dev/shm someone else could otherwise slip in a file of theirs under the expected name."""
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    owner = os.fstat(fd).st_uid
-    if owner != os.geteuid():
-        os.close(fd)
-        raise PermissionError(f"shared segment {path} belongs to uid {owner}, not to this user: refusing to map it")
-    return fd
 
 
 def new_tag(group: Any) -> str:

@@ -97,10 +97,12 @@ def test_a_rank_hung_in_python_is_named_with_its_place(shared_cluster, released:
     assert re.search(r"^suspect: rank 3 \(in no collective while ranks 0-2 wait in allreduce #\d+ 'step'\)$",
                      text, re.M), text
     assert f"--- rank 3, thread MainThread:\n    cell:12 in <module>: {where}(" in text, text
-    # the communication thread blocked in C inside torch.distributed: the data's all_reduce, or the all_gather of
-    # the ranks' agreement on it (comm/agreement.py) that comes first and also waits for rank 3
-    assert re.search(r"--- ranks 0-2, thread taco-comm:\n(    .*\n)*    torch/distributed/distributed_c10d\.py:\d+ "
-                     r"in (all_reduce|all_gather\w*)\b", text), text
+    # the communication thread blocked in C, in the ranks' agreement on the allreduce (comm/agreement.py), which
+    # comes first and waits for rank 3: on one node, asleep on the node segment's gate (the header exchange,
+    # comm/transport/shm.py); across nodes, torch.distributed's all_gather (or the data's all_reduce)
+    assert re.search(r"--- ranks 0-2, thread taco-comm:\n(    .*\n)*    (taco_notebook/comm/transport/shm\.py:\d+ "
+                     r"in exchange: self\._wait\(_SAID|torch/distributed/distributed_c10d\.py:\d+ in "
+                     r"(all_reduce|all_gather\w*)\b)", text), text
 
 
 def test_the_stall_watchdog_shows_where_every_rank_was(ip, shared_cluster, capsys) -> None:
