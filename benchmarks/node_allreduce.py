@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import emulated_run as er  # mpiexec's path, killing its whole tree, the table
+
 VARIANTS = ("flat", "auto")
 
 
@@ -36,9 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("ranks", "iters"):
-        if min(getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]) < 1:
-            parser.error(f"--{name} must be at least 1")
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be at least 1 and --warmup at least 0")
     if min(args.ranks) < 2:
         parser.error("--ranks: an allreduce needs at least 2 ranks")
     if min(args.sizes_mib) <= 0:
@@ -80,23 +81,25 @@ def main(argv: list[str]) -> int:
     if args.rank_mode:
         rank_main(args)
         return 0
-    mpiexec = Path(sys.executable).with_name("mpiexec")
     results = []
     for n in args.ranks:
-        cmd = [str(mpiexec), "-n", str(n), sys.executable, __file__, "--rank-mode", "--iters", str(args.iters),
+        cmd = [er.mpiexec_path(), "-n", str(n), sys.executable, __file__, "--rank-mode", "--iters", str(args.iters),
                "--warmup", str(args.warmup), "--sizes-mib", *map(str, args.sizes_mib)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
-        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if done.returncode != 0 or line is None:
-            print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=3600)
+        except BaseException:  # past the timeout, Ctrl-C: mpiexec and every rank it started go
+            er.kill_tree(proc)
+            raise
+        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(out[-3000:], err[-3000:], file=sys.stderr)
             return 1
         results.extend(json.loads(line[len("RESULT "):]))
-    print("| ranks | MiB | gloo ring (flat) ms | node (shared memory) ms | speed-up |")
-    print("|---|---|---|---|---|")
-    for row in results:
-        print(f"| {row['ranks']} | {row['mib']:g} | {row['flat_ms']:.1f} | {row['auto_ms']:.1f} | "
-              f"{row['flat_ms'] / row['auto_ms']:.1f}x |")
+    print(er.markdown_table(["ranks", "MiB", "gloo ring (flat) ms", "node (shared memory) ms", "speed-up"],
+                            [[row["ranks"], f"{row['mib']:g}", f"{row['flat_ms']:.1f}", f"{row['auto_ms']:.1f}",
+                              f"{row['flat_ms'] / row['auto_ms']:.1f}x"] for row in results]))
     if args.json:
         args.json.write_text(json.dumps({"argv": argv, "cores": os.cpu_count(), "results": results}, indent=1))
     return 0

@@ -18,6 +18,15 @@ from .support.mpirun import mpi_env, run_in_session, still_running
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def _benchmark(script: str, out: Path, *args: str, timeout: float = 110) -> tuple[list[str], dict]:
+    """Run ``benchmarks/SCRIPT ARGS --json OUT`` (its own session, killed past ``timeout``); it must exit 0.
+    Its stdout's lines and the JSON it wrote."""
+    result = run_in_session([sys.executable, str(BENCHMARKS / script), *args, "--json", str(out)], timeout=timeout,
+                            cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.splitlines(), json.loads(out.read_text())
+
+
 @pytest.mark.timeout(240)
 def test_allreduce_benchmark_measures_every_variant(tmp_path):
     result = run_in_session(
@@ -62,18 +71,12 @@ def test_dashboard_cost_benchmark_reports_both_measurements():
 @pytest.mark.timeout(120)
 def test_control_plane_benchmark_measures_a_real_cluster(tmp_path):
     """Two real ranks, two repeats: every table has its columns and every figure is a positive measurement."""
-    out = tmp_path / "control_plane.json"
-    result = run_in_session(
-        [sys.executable, str(BENCHMARKS / "control_plane.py"), "--ranks", "2", "--repeats", "2", "--json", str(out)],
-        timeout=110, cwd=BENCHMARKS)
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
+    lines, data = _benchmark("control_plane.py", tmp_path / "control_plane.json", "--ranks", "2", "--repeats", "2")
     for header in ("| ranks | start s | of it launch s | start CPU s per engine / controller | empty cell ms |",
                    "| ranks | total | client | controller out | engine | controller back |",
                    "| ranks | direct execute | broadcast execute | direct apply | broadcast apply, coalescing |",
                    "| what | a | b per rank | at N |"):
-        assert any(line.startswith(header) for line in lines), (header, result.stdout)
-    data = json.loads(out.read_text())
+        assert any(line.startswith(header) for line in lines), (header, lines)
     (row,) = data["rows"]
     assert row["ranks"] == 2 and len(row["engine_rss_mib"]) == 2
     figures = [row["start_s"], row["launch_s"], row["empty_ms"], row["allreduce_ms"], row["engine_rss_sum_mib"],
@@ -119,13 +122,10 @@ def test_train_bench_says_when_each_variant_reaches_ddps_loss(monkeypatch):
 def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(tmp_path):
     """Two plain engines, four cells per protocol: every figure is a positive measurement and the old protocol
     (3 round trips per cell) takes longer than the new one (1)."""
-    out = tmp_path / "cell_protocol.json"
-    result = run_in_session(
-        [sys.executable, str(BENCHMARKS / "cell_protocol.py"), "--engines", "plain", "--ranks", "2", "--cells", "4",
-         "--sleep", "0.5", "--json", str(out)], timeout=110, cwd=BENCHMARKS)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert any(line.startswith("| plain | taco | 2 | ") for line in result.stdout.splitlines()), result.stdout
-    (row,) = json.loads(out.read_text())["rows"]
+    lines, data = _benchmark("cell_protocol.py", tmp_path / "cell_protocol.json", "--engines", "plain", "--ranks", "2",
+                             "--cells", "4", "--sleep", "0.5")
+    assert any(line.startswith("| plain | taco | 2 | ") for line in lines), lines
+    (row,) = data["rows"]
     for variant in ("old", "new", "coalescing"):
         assert row[f"{variant}_wall_ms"] > 0 and row[f"{variant}_notebook_cpu_ms"] > 0, row
     assert row["old_wall_ms"] > row["new_wall_ms"], row
@@ -135,13 +135,10 @@ def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(t
 def test_node_allreduce_benchmark_compares_gloo_and_the_node_algorithm(tmp_path):
     """Two ranks on one host, one size: both variants timed (each checked exact on every rank by the ranks
     themselves), and a bad argument is refused before anything starts."""
-    out = tmp_path / "node.json"
-    result = run_in_session(
-        [sys.executable, str(BENCHMARKS / "node_allreduce.py"), "--ranks", "2", "--sizes-mib", "0.25", "--iters", "2",
-         "--warmup", "1", "--json", str(out)], timeout=110, cwd=BENCHMARKS)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert any(line.startswith("| 2 | 0.25 | ") for line in result.stdout.splitlines()), result.stdout
-    (row,) = json.loads(out.read_text())["results"]
+    lines, data = _benchmark("node_allreduce.py", tmp_path / "node.json", "--ranks", "2", "--sizes-mib", "0.25",
+                             "--iters", "2", "--warmup", "1")
+    assert any(line.startswith("| 2 | 0.25 | ") for line in lines), lines
+    (row,) = data["results"]
     assert row["ranks"] == 2 and row["flat_ms"] > 0 and row["auto_ms"] > 0, row
     refused = run_in_session([sys.executable, str(BENCHMARKS / "node_allreduce.py"), "--ranks", "1"], timeout=30)
     assert refused.returncode == 2 and "at least 2 ranks" in refused.stderr, refused.stderr

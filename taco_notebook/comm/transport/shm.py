@@ -41,13 +41,12 @@ _HUGE_PAGE = 2 * 1024 * 1024
 # The segment opens with one huge page of flags (what each local rank has published so far, see
 # NodeSegment._wait), so the slots after it stay huge-page aligned.
 _HEADER = _HUGE_PAGE
-_MAX_LOCAL = 1024  # local ranks the header has flags for
-MAX_LOCAL = _MAX_LOCAL
+MAX_LOCAL = 1024  # local ranks the header has flags for
 _COPIED, _REDUCED, _DONE = 0, 1, 2  # flag rows: chunk copied in, shard reduced into the output area, call read
-_ROWS = ("copy-in", "reduced shard", "end of call", "", "", "agreement on a collective")
 _PID, _STARTED = 3, 4  # header rows: each local rank's pid and its start time (clock ticks after boot)
 _SAID = 5  # flag row: values published for :meth:`NodeSegment.exchange`; rows 6-9 hold them (two calls' worth)
 _SAYING = 6
+_ROWS = {_COPIED: "copy-in", _REDUCED: "reduced shard", _DONE: "end of call", _SAID: "agreement on a collective"}
 _LEFT = 10  # header row: 1 where a local rank let go of the segment with its process group (it will not come)
 _GATE = 11  # header row: column r is flag row r's gate, the futex word its waiters sleep on (see _publish)
 _HEADER_ROWS = 12
@@ -70,8 +69,8 @@ class NodeSegment:
     """
 
     def __init__(self, group: Any, local_rank: int, local_size: int, tag: str, timeout_s: float = 1800.0) -> None:
-        if local_size > _MAX_LOCAL:
-            raise ValueError(f"shared-memory allreduce supports up to {_MAX_LOCAL} ranks per node, got "
+        if local_size > MAX_LOCAL:
+            raise ValueError(f"shared-memory allreduce supports up to {MAX_LOCAL} ranks per node, got "
                              f"{local_size}; use configure(shm=False)")
         self.group = group
         self.local_rank = local_rank
@@ -81,7 +80,7 @@ class NodeSegment:
         self.mapping: mmap.mmap | None = None
         self.bytes: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # the header as int64 rows (a view made once per mapping)
-        self._base = 0  # the mapping's address: a flag's futex word is at _base + (row * _MAX_LOCAL + rank) * 8
+        self._base = 0  # the mapping's address: a flag's futex word is at _base + (row * MAX_LOCAL + rank) * 8
         self.location = ""
         self.growths = 0
         self.timeout_s = timeout_s  # a pass waiting for a local rank gives up after this (collective timeout)
@@ -119,7 +118,7 @@ class NodeSegment:
         finally:
             os.close(fd)
         self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)
-        self._rows = self.bytes[: _HEADER_ROWS * _MAX_LOCAL * 8].view(torch.int64).view(_HEADER_ROWS, _MAX_LOCAL)
+        self._rows = self.bytes[: _HEADER_ROWS * MAX_LOCAL * 8].view(torch.int64).view(_HEADER_ROWS, MAX_LOCAL)
         self._base = int(self.bytes.data_ptr())
         self._flags()[_PID, self.local_rank] = os.getpid()
         self._flags()[_STARTED, self.local_rank] = started(os.getpid())
@@ -284,7 +283,7 @@ class NodeSegment:
         """Where a flag lives: its low 32 bits are the futex word waiters sleep on (little-endian hosts: the
         counters stay far below 2**32, and a futex compares the low half the kernel reads there)."""
         self._mapped()
-        return self._base + (row * _MAX_LOCAL + local_rank) * 8
+        return self._base + (row * MAX_LOCAL + local_rank) * 8
 
     def _mapped(self) -> torch.Tensor:
         """The mapping's bytes; a pass on a closed segment (its group torn down under it) raises."""
@@ -317,7 +316,7 @@ class NodeSegment:
         if int(flags.min()) >= target:
             return
         delay, deadline, checked = 2e-5, time.monotonic() + self.timeout_s, time.monotonic()
-        gate = int(rows.data_ptr()) + (_GATE * _MAX_LOCAL + row) * 8
+        gate, lefts = self._address(_GATE, row), rows[_LEFT, : self.local_size]
         while True:
             opened = int(rows[_GATE, row])  # read before the flags: a gate moved after this wakes the sleep below
             seen = flags.tolist()
@@ -332,7 +331,8 @@ class NodeSegment:
                 raise TimeoutError(f"local rank(s) {late} of this node did not reach the shared-memory step "
                                    f"{_ROWS[row]} #{target} within {self.timeout_s:g} s (a rank died or the "
                                    "ranks called different collectives)")
-            left = [i for i in late if int(rows[_LEFT, i])]
+            gone = lefts.tolist()
+            left = [i for i in late if gone[i]]
             if left:
                 raise RuntimeError(f"local rank(s) {left} of this node left the shared-memory step {_ROWS[row]}: "
                                    "their process group was torn down (they gave up on this collective)")
