@@ -75,7 +75,7 @@ def test_the_node_algorithm_falls_back_to_gloo_when_dev_shm_is_full(mpiexec, tmp
         pytest.skip("needs root and unshare(1) for a private /dev/shm")
     script = tmp_path / "full.py"
     script.write_text(
-        "import torch, taco_notebook.comm as taco\n"
+        "import os, torch, taco_notebook.comm as taco\n"
         "from taco_notebook.comm.transport import pipeline\n"
         "r, n = taco.rank(), taco.size()\n"
         "for numel in (1, 3 << 20):\n"
@@ -84,7 +84,7 @@ def test_the_node_algorithm_falls_back_to_gloo_when_dev_shm_is_full(mpiexec, tmp
         "    taco.allreduce(t)\n"
         "    assert 'scatter' not in pipeline.phase_seconds, 'went through a segment that does not fit'\n"
         "    assert torch.equal(t, torch.full((numel,), float(n * (n + 1) // 2)))\n"
-        "print('OK', r, flush=True)\n")
+        "os.write(1, f'OK {r}\\n'.encode())\n")  # one write() per rank: the two ranks' lines cannot interleave
     # mpich keeps its own shared memory out of the way (MPIR_CVAR_NOLOCAL): only taco's segment needs /dev/shm
     inner = (f"mount -t tmpfs -o size=4m,mode=1777 tmpfs /dev/shm && MPIR_CVAR_NOLOCAL=1 {mpiexec} -n 2 "
              f"{sys.executable} {script}")
