@@ -60,7 +60,9 @@ POLL_S = 0.05  # run.py's
 # what a taco engine's set-up does to its kernel and streams (engine.setup_namespace), without torch: taco's own
 # functions, one apply each, which reach the engines by reference
 PLAIN_SETUP = (lean_streams, quiet_kernel)
-VARIANTS = ("old", "new", "coalescing")  # coalescing: the new runner through broadcast_view(is_coalescing=True)
+# stock: the new runner sent through ipyparallel's own Client (a second client on the same controller) instead of
+# the cluster's LeanClient (cluster/client.py); coalescing: through broadcast_view(is_coalescing=True)
+VARIANTS = ("old", "stock", "new", "coalescing")
 
 
 def plain_run_cell(source: str, captured: bool, silent: bool = False) -> dict[str, Any]:
@@ -96,6 +98,7 @@ class Plain:
         os.chmod(self.home, 0o700)
         from traitlets.config import Config
 
+        from taco_notebook.cluster.client import connect
         from taco_notebook.cluster.launch.engineset import CONTROLLER_CMD, controller_args, registration_timeout
 
         config = Config()  # the same registration timeout and controller as a TacoCluster of this size
@@ -107,8 +110,10 @@ class Plain:
                                    controller_args=controller_args(size) if controller != "ipyparallel" else [])
         try:
             self.cluster.start_cluster_sync()
-            self.client = self.cluster.connect_client_sync()
+            self.client = connect(self.cluster)  # the client a TacoCluster connects
             self.client.wait_for_engines(size, timeout=timeout, interactive=False)
+            self.stock = self.cluster.connect_client_sync()  # ipyparallel's own, for the "stock" variant
+            self.stock.wait_for_engines(size, timeout=timeout, interactive=False)
             self.view = self.client[:]
             for setup in PLAIN_SETUP:
                 self.view.apply_sync(setup)
@@ -127,17 +132,19 @@ class Plain:
         finish(self.view.execute(source, silent=False, block=False))
         self.view.apply_sync(plain_noop, False)  # the replica check's question
 
-    def new(self, source: str, view: Any = None) -> Any:
+    def new(self, source: str, view: Any = None, stock: bool = False) -> Any:
         if view is not None:  # the coalescing view: one reply for every rank, read without a tracker
             return view.apply_async(plain_run_cell, source, False)
-        return tracked(self.client, self.view.apply_async(plain_run_cell, source, False, True), self.size)
+        client = self.stock if stock else self.client
+        return tracked(client, client[:].apply_async(plain_run_cell, source, False, True), self.size)
 
     def stop(self) -> None:
         import shutil
 
         try:
-            if getattr(self, "client", None) is not None:
-                self.client.close()
+            for client in (getattr(self, "client", None), getattr(self, "stock", None)):
+                if client is not None:
+                    client.close()
             self.cluster.stop_cluster_sync()
         finally:
             shutil.rmtree(self.home, ignore_errors=True)
@@ -157,6 +164,12 @@ class Taco:
         self.taco.start()
         self.client = self.taco.client
         self.view = self.client[:]
+        try:
+            self.stock = self.taco.ipp_cluster.connect_client_sync()  # ipyparallel's own, for the "stock" variant
+            self.stock.wait_for_engines(size, timeout=timeout, interactive=False)
+        except BaseException:
+            self.stop()
+            raise
 
     def controller_processes(self) -> list[Any]:
         import psutil
@@ -171,18 +184,21 @@ class Taco:
         finish(self.view.execute(source, silent=False, block=False))
         self.view.apply_sync(engine.check_replicas, False)
 
-    def new(self, source: str, view: Any = None) -> Any:
+    def new(self, source: str, view: Any = None, stock: bool = False) -> Any:
         from taco_notebook.cluster.cells import runner
 
         if view is not None:  # the coalescing view: one reply for every rank, read without a tracker
             return view.apply_async(runner.run_cell, source, runner.CellSetup(dashboard=False), False)
         setup = runner.CellSetup(dashboard=False, silent=True)  # as run.py's
-        return tracked(self.client, self.view.apply_async(runner.run_cell, source, setup, False), self.size)
+        client = self.stock if stock else self.client
+        return tracked(client, client[:].apply_async(runner.run_cell, source, setup, False), self.size)
 
     def stop(self) -> None:
         import shutil
 
         try:
+            if getattr(self, "stock", None) is not None:
+                self.stock.close()
             self.taco.stop()
         finally:
             shutil.rmtree(self.home, ignore_errors=True)
@@ -243,6 +259,7 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
         fds = max(process.num_fds() for process in controller)
         for _ in range(3):  # warm-up
             cluster.old(EMPTY)
+            finish(cluster.new(EMPTY, stock=True))
             finish(cluster.new(EMPTY))
         coalescing = cluster.client.broadcast_view(is_coalescing=True)
         finish(cluster.new(EMPTY, coalescing), output=False)
@@ -255,7 +272,7 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
                 if variant == "old":
                     cluster.old(EMPTY)
                 else:
-                    finish(cluster.new(EMPTY, coalescing if variant == "coalescing" else None),
+                    finish(cluster.new(EMPTY, coalescing if variant == "coalescing" else None, variant == "stock"),
                            output=variant != "coalescing")
                 wall[variant].append(time.perf_counter() - t0)
                 cpu[variant] += time.process_time() - c0
@@ -285,20 +302,21 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
 
 def table(rows: list[dict[str, Any]], cells: int, at: int) -> str:
     out = [f"Empty cells, {cells} per protocol, in turn; wall ms median; CPU ms per cell over all of them. "
-           "Each column: old / new / new through the coalescing broadcast view.", "",
+           "Each column: old / new through ipyparallel's client / new (taco's client) / new through the "
+           "coalescing broadcast view.", "",
            "| engines | controller | ranks | start s | wall ms | notebook CPU ms | controller CPU ms "
            "| notebook + controller CPU per rank ms | notebook CPU share while a cell runs: poll all / "
            "news only | controller's open files (most in one process) | load |", "|" + "---|" * 11]
 
-    def three(r: dict[str, Any], key: str, form: str) -> str:
+    def each(r: dict[str, Any], key: str, form: str) -> str:
         return " / ".join(format(r[f"{v}_{key}"], form) for v in VARIANTS)
 
     for r in rows:
         w = r["watch_cpu_share"]
         out.append(f"| {r['engines']} | {r.get('controller', 'taco')} | {r['ranks']} | {r['start_s']:.1f} | "
-                   f"{three(r, 'wall_ms', '.1f')} | "
-                   f"{three(r, 'notebook_cpu_ms', '.1f')} | {three(r, 'controller_cpu_ms', '.1f')} | "
-                   f"{three(r, 'per_rank_ms', '.3f')} | {w['poll all']:.1%} / {w['news only']:.1%} | "
+                   f"{each(r, 'wall_ms', '.1f')} | "
+                   f"{each(r, 'notebook_cpu_ms', '.1f')} | {each(r, 'controller_cpu_ms', '.1f')} | "
+                   f"{each(r, 'per_rank_ms', '.3f')} | {w['poll all']:.1%} / {w['news only']:.1%} | "
                    f"{r.get('controller_fds', '')} | {r['load']:.1f} |")
     first = rows[0].get("controller", "taco")  # the line is fitted to one controller's rows
     fitted = [r for r in rows if r.get("controller", "taco") == first]

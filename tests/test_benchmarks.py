@@ -126,7 +126,7 @@ def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(t
                              "--cells", "4", "--sleep", "0.5")
     assert any(line.startswith("| plain | taco | 2 | ") for line in lines), lines
     (row,) = data["rows"]
-    for variant in ("old", "new", "coalescing"):
+    for variant in ("old", "stock", "new", "coalescing"):
         assert row[f"{variant}_wall_ms"] > 0 and row[f"{variant}_notebook_cpu_ms"] > 0, row
     assert row["old_wall_ms"] > row["new_wall_ms"], row
     assert set(row["watch_cpu_share"]) == {"poll all", "news only"}, row

@@ -176,6 +176,8 @@ class TacoCluster:
         """
         import ipyparallel as ipp
 
+        from .client import connect
+
         self.mpi = mpi_for(self.profile, self.mpi, self.mpiexec)
         cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
         self.error, self._phase, _live[cluster_id] = None, "starting", self
@@ -189,7 +191,7 @@ class TacoCluster:
                                            controller_args=engineset.controller_args(self.size), shutdown_atexit=False)
             self.ipp_cluster.start_cluster_sync()
             self._refresh_engine_sets()
-            self.client = self.ipp_cluster.connect_client_sync()
+            self.client = connect(self.ipp_cluster)  # ipyparallel's client, lighter per request
             engineset.wait_for_engines(self.client, self.size, self.start_timeout, self._start_failure, self.profile,
                                        self._engine_launchers)
             self.check_ranks()

@@ -61,11 +61,13 @@ def attach(model: Any, timeout: float = 30.0) -> AttachedCluster:
     """Connect to the cluster of a registry ``model``; checks its engines are the MPI ranks it says."""
     import ipyparallel as ipp
 
+    from ..client import connect
+
     cluster = AttachedCluster(model["name"], model["size"])
     cluster.cluster_id = model["id"]
     try:
         cluster.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=model["id"])
-        cluster.client = cluster.ipp_cluster.connect_client_sync()
+        cluster.client = connect(cluster.ipp_cluster)
         cluster.client.wait_for_engines(model["size"], timeout=timeout, interactive=False)  # no stray tqdm bar
         cluster.check_ranks()
     except Exception as exc:
