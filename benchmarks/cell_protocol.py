@@ -1,8 +1,10 @@
 """A cell's control-plane cost before and after issue 27, interleaved, at N ranks: how a cell travels (requests
 per rank) and how the notebook watches it run (polling every rank, or reading only the ranks with news).
 
-Two protocols (and the new one through ipyparallel's coalescing broadcast view, which answers a request
-on every engine with one reply), on the same cluster, in turn cell by cell (a burst of load weighs on both alike):
+Two protocols, on the same cluster, in turn cell by cell (a burst of load weighs on all alike). The new one is
+also sent through ipyparallel's own client (**stock**: a second client on the same controller, beside taco's
+``cluster/client.py``, which a TacoCluster connects) and through ipyparallel's coalescing broadcast view, which
+answers a request on every engine with one reply:
 
 * **old** (before issue 27): ``begin_cell`` queued as an ``apply``, the code as an ``execute``, then the replica
   check's question as an ``apply`` (3 requests per rank per empty cell; a 4th, ``fetch_result``, when the

@@ -180,7 +180,9 @@ class LeanClient(ipp.Client):
         for send in batch:
             send()
         while self._direct:
-            self._direct.pop().flush(zmq.POLLIN)
+            stream = self._direct.pop()
+            if stream.receiving():  # (flush would drop what a stream with no reader holds; ipyparallel's all read)
+                stream.flush(zmq.POLLIN)
 
     def _extract_metadata(self, msg: dict[str, Any]) -> dict[str, Any]:
         meta = msg["metadata"]

@@ -85,10 +85,7 @@ class TacoCluster:
         self.profile = profile or LOCAL  # where the engines run (cluster/launch/profiles.py)
         self._engines: Any = "mpi"  # ipp.Cluster's engines: "mpi", or the slurm profile's launcher class
         self.profile.check_size(size)
-        self.name = name
-        self.size = size
-        self.mpiexec = mpiexec
-        self.start_timeout = start_timeout
+        self.name, self.size, self.mpiexec, self.start_timeout = name, size, mpiexec, start_timeout
         self.env = dict(env or {})
         self.mpi: MPIInfo | None = None
         self.ipp_cluster: Any = None

@@ -93,19 +93,23 @@ def _metadata_dates_are_aware_and_the_caches_emptied(plain):
         assert abs((md["started"] - md["submitted"]).total_seconds()) < 30
     for msg_id in ar.msg_ids:
         assert msg_id not in plain.client._futures and msg_id not in plain.client._output_futures
-        assert msg_id not in plain.client.outstanding
+        assert msg_id not in plain.client.outstanding and msg_id not in plain.client.results
     assert not plain.client.outstanding
 
 
 def test_a_tracked_send_resolves_its_tracker(plain):
+    """A tracked request keeps its own "sent" future and goes through the stream's queue, as ipyparallel's does
+    (a ZMQStream cannot track a send: Session.send resolves it at once), and an untracked one after it waits its
+    turn behind it (the stream is busy, so _Direct queues it too)."""
     import numpy as np
 
-    big = np.ones(1 << 20)  # 8 MiB: sent without a copy, so tracked for real
+    big = np.ones(1 << 20)  # 8 MiB
     tracked = plain.client[:]
     tracked.track = True
     ar = tracked.apply_async(_sum, big)
     ar.wait_for_send(timeout=60)
     assert ar.sent and ar.get(timeout=60) == [float(1 << 20)] * 3
+    assert plain.client[:].apply_sync(_pid_and, "after")[0][1] == "after"
 
 
 def _sum(array):
