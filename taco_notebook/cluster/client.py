@@ -142,8 +142,15 @@ class LeanClient(ipp.Client):
 
         def send() -> None:
             direct = not track and isinstance(socket, ZMQStream)
-            sent = self.session.send(_Direct(socket, self._direct) if direct else socket, msg, track=track,
-                                     buffers=buffers, ident=ident)
+            try:
+                sent = self.session.send(_Direct(socket, self._direct) if direct else socket, msg, track=track,
+                                         buffers=buffers, ident=ident)
+            except Exception as exc:  # (a buffer zmq cannot send, a closed socket): this request fails, not hangs
+                self.outstanding.discard(msg_id)
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
             if track:
                 futures[0].tracker.set_result(sent["tracker"])
 

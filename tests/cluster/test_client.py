@@ -139,6 +139,23 @@ def test_many_requests_from_several_threads_all_complete(plain):
     assert time.monotonic() - began < 120
 
 
+def test_a_request_that_cannot_be_sent_fails_and_the_rest_of_its_batch_goes(plain):
+    """A send that raises on the IO thread (here a buffer zmq cannot send) fails its own request's futures
+    instead of leaving them waiting for ever (ipyparallel's logged it and left them), and the requests batched
+    with it still go."""
+    client = plain.client
+    engine = client._engines[0].encode()
+    client._io_loop.add_callback(time.sleep, 0.5)  # the IO thread busy, so that all three requests go in one batch
+    bad = client._send(client._mux_stream, "apply_request", buffers=[object()], ident=[engine],
+                       track_outstanding=True)
+    good = [client[i].apply_async(_pid_and, i) for i in (1, 2)]
+    assert len(client._batch) == 3
+    with pytest.raises(TypeError, match="buffer protocol"):
+        bad.result(timeout=30)
+    assert [ar.get(timeout=30)[1] for ar in good] == [1, 2]
+    assert bad.msg_id not in client.outstanding
+
+
 def test_lean_future_waits_as_a_message_future():
     future = LeanFuture("m")
     assert future.wait(0.01) is False and future.tracker.done()
