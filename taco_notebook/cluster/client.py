@@ -34,7 +34,8 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout  # the builtin's alias from 3.11 only
 from datetime import datetime
 from typing import Any
 
@@ -67,9 +68,9 @@ class LeanFuture(MessageFuture):
         """True once the future is done (result, exception or cancelled); False if ``timeout`` passed first."""
         try:
             self.exception(timeout)
-        except TimeoutError:
+        except FutureTimeout:
             return False
-        except BaseException:  # cancelled: done all the same
+        except CancelledError:  # done all the same (a Ctrl-C in the wait still reaches the caller)
             pass
         return True
 
