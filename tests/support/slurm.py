@@ -9,8 +9,8 @@ as children of this process, recorded by PID and stopped by PID; they are starte
 the per-test leak check (tests/conftest.py) sees only what a *job* started, not the long-lived daemons.
 
 Client commands find this Slurm through ``SLURM_CONF`` (the fixture sets it in ``os.environ`` for its tests).
-tests/cluster/conftest.py offers the ``slurm`` fixture to that folder's tests; :meth:`SlurmCluster.active_jobs`
-and :func:`job_processes_after` are what they check a stopped job against.
+tests/cluster/conftest.py offers the ``slurm`` fixture to that folder's tests; :meth:`SlurmCluster.active_jobs`,
+:meth:`SlurmCluster.active_jobs_after` and :func:`job_processes_after` are what they check a stopped job against.
 
     python -m tests.support.slurm      # start it, print the time to the first idle ``sinfo``, stop it
 """
@@ -138,6 +138,15 @@ class SlurmCluster:
     def active_jobs(self) -> str:
         """``squeue``'s jobs, one ``ID STATE`` a line; empty when none is left."""
         return self.run("squeue", "-h", "-o", "%i %T").stdout.strip()
+
+    def active_jobs_after(self, timeout: float = 15.0) -> str:
+        """:meth:`active_jobs` once none is left or ``timeout`` s have passed: a job whose allocation ended by
+        itself (``salloc``'s command exited) stays COMPLETING until slurmd has run its epilog and told slurmctld,
+        which on a loaded machine is seen by ``squeue`` after ``salloc`` has already returned."""
+        deadline = time.monotonic() + timeout
+        while (left := self.active_jobs()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
     def node_state(self) -> str:
         out = self.run("sinfo", "-h", "-N", "-o", "%T").stdout.strip()
