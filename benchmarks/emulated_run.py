@@ -114,19 +114,27 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _run_mpiexec(argv: list[str], env: dict[str, str], timeout_s: float) -> None:
-    print("$", " ".join(argv), flush=True)
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, cwd=REPO)
+def run_mpiexec(argv: list[str], env: dict[str, str], timeout_s: float, capture: bool = False) -> str:
+    """Run mpiexec in its own session; kill it and every rank it started on a timeout, Ctrl-C or SIGTERM.
+
+    The ranks' output goes to this terminal, or with ``capture`` is returned (stdout; on a failure the
+    :class:`RanksFailed` carries the end of both streams, since nothing was shown).
+    """
+    print("$", " ".join(argv), flush=True, file=sys.stderr if capture else sys.stdout)
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, cwd=REPO, stdout=pipe, stderr=pipe, text=True)
     try:
-        rc = proc.wait(timeout=timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         raise RanksFailed(f"mpiexec ran past --timeout {timeout_s:g} s and was killed") from None
     except BaseException:  # Ctrl-C, SIGTERM (turned into KeyboardInterrupt), anything
         kill_tree(proc)
         raise
-    if rc != 0:
-        raise RanksFailed(f"mpiexec exited with {rc} (a rank failed; its traceback is above)")
+    if proc.returncode != 0:
+        shown = f":\n{out[-3000:]}{err[-3000:]}" if capture else " (a rank failed; its traceback is above)"
+        raise RanksFailed(f"mpiexec exited with {proc.returncode}{shown}")
+    return out or ""
 
 
 def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -155,7 +163,7 @@ def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[
             env = dict(base, LIGHT_INTRA_SIZE=str(args.ranks_per_node))
             for key in ("TACO_NODE_NAME", "GLOO_SOCKET_IFNAME"):
                 env.pop(key, None)
-            _run_mpiexec([mpiexec_path(), "-n", str(nranks), *body], env, args.timeout)
+            run_mpiexec([mpiexec_path(), "-n", str(nranks), *body], env, args.timeout)
         else:
             from taco_notebook.cluster.emulated.nodes import EmulatedNodes, parse_rate
 
@@ -165,8 +173,8 @@ def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[
                 meta["cluster"] = repr(cluster)
                 env = cluster.mpiexec_env(base)
                 env.pop("LIGHT_INTRA_SIZE", None)
-                _run_mpiexec([mpiexec_path(), *cluster.mpiexec_args(args.ranks_per_node), "-n", str(nranks),
-                              *body], env, args.timeout)
+                run_mpiexec([mpiexec_path(), *cluster.mpiexec_args(args.ranks_per_node), "-n", str(nranks),
+                             *body], env, args.timeout)
     except RanksFailed as failure:  # keep what rank 0 wrote before the failure (it writes after each variant)
         meta["error"] = str(failure)
         print(f"\n!! {failure}", file=sys.stderr, flush=True)

@@ -19,12 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import emulated_run as er  # mpiexec's path, killing its whole tree, the table
+import emulated_run as er  # mpiexec (run, and killed with its ranks on a timeout or Ctrl-C), the table
 
 VARIANTS = ("flat", "auto")
 
@@ -85,16 +84,14 @@ def main(argv: list[str]) -> int:
     for n in args.ranks:
         cmd = [er.mpiexec_path(), "-n", str(n), sys.executable, __file__, "--rank-mode", "--iters", str(args.iters),
                "--warmup", str(args.warmup), "--sizes-mib", *map(str, args.sizes_mib)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
         try:
-            out, err = proc.communicate(timeout=3600)
-        except BaseException:  # past the timeout, Ctrl-C: mpiexec and every rank it started go
-            er.kill_tree(proc)
-            raise
+            out = er.run_mpiexec(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, 3600, capture=True)
+        except er.RanksFailed as failure:
+            print(failure, file=sys.stderr)
+            return 1
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(out[-3000:], err[-3000:], file=sys.stderr)
+        if line is None:
+            print(f"no RESULT line from rank 0:\n{out[-3000:]}", file=sys.stderr)
             return 1
         results.extend(json.loads(line[len("RESULT "):]))
     print(er.markdown_table(["ranks", "MiB", "gloo ring (flat) ms", "node (shared memory) ms", "speed-up"],

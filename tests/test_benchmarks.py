@@ -27,6 +27,22 @@ def _benchmark(script: str, out: Path, *args: str, timeout: float = 110) -> tupl
     return result.stdout.splitlines(), json.loads(out.read_text())
 
 
+def test_captured_ranks_output_is_returned_and_a_failure_carries_it(mpiexec, monkeypatch, capfd):
+    """With ``capture`` (node_allreduce reads rank 0's RESULT line) the ranks' stdout is returned, and a failing
+    rank's stderr, shown nowhere else, is in the error."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import emulated_run
+
+    rank = "import os; os.write(1, f'RANK {os.environ[\"PMI_RANK\"]}\\n'.encode())"
+    out = emulated_run.run_mpiexec([mpiexec, "-n", "2", sys.executable, "-c", rank], mpi_env(), 60, capture=True)
+    assert sorted(out.splitlines()) == ["RANK 0", "RANK 1"]
+    failing = ("import os, sys; r = os.environ['PMI_RANK']\n"
+               "if r == '1': sys.exit(f'rank {r} has no GPU')")
+    with pytest.raises(emulated_run.RanksFailed, match=r"(?s)mpiexec exited with \d+:.*rank 1 has no GPU"):
+        emulated_run.run_mpiexec([mpiexec, "-n", "2", sys.executable, "-c", failing], mpi_env(), 60, capture=True)
+    assert "RANK" not in capfd.readouterr().out
+
+
 @pytest.mark.timeout(240)
 def test_allreduce_benchmark_measures_every_variant(tmp_path):
     result = run_in_session(
@@ -49,7 +65,7 @@ def test_an_mpiexec_past_its_timeout_is_killed_with_its_ranks(mpiexec, monkeypat
     rank = "import os, time; os.write(1, f'RANK {os.getpid()} {os.getppid()}\\n'.encode()); time.sleep(600)"
     began = time.time()
     with pytest.raises(emulated_run.RanksFailed, match="ran past --timeout 8 s and was killed"):
-        emulated_run._run_mpiexec([mpiexec, "-n", "2", sys.executable, "-c", rank], mpi_env(), 8)
+        emulated_run.run_mpiexec([mpiexec, "-n", "2", sys.executable, "-c", rank], mpi_env(), 8)
     out = capfd.readouterr().out
     started = [int(pid) for row in re.findall(r"^RANK (\d+) (\d+)$", out, re.M) for pid in row]
     assert len(started) == 4, out  # two ranks and their proxy (twice)
