@@ -16,7 +16,8 @@ Of it, per request (py-spy, 64 engines):
 ``RankTracker``) reads, and does the same work once per request or once per batch:
 
 * futures waited on through their own condition (:class:`LeanFuture`), one shared resolved "sent" future for
-  untracked requests, and a counter instead of the ``multi_future``;
+  untracked requests, and a done callback that purges once all of a request's futures are done instead of
+  the ``multi_future``;
 * the requests of one ``apply`` to N ranks handed to the IO thread as one batch, sent straight on the socket
   when nothing is queued on its stream (in order: once a send would block, it and the rest go through the
   stream's queue). zmq's socket descriptor is edge-triggered and a send on the socket can consume the edge of a
@@ -60,7 +61,6 @@ class LeanFuture(MessageFuture):
         self.msg_id = msg_id
         self.header = header or {"msg_type": "unknown_request"}
         self.track = track
-        self._tracker = None
         self.tracker = Future() if track else _SENT
         self.iopub_callbacks: list[Callable[[dict[str, Any]], None]] = []
 
@@ -116,8 +116,8 @@ class LeanClient(ipp.Client):
     def _send(self, socket: Any, msg_type: str, content: Any = None, parent: Any = None, ident: Any = None,
               buffers: Any = None, track: bool = False, header: Any = None, metadata: Any = None,
               track_outstanding: bool = False, message_future_hook: Any = None) -> Any:
-        """ipyparallel's ``Client._send`` (same arguments, bookkeeping and futures), its caches purged by a
-        counter and its send batched (module docstring)."""
+        """ipyparallel's ``Client._send`` (same arguments, bookkeeping and futures), its caches purged without a
+        ``multi_future`` and its send batched (module docstring)."""
         if self._closed:
             raise OSError("Connections have been closed.")
         msg = self.session.msg(msg_type, content=content, parent=parent, header=header, metadata=metadata)
@@ -165,14 +165,9 @@ class LeanClient(ipp.Client):
     def _purge_when_done(self, msg_id: str, futures: list[LeanFuture]) -> None:
         """Drop the request's result, futures and metadata from the client's caches once all its futures are
         done, as ipyparallel's ``multi_future`` callback did."""
-        left = [len(futures)]
-        lock = threading.Lock()
-
         def done(_: Future[Any]) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
+            if not all(future.done() for future in futures):
+                return  # (both may see all done when they finish together: the pops below are idempotent)
             self.results.pop(msg_id, None)
             self._futures.pop(msg_id, None)
             self._output_futures.pop(msg_id, None)
