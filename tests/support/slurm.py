@@ -25,9 +25,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 import pytest
@@ -39,6 +40,7 @@ PARTITION = "taco"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "sinfo", "srun", "scontrol")
 SESSION_ENV = "TACO_TEST_SESSION"
+T = TypeVar("T")
 
 
 def _free_port() -> int:
@@ -143,10 +145,7 @@ class SlurmCluster:
         """:meth:`active_jobs` once none is left or ``timeout`` s have passed: a job whose allocation ended by
         itself (``salloc``'s command exited) stays COMPLETING until slurmd has run its epilog and told slurmctld,
         which on a loaded machine is seen by ``squeue`` after ``salloc`` has already returned."""
-        deadline = time.monotonic() + timeout
-        while (left := self.active_jobs()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
+        return _once_empty(self.active_jobs, timeout)
 
     def node_state(self) -> str:
         out = self.run("sinfo", "-h", "-N", "-o", "%T").stdout.strip()
@@ -215,8 +214,13 @@ def job_processes(job_id: str) -> list[str]:
 def job_processes_after(job_id: str, timeout: float = 15.0) -> list[str]:
     """:func:`job_processes` once they are gone or ``timeout`` s have passed: slurmstepd reaps the tasks after
     the job's state is already CANCELLED."""
+    return _once_empty(lambda: job_processes(job_id), timeout)
+
+
+def _once_empty(read: Callable[[], T], timeout: float) -> T:
+    """``read()`` polled until it is empty or ``timeout`` s have passed: what is left, for the test to show."""
     deadline = time.monotonic() + timeout
-    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+    while (left := read()) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
