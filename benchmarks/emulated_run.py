@@ -122,15 +122,17 @@ def run_mpiexec(argv: list[str], env: dict[str, str], timeout_s: float, capture:
     """
     print("$", " ".join(argv), flush=True, file=sys.stderr if capture else sys.stdout)
     pipe = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, cwd=REPO, stdout=pipe, stderr=pipe, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        raise RanksFailed(f"mpiexec ran past --timeout {timeout_s:g} s and was killed") from None
-    except BaseException:  # Ctrl-C, SIGTERM (turned into KeyboardInterrupt), anything
-        kill_tree(proc)
-        raise
+    # (with: the captured pipes are closed however this ends, a timeout and Ctrl-C included)
+    with subprocess.Popen(argv, env=env, start_new_session=True, cwd=REPO, stdout=pipe, stderr=pipe,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            raise RanksFailed(f"mpiexec ran past --timeout {timeout_s:g} s and was killed") from None
+        except BaseException:  # Ctrl-C, SIGTERM (turned into KeyboardInterrupt), anything
+            kill_tree(proc)
+            raise
     if proc.returncode != 0:
         shown = f":\n{out[-3000:]}{err[-3000:]}" if capture else " (a rank failed; its traceback is above)"
         raise RanksFailed(f"mpiexec exited with {proc.returncode}{shown}")
