@@ -27,18 +27,13 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
-def plain():
+def plain(monkeypatch):
     """Three plain ipyparallel engines and taco's controller, as benchmarks/cell_protocol.py starts them; its
     ``client`` is a LeanClient (cluster.client.connect), ``stock`` ipyparallel's own on the same controller."""
-    import sys
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from cell_protocol import Plain
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from cell_protocol import Plain
-
-        cluster = Plain(3, timeout=120)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    cluster = Plain(3, timeout=120)
     try:
         yield cluster
     finally:
