@@ -1,4 +1,4 @@
-"""What the ranks' agreement check costs per collective in the steady state (comm/agreement.py).
+"""What the ranks' agreement check costs per collective in the steady state (comm/collectives/agreement.py).
 
 Every collective first gathers a 16-byte (hash, count) from each rank; the hash of a signature is cached, so in
 the steady state the cost is that one tiny allgather. Measured on every rank of a real group, rank 0 prints the
@@ -22,7 +22,7 @@ import timeit
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import agreement
+from taco_notebook.comm.collectives import agreement
 from taco_notebook.comm.state import state
 
 

@@ -3,7 +3,7 @@ per rank) and how the notebook watches it run (polling every rank, or reading on
 
 Two protocols, on the same cluster, in turn cell by cell (a burst of load weighs on all alike). The new one is
 also sent through ipyparallel's own client (**stock**: a second client on the same controller, beside taco's
-``cluster/client.py``, which a TacoCluster connects) and through ipyparallel's coalescing broadcast view, which
+``ipp/client.py``, which a TacoCluster connects) and through ipyparallel's coalescing broadcast view, which
 answers a request on every engine with one reply:
 
 * **old** (before issue 27): ``begin_cell`` queued as an ``apply``, the code as an ``execute``, then the replica
@@ -11,7 +11,7 @@ answers a request on every engine with one reply:
   cell ends in an expression);
 * **new**: one ``apply`` of the engine-side runner (``runner.run_cell``), which does the set-up, runs the code
   through the engine's IPython shell and answers both questions in its reply; watched by a ``RankTracker`` as
-  ``run.py`` watches it, so a rank whose request sent nothing on IOPub ends at its reply (``quiet.py``).
+  ``run.py`` watches it, so a rank whose request sent nothing on IOPub ends at its reply (``quiet_kernel.py``).
 
 Each variant's cell ends as ``%%taco_run`` waits for one: every reply, then every rank's output
 (``wait_for_output``; until 2026-11-27 12:50 UTC the replies only). Through the coalescing view, the replies
@@ -26,7 +26,8 @@ Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed 
 
 Engines: ``--engines taco`` starts a real ``TacoCluster`` (MPI, torch and the process group on every rank:
 ~275 MiB each, so 64 is about this machine's limit); ``--engines plain`` starts plain ipyparallel engines with
-no torch (~60 MiB each), their kernel and streams set up as a taco engine's are (``quiet.py``, ``streams.py``),
+no torch (~60 MiB each), their kernel and streams set up as a taco engine's are (``quiet_kernel.py``,
+``stdstreams.py``),
 and a runner with the same message shape as ``runner.run_cell``, so hundreds fit: the notebook's and the
 controller's side of the control plane are the same, which is what is measured.
 
@@ -53,17 +54,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
 
-from taco_notebook.cluster.cells.quiet import quiet_kernel  # noqa: E402
-from taco_notebook.cluster.cells.streams import lean_streams  # noqa: E402
-from taco_notebook.cluster.launch.controller import raise_open_files_limit  # noqa: E402
+from taco_notebook.controller import raise_open_files_limit  # noqa: E402
+from taco_notebook.ipp.quiet_kernel import quiet_kernel  # noqa: E402
+from taco_notebook.ipp.stdstreams import lean_streams  # noqa: E402
 
 EMPTY = "pass"
 POLL_S = 0.05  # run.py's
-# what a taco engine's set-up does to its kernel and streams (engine.setup_namespace), without torch: taco's own
+# what a taco engine's set-up does to its kernel and streams (calls.setup_namespace), without torch: taco's own
 # functions, one apply each, which reach the engines by reference
 PLAIN_SETUP = (lean_streams, quiet_kernel)
 # stock: the new runner sent through ipyparallel's own Client (a second client on the same controller) instead of
-# the cluster's LeanClient (cluster/client.py); coalescing: through broadcast_view(is_coalescing=True)
+# the cluster's LeanClient (ipp/client.py); coalescing: through broadcast_view(is_coalescing=True)
 VARIANTS = ("old", "stock", "new", "coalescing")
 
 
@@ -73,7 +74,7 @@ def plain_run_cell(source: str, captured: bool, silent: bool = False) -> dict[st
     sending anything on IOPub, ``quiet.end_silently``)."""
     from IPython import get_ipython
 
-    from taco_notebook.cluster.cells.quiet import end_silently, iopub_mark
+    from taco_notebook.ipp.quiet_kernel import end_silently, iopub_mark
 
     mark = iopub_mark() if silent else None
     shell = get_ipython()
@@ -100,8 +101,8 @@ class Plain:
         os.chmod(self.home, 0o700)
         from traitlets.config import Config
 
-        from taco_notebook.cluster.client import connect
         from taco_notebook.cluster.launch.engineset import CONTROLLER_CMD, controller_args, registration_timeout
+        from taco_notebook.ipp.client import connect
 
         config = Config()  # the same registration timeout and controller as a TacoCluster of this size
         config.LocalEngineSetLauncher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}"]
@@ -180,14 +181,14 @@ class Taco:
         return [controller, *controller.children(recursive=True)]
 
     def old(self, source: str) -> None:
-        from taco_notebook.cluster.cells import engine
+        from taco_notebook.engine import calls
 
-        self.view.apply_async(engine.begin_cell, False)
+        self.view.apply_async(calls.begin_cell, False)
         finish(self.view.execute(source, silent=False, block=False))
-        self.view.apply_sync(engine.check_replicas, False)
+        self.view.apply_sync(calls.check_replicas, False)
 
     def new(self, source: str, view: Any = None, stock: bool = False) -> Any:
-        from taco_notebook.cluster.cells import runner
+        from taco_notebook.engine import runner
 
         if view is not None:  # the coalescing view: one reply for every rank, read without a tracker
             return view.apply_async(runner.run_cell, source, runner.CellSetup(dashboard=False), False)

@@ -183,7 +183,7 @@ def run_cells(cluster: Any, repeats: int) -> dict[str, Any]:
 
 def publish_cost(cluster: Any, sends: int = 50) -> dict[str, float]:
     """The notebook process's CPU per dashboard payload received: every rank sends ``sends`` metric payloads
-    (ipyparallel datapub, as a ``%%taco_run`` cell does every ``engine.SEND_S``); an empty cell's CPU is taken
+    (ipyparallel datapub, as a ``%%taco_run`` cell does every ``calls.SEND_S``); an empty cell's CPU is taken
     off. ``wait_for_output`` returns after the engines' idle status, which follows their payloads on iopub."""
     view, samples = cluster.client[:], []
     for _ in range(3):
@@ -197,9 +197,9 @@ def publish_cost(cluster: Any, sends: int = 50) -> dict[str, float]:
         steps = {md["data"]["taco"]["metrics"]["steps"] for md in ar.metadata}
         if steps != {20}:
             raise RuntimeError(f"the payloads did not all arrive: steps seen {steps}")
-    from taco_notebook.cluster.cells import engine
+    from taco_notebook.engine import calls
 
-    view.apply_sync(engine.begin_cell, False)  # no sender left behind (the next cell's begin_cell says the same)
+    view.apply_sync(calls.begin_cell, False)  # no sender left behind (the next cell's begin_cell says the same)
     return {"publish_client_cpu_us": statistics.median(samples) * 1e6,
             "payload_bytes": cluster.client[0].pull("_payload_bytes", block=True)}
 

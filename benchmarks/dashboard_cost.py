@@ -24,7 +24,7 @@ import time
 
 from IPython.testing.globalipapp import start_ipython
 
-from taco_notebook.cluster.cells.engine import SEND_S as PUBLISH_S
+from taco_notebook.engine.calls import SEND_S as PUBLISH_S
 
 PUBLISH = """\
 import time as _t

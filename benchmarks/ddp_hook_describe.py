@@ -1,4 +1,4 @@
-"""What the DDP hook's per-call bucket check costs (taco_notebook.comm.hooks._bucket_name), on one gloo rank.
+"""What the DDP hook's per-call bucket check costs (taco_notebook.comm.training.hooks._bucket_name), on one gloo rank.
 
 The hook looks at which parameters every bucket packs on every call (DDP may rebuild its buckets: after the first
 iteration, and when its process group is replaced), so this is paid per bucket per step on the gradient path.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from taco_notebook.comm import hooks
+from taco_notebook.comm.training import hooks
 
 
 def _free_port() -> int:

@@ -167,7 +167,7 @@ def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[
                 env.pop(key, None)
             run_mpiexec([mpiexec_path(), "-n", str(nranks), *body], env, args.timeout)
         else:
-            from taco_notebook.cluster.emulated.nodes import EmulatedNodes, parse_rate
+            from taco_notebook.emulate.nodes import EmulatedNodes, parse_rate
 
             unlimited = args.rate.lower() in ("none", "unlimited")
             with EmulatedNodes(args.nodes, rate=None if unlimited else args.rate) as cluster:

@@ -101,7 +101,7 @@ def worker_collectives(device_kind: str) -> None:
     rows.append({"check": f"broadcast+max on {device.type}",
                  "exact": bool(b.eq(n - 1).all().item() and m.item() == n - 1)})
     _emit({"rank": r, "size": n, "device": str(device), "rows": rows,
-           "backend": __import__("taco_notebook.comm.bootstrap", fromlist=["state"]).state.backend})
+           "backend": __import__("taco_notebook.comm.group.bootstrap", fromlist=["state"]).state.backend})
     _close()
 
 
@@ -122,8 +122,8 @@ def worker_training(device_kind: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import taco_notebook.comm as taco
-    from taco_notebook.comm import hooks
-    from taco_notebook.comm.optimizer import DistributedOptimizer
+    from taco_notebook.comm.training import hooks
+    from taco_notebook.comm.training.optimizer import DistributedOptimizer
 
     taco.init()
     r = taco.rank()
@@ -244,8 +244,8 @@ def _wrap(variant: str, model: Any, device: Any, lr: float = 0.01) -> tuple[Any,
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from taco_notebook.comm import hooks
-    from taco_notebook.comm.optimizer import DistributedOptimizer
+    from taco_notebook.comm.training import hooks
+    from taco_notebook.comm.training.optimizer import DistributedOptimizer
 
     net: Any = model
     if variant.startswith("DDP"):

@@ -1,6 +1,7 @@
 """What the replica check after a cell costs, for a 25M-parameter MLP trained with DistributedOptimizer (SGD with
 momentum, so 25M momentum values are checked too): a training "cell" of STEPS steps, then the check as it runs
-after the cell (``taco_notebook.comm.replicas.after_cell``: fingerprints of every tracked tensor, one allgather).
+after the cell (``taco_notebook.comm.diagnostics.replicas.after_cell``: fingerprints of every tracked tensor, one
+allgather).
 
 Rank 0 prints the slowest rank's figures, medians of REPEATS, as a table row for benchmarks/README.md.
 
@@ -16,7 +17,7 @@ import time
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import replicas
+from taco_notebook.comm.diagnostics import replicas
 
 IN_FEATURES, HIDDEN, CLASSES = 2048, 4096, 10  # the 25M-parameter MLP of benchmarks/train_bench.py
 

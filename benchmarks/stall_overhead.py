@@ -20,7 +20,7 @@ import time
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm.stall import tracked
+from taco_notebook.comm.diagnostics.stall import tracked
 from taco_notebook.comm.state import state
 
 

@@ -1,13 +1,13 @@
 """The package's import structure: no import loops between modules, and no lower layer importing a higher one.
 
-Layers, lowest first (DESIGN.md): ``errors`` and ``model`` (no imports from the package) < ``comm`` (runs on every
-rank under plain mpiexec: no IPython, widgets, cluster) < ``widgets`` (renders what it is handed) < ``cluster`` <
-``server`` and ``plan`` (siblings: neither imports the other) < ``magics`` and ``cli`` (the two faces of the plan:
-neither imports the other) < the package root. Imports inside functions count as much as those at the top (a lazy
-import is still a dependency); imports under ``if TYPE_CHECKING:`` do not for the layers, but do for loops (a
-circle hidden from the interpreter is still one for the reader). Read from the source with :mod:`ast`, so a loop
-is found whether or not a test happens to execute it.
-"""
+Layers, lowest first (DESIGN.md): ``errors``, ``model`` and ``private`` (no imports from the package) < ``comm``
+(runs on every rank under plain mpiexec: no IPython, widgets, cluster), ``remote`` (run over ssh) and ``ipp`` (the
+one door to ipyparallel) < ``engine`` (each rank's side of a cell), ``controller`` and ``widgets`` (renders what it
+is handed) < ``cluster`` < ``emulate``, ``server`` and ``plan`` (siblings) < ``magics`` and ``cli`` (the two faces
+of the plan: neither imports the other) < the package root. Imports inside functions count as much as those at the
+top (a lazy import is still a dependency); imports under ``if TYPE_CHECKING:`` do not for the layers, but do for
+loops (a circle hidden from the interpreter is still one for the reader). Read from the source with :mod:`ast`, so
+a loop is found whether or not a test happens to execute it."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ import pytest
 import taco_notebook
 
 PACKAGE = Path(taco_notebook.__file__).parent
-LAYERS = ["_version", "errors", "model", "comm", "widgets", "cluster", "server", "plan", "magics", "cli"]
-RANK = {"_version": 0, "errors": 0, "model": 0, "comm": 1, "widgets": 2, "cluster": 3, "server": 4, "plan": 4,
-        "magics": 5, "cli": 5}
-NO_IPYTHON = ("comm", "plan", "cli")  # comm runs on every rank; plan is shared by the magics and the command line
+LAYERS = ["_version", "errors", "model", "private", "comm", "remote", "ipp", "engine", "controller", "widgets",
+          "cluster", "emulate", "server", "plan", "magics", "cli"]
+RANK = {"_version": 0, "errors": 0, "model": 0, "private": 0, "comm": 1, "remote": 1, "ipp": 1, "engine": 2,
+        "controller": 2, "widgets": 2, "cluster": 3, "emulate": 4, "server": 4, "plan": 4, "magics": 5, "cli": 5}
+NO_IPYTHON = ("comm", "remote", "plan", "cli")  # comm runs on every rank, remote over ssh; plan is shared by
+# the magics and the command line
 
 
 def _module_name(path: Path) -> str:
@@ -180,6 +182,14 @@ def _third_party_imports(path: Path) -> set[str]:
     return found
 
 
+def test_only_the_adapter_imports_ipyparallel_or_ipykernel() -> None:
+    """One door to upstream internals: every import of ipyparallel or ipykernel sits in ``taco_notebook/ipp/``."""
+    wrong = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                   if "labextension" not in p.parts and "ipp" != p.relative_to(PACKAGE).parts[0]
+                   and _third_party_imports(p) & {"ipyparallel", "ipykernel"})
+    assert not wrong, f"modules importing ipyparallel or ipykernel outside taco_notebook/ipp/: {wrong}"
+
+
 @pytest.mark.parametrize("layer", NO_IPYTHON)
 def test_layers_that_run_without_ipython_never_import_it(layer: str) -> None:
     """``plan`` is the road of shell commands as well as of the magics: it raises ``OptionError``, never
@@ -189,7 +199,7 @@ def test_layers_that_run_without_ipython_never_import_it(layer: str) -> None:
     assert not wrong, f"{layer} modules importing IPython: {wrong}"
 
 
-EMULATOR = "taco_notebook.cluster.emulated"
+EMULATOR = "taco_notebook.emulate"
 COMMAND_LINES = ("taco_notebook.cli",)  # the command line that drives the emulator
 
 

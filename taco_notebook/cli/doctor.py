@@ -70,7 +70,7 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         profile = profile_for(args.profile, args.hosts, args.hostfile)
     except ProfileError as exc:
         parser.error(str(exc))
-    from ..cluster.doctor.gather import local_report  # imports torch: after the checks
+    from ..cluster.doctor.collect import local_report  # imports torch: after the checks
     from ..cluster.doctor.report import HugePagesError, require_hugepages
 
     report = local_report() if profile.single_host else _nodes_report(profile, args.mpiexec)

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..cluster.emulated.hosts import EmulatedHosts, EmulateError, check_prerequisites, default_state_dir, down
-from ..cluster.emulated.nodes import parse_rate
+from ..emulate.hosts import EmulatedHosts, EmulateError, check_prerequisites, default_state_dir, down
+from ..emulate.nodes import parse_rate
 
 __all__ = ["add_parser", "command", "parse_spec", "parse_link"]
 

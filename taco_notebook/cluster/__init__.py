@@ -1,6 +1,6 @@
 """Clusters of MPI-launched ipyparallel engines, owned by the notebook kernel.
 
-Kept import-light: ``python -m taco_notebook.cluster.processes.rankwrap`` runs on every rank at launch.
+Kept import-light: ``python -m taco_notebook.engine.rankwrap`` runs on every rank at launch.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class RankInfo:
 
     @classmethod
     def of_engine(cls, engine_id: int, info: dict[str, Any]) -> RankInfo:
-        """From :func:`~taco_notebook.cluster.cells.engine.rank_info`'s dict, as engine ``engine_id`` answered it."""
+        """From :func:`~taco_notebook.engine.calls.rank_info`'s dict, as engine ``engine_id`` answered it."""
         return cls(**info, engine_id=engine_id)
 
 

@@ -20,15 +20,15 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
+from ..engine import calls
 from ..errors import ClusterStartError, RankDiedError
 from ..model import ClusterModel, MembershipModel, OwnerKind, PendingModel, RunModel, State
-from .cells import engine
+from ..private import private_ipython_profile
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
 from .launch import engineset
 from .launch.ipplog import IPP_LOG
 from .launch.mpi import MPIInfo
 from .launch.profiles import LOCAL, Profile, mpi_for
-from .private import private_ipython_profile
 from .processes.deaths import death_report, died_error, engine_output
 from .processes.teardown import stop_processes
 from .processes.tree import descendants, kill, marked_processes, process_tree, shared_memory_files
@@ -171,9 +171,8 @@ class TacoCluster:
         hook is off for it (``shutdown_atexit=False``): this module's one hook stops it fast, where ipyparallel's
         (registered at its first start, so run before ours) would first stop it slowly.
         """
-        import ipyparallel as ipp
-
-        from .client import connect
+        from .. import ipp
+        from ..ipp.client import connect
 
         self.mpi = mpi_for(self.profile, self.mpi, self.mpiexec)
         cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
@@ -192,7 +191,7 @@ class TacoCluster:
             engineset.wait_for_engines(self.client, self.size, self.start_timeout, self._start_failure, self.profile,
                                        self._engine_launchers)
             self.check_ranks()
-            self.view.apply_sync(engine.setup_namespace)  # `taco`, the process group, the metrics flush
+            self.view.apply_sync(calls.setup_namespace)  # `taco`, the process group, the metrics flush
         except BaseException as exc:
             output = self.engine_output()
             self._phase = None
@@ -273,7 +272,7 @@ class TacoCluster:
         if self.elastic is not None and self.elastic.owns_membership:
             self.elastic.rebuild(self, list(self.ranks))
         else:
-            self.view.apply_sync(engine.reinit)
+            self.view.apply_sync(calls.reinit)
         self.needs_reinit = False
 
     def launch_engines(self, count: int) -> None:

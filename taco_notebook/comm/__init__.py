@@ -10,12 +10,9 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 from __future__ import annotations
 
 from ..errors import StallError
-from . import algorithms as _algorithms  # noqa: F401, I001 - registers taco's world group with every group start
-from . import excepthook as _excepthook
-from . import metrics, placement, stall
-from . import rendezvous as _rendezvous
-from .bootstrap import device, init, is_initialized, reinit, shutdown
-from .collectives import (
+from .collectives import algorithms as _algorithms  # noqa: F401, I001 - registers taco's world group with every group start
+from .collectives.groups import SubGroup, new_group
+from .collectives.ops import (
     REDUCE_OPS,
     allgather,
     allreduce,
@@ -25,13 +22,17 @@ from .collectives import (
     broadcast,
     broadcast_parameters,
 )
+from .collectives.scatter import reduce_scatter, reduce_scatter_async
 from .compression.compressors import parse_compression
 from .compression.spec import CompressionSpec
 from .config import configure, settings
-from .groups import SubGroup, new_group
-from .progress import progress
-from .scatter import reduce_scatter, reduce_scatter_async
-from .topology import Topology
+from .diagnostics import excepthook as _excepthook
+from .diagnostics import metrics, stall
+from .diagnostics.progress import progress
+from .group import placement
+from .group import rendezvous as _rendezvous
+from .group.bootstrap import device, init, is_initialized, reinit, shutdown
+from .group.topology import Topology
 
 placement.apply_from_env()  # pin this rank's GPU (or hide them) before the user's code can touch CUDA
 
@@ -120,19 +121,19 @@ def num_nodes() -> int:
 def __getattr__(name: str) -> object:
     # The training APIs import more of torch (optim, nn): loaded on first use.
     if name == "tune":  # the compression advisor (advisor.py); a module named tune would shadow the function
-        from .advisor import tune
+        from .training.advisor import tune
 
         return tune
     if name == "DistributedOptimizer":
-        from .optimizer import DistributedOptimizer
+        from .training.optimizer import DistributedOptimizer
 
         return DistributedOptimizer
     if name == "check_replicas":
-        from .replicas import check_replicas
+        from .diagnostics.replicas import check_replicas
 
         return check_replicas
     if name in ("hooks", "elastic"):
         import importlib
 
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".training.{name}", __name__)
     raise AttributeError(f"module 'taco_notebook.comm' has no attribute {name!r}")

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .topology import Topology, intra_size_from_env, node_name
+from .group.topology import Topology, intra_size_from_env, node_name
 
 __all__ = ["CommThread", "Deferred", "ProcessState", "state"]
 
@@ -225,7 +225,7 @@ def _mpi_world() -> Any:
     """MPI's world, checked against the launcher's rank count (a wrong MPI library fails here, at once)."""
     from mpi4py import MPI
 
-    from .mpicheck import check_world
+    from .group.mpicheck import check_world
 
     check_world(MPI.COMM_WORLD)
     return MPI.COMM_WORLD

@@ -16,8 +16,8 @@ import itertools
 import warnings
 from typing import Any
 
-from ..comm import bootstrap
-from ..comm.groups import SubGroup, new_group
+from ..comm.collectives.groups import SubGroup, new_group
+from ..comm.group import bootstrap
 from ..comm.state import state
 
 __all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set",
@@ -82,7 +82,7 @@ class ProcessSet:
     """Horovod's process set: some ranks that run collectives among themselves (``process_set=`` on every op).
 
     ``ProcessSet([0, 2])`` names the ranks; :func:`add_process_set` (collective over every rank) makes it
-    usable, over a torch.distributed group of those ranks (:mod:`taco_notebook.comm.groups`).
+    usable, over a torch.distributed group of those ranks (:mod:`taco_notebook.comm.collectives.groups`).
     """
 
     def __init__(self, ranks: Any = None) -> None:

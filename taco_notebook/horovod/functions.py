@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..comm import collectives
+from ..comm.collectives import ops as collectives
 from .basics import check_initialized, check_process_set, rank
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

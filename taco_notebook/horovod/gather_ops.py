@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..comm import collectives
+from ..comm.collectives import ops as collectives
 from .basics import Average, check_process_set
 from .mpi_ops import UNCOMPRESSED, _check_tensor, _handle, _named, _reduce_now, synchronize
 

@@ -3,7 +3,7 @@
 
 Horovod's meaning, taco's engine: ``allreduce`` returns a new tensor and averages by default, ``allreduce_``
 works in place; ``*_async`` calls return an integer handle for :func:`poll` and :func:`synchronize`. Every
-call goes through :mod:`taco_notebook.comm.collectives` on comm/'s one communication thread, so Horovod calls,
+call goes through :mod:`taco_notebook.comm.collectives.ops` on comm/'s one communication thread, so Horovod calls,
 ``taco.*`` calls and ``DistributedOptimizer`` buckets keep one order on every rank. Out-of-place calls are
 differentiable. ``name=`` keys TopK's error feedback; integers averaged are summed, then divided and truncated
 toward zero (as Horovod).
@@ -20,7 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import StallError, agreement, collectives
+from ..comm import StallError
+from ..comm.collectives import agreement
+from ..comm.collectives import ops as collectives
 from ..comm.compression.spec import CompressionSpec
 from ..comm.state import state
 from .basics import Average, ReduceOp, check_initialized, check_process_set, comm_op, reduce_op, size
@@ -67,7 +69,7 @@ def _reserve(kind: str, name: Any) -> str | None:
 @contextmanager
 def _named(kind: str, name: Any) -> Iterator[str | None]:
     """:func:`_reserve` the name; what the block submits is matched by name, as Horovod's coordinator does
-    (``comm/byname.py``): a named operation one rank starts before the others reach it waits for them."""
+    (``comm/collectives/byname.py``): a named operation one rank starts before the others reach it waits for them."""
     reserved = _reserve(kind, name)
     with state.comm_thread.by_name(reserved is not None):
         yield reserved
@@ -89,7 +91,7 @@ def poll(handle: int) -> bool:
         raise ValueError(f"unknown handle {handle!r}: it was never returned by an *_async call, or was synchronized")
     future = _handles[handle][0]
     if not future.done():
-        state.comm_thread.unpark(future)  # someone looks for it: it runs in order from now on (comm/byname.py)
+        state.comm_thread.unpark(future)  # someone looks for it: it runs in order from now on (byname.py)
     return future.done()
 
 
@@ -102,7 +104,7 @@ def synchronize(handle: int) -> Any:
     if reserved is not None:
         _in_flight.pop(reserved, None)
     if not future.done():
-        state.comm_thread.unpark(future)  # parked (comm/byname.py): it runs in order, as this rank waits for it
+        state.comm_thread.unpark(future)  # parked (collectives/byname.py): it runs in order, as this rank waits for it
     try:
         result = future.result()
     except (StallError, dist.DistBackendError) as error:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..comm import metrics
-from ..comm.optimizer import DistributedOptimizer as _CommOptimizer
+from ..comm.diagnostics import metrics
+from ..comm.training.optimizer import DistributedOptimizer as _CommOptimizer
 from .basics import (
     Average,
     ProcessSet,

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ..comm import collectives, scatter
+from ..comm.collectives import ops as collectives
+from ..comm.collectives import scatter
 from .basics import Average, ReduceOp, check_process_set, comm_op, reduce_op, size
 from .gather_ops import allgather, allgather_async
 from .mpi_ops import _check_tensor, _handle, _named, synchronize

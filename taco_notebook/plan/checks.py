@@ -25,8 +25,8 @@ def algorithm(value: Any, what: str) -> str:
 def compression(value: Any, what: str) -> str:
     """A compression spec in its canonical form (``TopK:0.01`` → ``topk:0.01``), or ``auto`` (the ranks use what
     ``taco.tune`` last recommended on the cluster, else none)."""
-    from ..comm.advisor import AUTO
     from ..comm.compression.spec import CompressionSpec
+    from ..comm.training.advisor import AUTO
 
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO

@@ -16,7 +16,7 @@ from ..cluster.launch.profiles import LOCAL, Profile, profile_for
 from ..cluster.launch.slurm.options import SlurmOptions
 from ..cluster.registry.writer import track
 from ..cluster.session import TacoCluster, clusters
-from ..comm.placement import check_gpus
+from ..comm.group.placement import check_gpus
 from ..comm.specs import shm_from_env, timeout_from_env
 from ..errors import ClusterStartError, MPINotFoundError, OptionError
 from .gpus import sharing_line
@@ -115,7 +115,7 @@ def start_cluster(name: str, size: int, mpiexec: str | None, say: RankOutput, en
 
 def cluster_gpu_mode(cluster: TacoCluster) -> str:
     """The ``--gpus`` mode ``cluster``'s engines placed themselves with: its environment's, else what they read
-    from the kernel's (``TACO_GPUS``, else auto), as :func:`~taco_notebook.comm.placement.gpu_mode` reads it."""
+    from the kernel's (``TACO_GPUS``, else auto), as :func:`~taco_notebook.comm.group.placement.gpu_mode` reads it."""
     return check_gpus(cluster.env.get(CLUSTER_ENV["gpus"]))
 
 

@@ -14,8 +14,8 @@ import os
 import uuid
 from typing import Any
 
+from ..cluster.doctor.collect import local_report
 from ..cluster.doctor.engines import cluster_report, doctor_report
-from ..cluster.doctor.gather import local_report
 from ..cluster.doctor.render import ShownReport
 from ..cluster.launch.profiles import Profile
 from ..cluster.session import clusters

@@ -1,6 +1,6 @@
 """What ``--gpus auto`` did on a cluster's nodes, said once when the cluster starts.
 
-Each rank places itself (:func:`taco_notebook.comm.placement.decide`); a node with fewer GPUs than ranks shares
+Each rank places itself (:func:`taco_notebook.comm.group.placement.decide`); a node with fewer GPUs than ranks shares
 them, which works but is slower (CUDA tensors over gloo). The ranks cannot tell the user, so the plan layer reads
 what each rank reported at start (its node and the GPUs it sees) and hands one line to its output: the notebook
 and ``taco-notebook launch`` show the same text, and the magics compose none of it.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..cluster.describe import RankInfo
-from ..comm.placement import shares_gpus, sharing_notice
+from ..comm.group.placement import shares_gpus, sharing_notice
 
 __all__ = ["sharing_line"]
 

@@ -19,7 +19,7 @@ from traitlets import Bool, Float, Int, TraitType, Unicode
 from ..cluster.launch.mpi import LAUNCHERS
 from ..cluster.launch.profiles import PROFILES
 from ..cluster.launch.slurm.options import check_count, check_partition, check_time
-from ..comm.placement import GPU_MODES
+from ..comm.group.placement import GPU_MODES
 from ..comm.specs import ALGORITHMS
 from . import checks
 from .checks import Check

@@ -78,7 +78,7 @@ def cluster_settings(config: TacoSettings, args: Any, size: int) -> dict[str, st
         timeout = config.chosen("collective_timeout", args.collective_timeout, "--collective-timeout")
         shm_from_env(), timeout_from_env()  # what the ranks read when not given: checked before anything starts
     if gpus is not None:
-        env[CLUSTER_ENV["gpus"]] = gpus  # the ranks place themselves (comm/placement.py) before CUDA starts
+        env[CLUSTER_ENV["gpus"]] = gpus  # the ranks place themselves (comm/group/placement.py) before CUDA starts
     if shm is not None:
         env[CLUSTER_ENV["shm"]] = "1" if shm else "0"
     if timeout is not None:
@@ -161,8 +161,8 @@ def gpu_option(value: str | None, size: int) -> str | None:
     with the ways out (``auto`` shares them instead, and :func:`~.gpus.sharing_line` says so once the cluster is
     up); the GPUs are counted from /proc, without initialising CUDA in the kernel.
     """
-    from ..comm.hardware import visible_gpus
-    from ..comm.placement import PlacementError, check_gpus, decide, too_few_message
+    from ..comm.group.hardware import visible_gpus
+    from ..comm.group.placement import PlacementError, check_gpus, decide, too_few_message
 
     if value is None and not os.environ.get("TACO_GPUS"):
         mode = "auto"

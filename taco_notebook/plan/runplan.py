@@ -12,8 +12,8 @@ from functools import partial
 from typing import Any
 
 from ..cluster.cells.run import CellOptions
-from ..cluster.cells.script import Script, load_script
 from ..cluster.session import TacoCluster, clusters
+from ..engine.script import Script, load_script
 from ..errors import OptionError
 from .clusters import check_hugepages, chosen_profile, ensure_cluster, shared_size
 from .options import OUTPUT_ALL_UP_TO

@@ -42,11 +42,11 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from .._version import __version__
 from ..cluster.describe import new_cluster_id
 from ..cluster.launch.limits import SizeLimitError, max_ranks
-from ..cluster.private import UnsafeDirectoryError
 from ..cluster.registry import files as registry_files
 from ..cluster.registry.writer import track
 from ..cluster.session import TacoCluster
 from ..model import ClusterList, ClusterModel
+from ..private import UnsafeDirectoryError
 from .requests import (
     BadRequest,
     Conflict,

@@ -257,7 +257,7 @@ class Dashboard:
 
         With ``picture`` (the final picture's HTML) each live view (its ``VBox`` stays open) shows that picture
         instead: a page reloaded from a notebook saved mid-run holds the live view's output, and fetches its widget
-        from the kernel (mid-run too: ``comm_pump.py``); after the cell's end it finds the final picture there, not
+        from the kernel (mid-run too: ``ipp/comm_pump.py``); after the cell's end it finds the final picture there, not
         a closed model."""
         if picture is not None:
             import ipywidgets as w

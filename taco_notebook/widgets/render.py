@@ -17,7 +17,7 @@ Two problems of jupyter_bokeh 4.1 in a notebook, and what this module does about
   'require')". :func:`display_bokehjs` puts the (inline) loader before every live view, and the cell's end
   replaces both with :func:`static_html`, a self-contained rendering that needs no kernel and no widget
   manager (a reloaded page, a saved notebook, nbviewer). A page reloaded while the cell still runs fetches the
-  live view's state from the kernel (``widgets/comm_pump.py``): :meth:`KernelFedBokehModel.get_state` hands it the
+  live view's state from the kernel (``ipp/comm_pump.py``): :meth:`KernelFedBokehModel.get_state` hands it the
   document as it is then, not as it was when the view was made, and the patches that follow draw on from there.
 """
 

@@ -1,4 +1,5 @@
-"""Each rank's recorded history (``snapshot()["series"]``, :mod:`taco_notebook.comm.metrics`) and the time series
+"""Each rank's recorded history (``snapshot()["series"]``, :mod:`taco_notebook.comm.diagnostics.metrics`) and the time
+series
 the dashboard plots from it, on one grid, by one definition shared with the text summary.
 
 Ranks record cumulative counters at a fixed cadence and send the latest records with every snapshot;

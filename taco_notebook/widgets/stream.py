@@ -1,6 +1,7 @@
 """Turn successive batches of per-rank metric snapshots into the dashboard's plots and its text summary.
 
-Snapshots (``taco_notebook.comm.metrics.snapshot()``, one dict per rank) hold cumulative counters and each rank's
+Snapshots (``taco_notebook.comm.diagnostics.metrics.snapshot()``, one dict per rank) hold cumulative counters and each
+rank's
 recorded series; :class:`MetricsStream` keeps the previous batch, detects a new run (counters that went
 backwards: history is dropped), differences batches into an :class:`~.interval.Interval` (:mod:`.interval`),
 and updates the bokeh sources of :class:`~taco_notebook.widgets.plots.DashboardPlots`.

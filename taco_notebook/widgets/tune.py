@@ -1,6 +1,6 @@
 """The compression advisor's table as HTML, for a notebook: what ``taco.tune`` returned, drawn.
 
-``widgets`` renders what it is handed: a :class:`~taco_notebook.comm.advisor.TuneResult` (its ``rows()``,
+``widgets`` renders what it is handed: a :class:`~taco_notebook.comm.training.advisor.TuneResult` (its ``rows()``,
 ``best``, ``summary()``), never the ranks. ``%load_ext taco_notebook`` registers :func:`tune_html` as the
 result's ``text/html`` formatter, so ``taco.tune(step, state)`` as a cell's last expression shows the table;
 text mode shows ``str(result)``.
@@ -17,7 +17,7 @@ _PAYS, _BEST, _REFUSED = "#e6f4ea", "#b7e1c1", "#fbeaea"
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
-    from ..comm.advisor import format_bytes
+    from ..comm.training.advisor import format_bytes
 
     link, relative = row["link_bytes_per_s"], row["relative_slope"]
     return [row["candidate"], f"{row['step_seconds'] * 1e3:,.1f} ms", f"{row['speedup']:.2f}x",

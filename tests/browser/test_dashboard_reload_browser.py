@@ -1,7 +1,7 @@
 """The dashboard survives a reload in the middle of a run (issue 25), in a real JupyterLab in a real chromium.
 
 Save while ``%%taco_run`` trains, reload the page: while the cell still runs the live dashboard is back under it and
-keeps moving (the wait loop answers the page's widget requests: ``widgets/comm_pump.py``), and once the cell ends
+keeps moving (the wait loop answers the page's widget requests: ``ipp/comm_pump.py``), and once the cell ends
 the final picture is under it (the live view's box holds it: ``Dashboard.close_live_views``).
 """
 

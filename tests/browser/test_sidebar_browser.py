@@ -433,7 +433,7 @@ def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
         behind_ranks = sorted((ranks - shown) / rate for _, ranks, shown, _ in samples)
         assert len({shown for _, _, shown, _ in samples}) >= 3, f"the sidebar's step did not move: {samples}"
         # the kernel's step is the dashboard's (the same payloads, cluster/cells/run.py); how far both trail the
-        # ranks is the engines' send cadence (cluster/cells/engine.py) and the machine's load: printed, not asserted
+        # ranks is the engines' send cadence (engine/calls.py) and the machine's load: printed, not asserted
         assert behind_kernel[len(samples) // 2] < 1.0, f"the sidebar trails the kernel by {behind_kernel} s"
         print(f"sidebar step behind the kernel's (the dashboard's): median {behind_kernel[len(samples) // 2]:.2f} s, "
               f"max {behind_kernel[-1]:.2f} s; behind the ranks: median {behind_ranks[len(samples) // 2]:.2f} s, "

@@ -25,12 +25,12 @@ import psutil
 import pytest
 
 from taco_notebook.cli.emulate import parse_spec
-from taco_notebook.cluster.emulated.hosts import EmulatedHosts
-from taco_notebook.cluster.emulated.sshd import PRIVSEP_DIR, SshdProcess, find_sshd
-from taco_notebook.cluster.emulated.state import load_nodes, nodes_from_state
-from taco_notebook.cluster.private import write_private_json
+from taco_notebook.emulate.hosts import EmulatedHosts
+from taco_notebook.emulate.saved import load_nodes, nodes_from_state
+from taco_notebook.emulate.sshd import PRIVSEP_DIR, SshdProcess, find_sshd
+from taco_notebook.private import write_private_json
 
-from ..cluster.emulated.test_emulated import MPIEXEC, NETNS_SKIP
+from ..emulate.test_emulated import MPIEXEC, NETNS_SKIP
 from ..support.mpirun import run_in_session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,7 +285,7 @@ def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -
 @pytest.mark.timeout(120, method="signal")
 def test_failed_up_removes_what_it_made(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """n0's sshd really starts; starting n1's fails: n0's sshd, the namespaces, links and files all go."""
-    from taco_notebook.cluster.emulated import hosts as emulated_hosts
+    from taco_notebook.emulate import hosts as emulated_hosts
 
     real_start = emulated_hosts.start_sshd
     started: list[tuple[str, SshdProcess]] = []

@@ -26,10 +26,10 @@ import pytest
 from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures: jp_fetch, jp_serverapp, ...)
 
 from taco_notebook.cluster.launch.limits import max_ranks
-from taco_notebook.cluster.private import UnsafeDirectoryError, check_private_dir
 from taco_notebook.cluster.registry import files as registry
 from taco_notebook.cluster.registry import writer as registry_writer
 from taco_notebook.cluster.session import TacoCluster, clusters
+from taco_notebook.private import UnsafeDirectoryError, check_private_dir
 from taco_notebook.server.manager import ClusterManager, UnsafeRegistry
 from taco_notebook.server.requests import MAX_BODY_BYTES
 

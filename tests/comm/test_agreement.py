@@ -10,7 +10,7 @@ import time
 import pytest
 
 from taco_notebook.cluster.session import clusters
-from taco_notebook.comm.agreement import JOINED, Signature, _message
+from taco_notebook.comm.collectives.agreement import JOINED, Signature, _message
 from taco_notebook.errors import RankFailedError
 
 from ..support.mpirun import run_mpi

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from taco_notebook.cluster.cells.autopsy_host import ask
-from taco_notebook.comm import autopsy
+from taco_notebook.comm.diagnostics import listener
+from taco_notebook.remote.autopsy_reader import ask
 
 
 @pytest.fixture
 def private_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     directory = tmp_path / "stacks"
-    monkeypatch.setenv(autopsy.DIR_ENV, str(directory))
+    monkeypatch.setenv(listener.DIR_ENV, str(directory))
     yield directory
-    autopsy.stop_listening()
+    listener.stop_listening()
 
 
 def hang_here(released: threading.Event) -> None:
@@ -32,7 +32,7 @@ def test_the_listener_reports_a_blocked_thread_without_disturbing_it(private_dir
     worker = threading.Thread(target=hang_here, args=(released,), name="blocked-worker", daemon=True)
     worker.start()
     try:
-        path = autopsy.listen()
+        path = listener.listen()
         assert path == private_dir / f"{os.getpid()}.sock"
         assert stat.S_IMODE(os.stat(private_dir).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -49,32 +49,32 @@ def test_the_listener_reports_a_blocked_thread_without_disturbing_it(private_dir
     finally:
         released.set()
         worker.join(10)
-    autopsy.stop_listening()
+    listener.stop_listening()
     assert not path.exists()
 
 
 def test_a_stall_snapshot_is_kept_for_the_next_reader(private_dir: Path) -> None:
-    autopsy.remember_stall(7, "allreduce 'step'", 3.2)
+    listener.remember_stall(7, "allreduce 'step'", 3.2)
     try:
-        reply = ask(autopsy.listen(), timeout=2.0)
+        reply = ask(listener.listen(), timeout=2.0)
         assert reply["at_stall"]["collective"] == {"seq": 7, "name": "allreduce 'step'", "waited_s": 3.2}
         assert reply["now"]["collective"] is None
     finally:
-        autopsy._at_stall = None
+        listener._at_stall = None
 
 
 def test_a_directory_open_to_others_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = tmp_path / "open"
     directory.mkdir(mode=0o755)
     os.chmod(directory, 0o755)
-    monkeypatch.setenv(autopsy.DIR_ENV, str(directory))
+    monkeypatch.setenv(listener.DIR_ENV, str(directory))
     with pytest.raises(PermissionError, match=r"refusing the stacks directory .*open: it must be a directory of "
                                               r"uid \d+ with mode 0700 \(found drwxr-xr-x"):
-        autopsy.listen()
+        listener.listen()
     assert list(directory.iterdir()) == []
 
 
 def test_no_listener_is_an_oserror(private_dir: Path) -> None:
-    autopsy.socket_dir()
+    listener.socket_dir()
     with pytest.raises(FileNotFoundError):
-        ask(autopsy.socket_path(1), timeout=0.5)
+        ask(listener.socket_path(1), timeout=0.5)

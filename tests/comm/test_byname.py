@@ -1,10 +1,10 @@
-"""The decision every rank takes when the ranks disagree on the next collective (comm/byname.py), on the
+"""The decision every rank takes when the ranks disagree on the next collective (comm/collectives/byname.py), on the
 proposals real ranks send; the ranks themselves: tests/mpi/agreement.py (Horovod's duplicate-name pattern)."""
 
 from __future__ import annotations
 
-from taco_notebook.comm.agreement import Signature
-from taco_notebook.comm.byname import Proposal, decide
+from taco_notebook.comm.collectives.agreement import Signature
+from taco_notebook.comm.collectives.byname import Proposal, decide
 
 BARRIER = Signature("barrier")
 X = Signature("allreduce", "x", (3,), "float32", "cpu", op="sum")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-from taco_notebook.comm.topology import Topology, intra_size_from_env
+from taco_notebook.comm.group.topology import Topology, intra_size_from_env
 
 from ..support.mpirun import run_in_session, run_mpi
 
@@ -63,7 +62,7 @@ def test_rank_wrapper_reports_the_rank_that_died(mpiexec, tmp_path):
                       "if os.environ['PMI_RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
                       "time.sleep(30)\n")
     result = run_in_session(
-        [mpiexec, "-n", "2", sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap", sys.executable,
+        [mpiexec, "-n", "2", sys.executable, "-m", "taco_notebook.engine.rankwrap", sys.executable,
          str(script)],
         timeout=60)
     assert result.returncode != 0
@@ -98,28 +97,13 @@ def test_process_state_teardown_runs_every_callback_last_first() -> None:
 
 def test_comm_modules_import_no_loop() -> None:
     """No module of comm/ imports, even inside a function, a module that imports it back (directly or not)."""
-    import ast
+    from ..test_package_layers import _imports, _loops, _modules
 
-    import taco_notebook.comm as comm
-
-    root = Path(comm.__file__).parent
-    graph: dict[str, set[str]] = {}
-    for path in root.glob("*.py"):
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                deps.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
-        graph[path.stem] = deps - {path.stem, "__init__"}
-
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        for dep in graph.get(start, set()) - seen:
-            if dep == target or reaches(dep, target, seen | {dep}):
-                return True
-        return False
-
-    loops = sorted(m for m in graph if m != "__init__" and reaches(m, m, set()))
-    assert graph["bootstrap"] and "algorithms" not in graph["bootstrap"], graph["bootstrap"]
-    assert loops == [], f"import loops through {loops}"
+    modules = {name: path for name, path in _modules().items() if name.startswith("taco_notebook.comm")}
+    graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+    bootstrap = graph["taco_notebook.comm.group.bootstrap"]
+    assert bootstrap and "taco_notebook.comm.collectives.algorithms" not in bootstrap, bootstrap
+    assert _loops(graph) == [], f"import loops through {_loops(graph)}"
 
 
 def test_torch_abort_does_not_release_a_gloo_peer(mpiexec):

@@ -166,8 +166,8 @@ def test_one_compressor_per_spec_on_a_rank(defaults: None) -> None:
 
 
 def test_optimizer_and_hook_hold_the_value(defaults: None) -> None:
-    from taco_notebook.comm.hooks import TacoHookState
-    from taco_notebook.comm.optimizer import DistributedOptimizer
+    from taco_notebook.comm.training.hooks import TacoHookState
+    from taco_notebook.comm.training.optimizer import DistributedOptimizer
 
     model = torch.nn.Linear(3, 2)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), model.named_parameters(),

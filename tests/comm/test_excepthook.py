@@ -40,7 +40,7 @@ def test_uncaught_exception_on_one_rank_ends_the_plain_mpiexec_job(mpiexec, bloc
 
 
 def _hook_state() -> tuple[bool, bool, bool]:
-    from taco_notebook.comm import excepthook
+    from taco_notebook.comm.diagnostics import excepthook
 
     return excepthook.under_mpi_launcher(), excepthook.in_engine(), excepthook.is_installed()
 

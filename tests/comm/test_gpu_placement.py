@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from taco_notebook.comm import hardware, placement
-from taco_notebook.comm.mpicheck import launcher_size, mismatch_message
-from taco_notebook.comm.placement import PlacementError, backend_for, check_gpus, decide, launcher_local
+from taco_notebook.comm.group import hardware, placement
+from taco_notebook.comm.group.mpicheck import launcher_size, mismatch_message
+from taco_notebook.comm.group.placement import PlacementError, backend_for, check_gpus, decide, launcher_local
 
 from ..support.mpirun import run_in_session
 
@@ -106,7 +106,7 @@ def test_the_sharing_notice_names_what_it_costs_and_every_alternative():
 
 def test_default_backend_follows_the_placement_made(monkeypatch):
     """A rebuilt group (elastic) takes the backend the placement chose: gloo where auto shares a GPU."""
-    from taco_notebook.comm import bootstrap
+    from taco_notebook.comm.group import bootstrap
 
     monkeypatch.delenv("TACO_GPUS", raising=False)
     placement._reset_for_tests()

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
 
 SCRIPT = """\
 import torch, taco_notebook.comm as taco
-from taco_notebook.comm import algorithms
+from taco_notebook.comm.collectives import algorithms
 t = torch.full((1_000_003,), float(taco.rank()))
 taco.allreduce(t, algorithm="2d")
 assert torch.equal(t, torch.full_like(t, 6.0)), t[:4]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from taco_notebook.comm import metrics
-from taco_notebook.comm.progress import progress
+from taco_notebook.comm.diagnostics import metrics
+from taco_notebook.comm.diagnostics.progress import progress
 
 from ..support.waiting import wait_until
 

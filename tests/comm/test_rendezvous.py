@@ -4,7 +4,7 @@ A ``TacoCluster`` (what ``%%taco_run`` starts) launches its engines with MPICH's
 the ranks and talks PMI over inherited sockets: no listener off loopback at all, no exception. The one listener
 allowed off loopback is hydra's control port, where hydra is used (a plain ``mpiexec`` job a user starts, or
 ``TACO_MPI_LAUNCHER=hydra``): hydra binds it to 0.0.0.0 and no hydra option or variable changes that (``-iface
-lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` were tried; see taco_notebook/comm/rendezvous.py). It
+lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` were tried; see taco_notebook/comm/group/rendezvous.py). It
 is identified exactly, by the port hydra's proxies are told to dial back (``hydra_pmi_proxy --control-port
 HOST:PORT``), and must belong to the ``mpiexec`` process.
 """
@@ -179,7 +179,7 @@ def _allreduce_for(seconds: float) -> int:
 def _rendezvous_report() -> dict[str, object]:
     import os as _os
 
-    from taco_notebook.comm.bootstrap import state as _state
+    from taco_notebook.comm.group.bootstrap import state as _state
 
     meeting = _state.rendezvous
     return {"kind": meeting.kind, "address": meeting.address, "ifname": _os.environ.get("GLOO_SOCKET_IFNAME"),
@@ -202,7 +202,7 @@ def _listening_during_allreduce(cluster, allow_hydra: bool) -> tuple[list[psutil
     steps = running.get(timeout=120)
     assert all(s > 0 for s in steps), steps
     assert not outside, f"listening off loopback: {outside}"
-    assert any("taco_notebook.cluster.launch.controller" in item.command for item in inside), inside  # on 127.0.0.1
+    assert any("taco_notebook.controller" in item.command for item in inside), inside  # on 127.0.0.1
     engines = {item.pid for item in inside if "ipyparallel.engine --mpi" in item.command}
     assert len(engines) == cluster.size, inside  # each rank's gloo pair, on loopback
     return procs, inside
@@ -257,7 +257,7 @@ def test_hydra_chosen_by_env_listens_only_on_its_control_port_off_loopback(monke
 
 
 def test_sweep_removes_only_our_directories_whose_rank_0_is_gone(tmp_path):
-    from taco_notebook.comm import rendezvous
+    from taco_notebook.comm.group import rendezvous
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid, ns = int(gone.stdout), rendezvous._pid_namespace()
@@ -287,7 +287,7 @@ def _file_rendezvous(world: int) -> list[Any]:
 
     import torch.distributed as dist
 
-    from taco_notebook.comm import rendezvous
+    from taco_notebook.comm.group import rendezvous
 
     directory, path = rendezvous._new_store_file()
     made = []
@@ -304,7 +304,7 @@ def test_an_aborting_creator_unlinks_the_store_at_once_and_removes_its_directory
     ``engine.abort`` hung at the 7th and the 32nd of a loop of aborts on 4 ranks). Now the file goes at once, so a
     peer closing after finds nothing to count itself out of, and a peer that already saw the file recreates it in
     a directory that is still there; the directory goes REAP_AFTER_S later."""
-    from taco_notebook.comm import rendezvous
+    from taco_notebook.comm.group import rendezvous
 
     monkeypatch.setattr(rendezvous, "REAP_AFTER_S", 0.5)
     creator, late, in_window = _file_rendezvous(3)
@@ -325,7 +325,7 @@ def test_an_aborting_creator_unlinks_the_store_at_once_and_removes_its_directory
 def test_a_shutdown_after_the_peers_let_go_removes_the_directory_at_once():
     """shutdown(): the peers' destructors count themselves out and the last removes the file; the creator waits
     for that and removes the directory itself, no timer."""
-    from taco_notebook.comm import rendezvous
+    from taco_notebook.comm.group import rendezvous
 
     creator, peer = _file_rendezvous(2)
     directory = Path(creator.directory)
@@ -336,7 +336,7 @@ def test_a_shutdown_after_the_peers_let_go_removes_the_directory_at_once():
 
 def test_a_pending_removal_is_done_at_exit(tmp_path):
     """A creator that exits before its timer fires still removes the directory (atexit), not the next job."""
-    code = ("from taco_notebook.comm import rendezvous\n"
+    code = ("from taco_notebook.comm.group import rendezvous\n"
             "from tests.comm.test_rendezvous import _file_rendezvous\n"
             "made = _file_rendezvous(2)\n"
             "print(made[0].directory, flush=True)\n"
@@ -355,7 +355,7 @@ def test_a_pending_removal_is_done_at_exit(tmp_path):
     (None, None, None, None),         # not under hydra
 ])
 def test_keep_mpi_local_only_when_hydra_says_every_rank_is_here(monkeypatch, local, world, preset, expect):
-    from taco_notebook.comm import rendezvous
+    from taco_notebook.comm.group import rendezvous
 
     for name, value in (("MPI_LOCALNRANKS", local), ("PMI_SIZE", world), ("UCX_TLS", preset)):
         if value is None:

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from taco_notebook.comm.replicas import CAUSES, _blocks, compare, fingerprint
+from taco_notebook.comm.diagnostics.replicas import CAUSES, _blocks, compare, fingerprint
 
 
 def test_the_fingerprint_sees_one_changed_element_and_ignores_a_copy() -> None:

@@ -73,7 +73,8 @@ def test_a_late_rank_fails_and_every_rank_rebuilds_the_group(mpiexec, store):
         assert (missing, gave_up) == ("[]", "[0, 1, 2]") and waited < STALL_S, found[3]  # at once, not a timeout later
         assert "ranks 0, 1, 2 gave up waiting at collective #2 before this rank entered it" in message
     else:  # its late allreduce met the abandoned ones (or raised naming who gave up); the next one raised.
-        # With the ranks' agreement check (comm/agreement.py) its check may meet the abandoned ones' check, whose
+        # With the ranks' agreement check (comm/collectives/agreement.py) its check may meet the abandoned ones' check,
+        # whose
         # threads then stop before the allreduce itself: it raises at once that the collective did not complete.
         met = "NO-STALL 3" in result.stdout
         named = 3 in found and found[3][2] == "[0, 1, 2]"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from taco_notebook.comm.advisor import PAYS, SLOPE_KEPT, Trial, advise, slope
+from taco_notebook.comm.training.advisor import PAYS, SLOPE_KEPT, Trial, advise, slope
 
 from ..support.mpirun import run_mpi
 

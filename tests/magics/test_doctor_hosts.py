@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.session import clusters
+from taco_notebook.emulate.hosts import EmulatedHosts
 from taco_notebook.errors import ClusterStartError
 from taco_notebook.plan.output import RankOutput
 

@@ -24,7 +24,7 @@ def step():
     return loss
 before = [p.detach().clone() for p in model.parameters()]
 """
-FORGET = "from taco_notebook.comm import advisor\nadvisor.forget()"
+FORGET = "from taco_notebook.comm.training import advisor\nadvisor.forget()"
 
 
 def test_auto_before_and_after_a_tune(ip: Any, shared_cluster: Any, capfd: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from taco_notebook.comm.agreement import CollectiveMismatchError
+from taco_notebook.comm.collectives.agreement import CollectiveMismatchError
 
 FACE = sys.argv[1]
 if FACE == "hvd":

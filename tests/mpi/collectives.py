@@ -7,8 +7,8 @@ from datetime import timedelta
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import algorithms
-from taco_notebook.comm import collectives as comm_collectives
+from taco_notebook.comm.collectives import algorithms
+from taco_notebook.comm.collectives import ops as comm_collectives
 from taco_notebook.comm.state import state as comm_state
 
 r, n = taco.rank(), taco.size()
@@ -82,7 +82,7 @@ taco.allreduce(scaled, prescale=2.0, postscale=0.25)
 assert scaled.tolist() == [n / 2] * 2, scaled
 
 # the process group can be rebuilt without restarting the processes
-generation = taco.bootstrap.state.generation
+generation = comm_state.generation
 tiers = algorithms.hierarchy()  # 2D groups (and a shm segment) when LIGHT_INTRA_SIZE splits the job
 assert (tiers is not None) == (topology.num_nodes > 1 and topology.local_size > 1), (tiers, topology)
 del tiers  # the groups die with the old generation
@@ -90,7 +90,7 @@ torn_down: list[int] = []
 comm_state.on_teardown(lambda: torn_down.append(comm_state.generation))
 taco.configure(collective_timeout=77)  # configure() reaches the next init()'s store and group
 taco.reinit()
-assert taco.bootstrap.state.generation == generation + 1
+assert comm_state.generation == generation + 1
 assert torn_down == [generation], torn_down  # shutdown ran the registered teardown callbacks
 assert generation not in algorithms._hierarchy  # ... algorithms' among them: the old 2D groups are gone
 assert comm_state.store.timeout == timedelta(seconds=77), comm_state.store.timeout

@@ -15,7 +15,7 @@ import time
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm.bootstrap import state
+from taco_notebook.comm.group.bootstrap import state
 
 stop_file, report_dir = sys.argv[1], sys.argv[2]
 taco.init()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import algorithms
+from taco_notebook.comm.collectives import algorithms
 from taco_notebook.comm.transport import pipeline
 
 r, n = taco.rank(), taco.size()

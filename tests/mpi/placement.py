@@ -12,7 +12,7 @@ import os
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import bootstrap, placement
+from taco_notebook.comm.group import bootstrap, placement
 
 mode = placement.gpu_mode()
 if mode == "none":

@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import taco_notebook.comm as taco
+from taco_notebook.comm.collectives import algorithms
 from taco_notebook.comm.compression.powersgd import PowerSGDCompressor
 from taco_notebook.comm.config import compressor_for
 
@@ -73,7 +74,7 @@ for algorithm in ("flat", "2d"):
     else:  # 2d: the node's shard crossed compressed; on each node sent + residual = the node's shard sum
         half = g.numel() // 2
         node_sum = g.clone()
-        torch.distributed.all_reduce(node_sum, group=taco.algorithms.hierarchy().local)
+        torch.distributed.all_reduce(node_sum, group=algorithms.hierarchy().local)
         mine = node_sum[topo.local_rank * half: (topo.local_rank + 1) * half]
         sent = mine - residual[:half]
         torch.testing.assert_close(dense_sum(torch.cat([sent if i == topo.local_rank else torch.zeros(half)

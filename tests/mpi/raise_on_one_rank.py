@@ -12,7 +12,7 @@ import time
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm.bootstrap import state
+from taco_notebook.comm.group.bootstrap import state
 
 t = torch.ones(3)
 taco.allreduce(t)  # the group is up on both ranks

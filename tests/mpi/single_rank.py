@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import hooks, metrics
 from taco_notebook.comm.config import compressor_for
-from taco_notebook.comm.optimizer import DistributedOptimizer
+from taco_notebook.comm.diagnostics import metrics
+from taco_notebook.comm.training import hooks
+from taco_notebook.comm.training.optimizer import DistributedOptimizer
 
 torch.set_num_threads(1)
 taco.init()

@@ -6,7 +6,8 @@ sleeps ``SLEEP_S`` (past the timeout) and then enters the allreduce, which raise
 up; every rank then rebuilds the group with ``taco.reinit()``, checks an allreduce, and reports how many
 communication threads are still alive (the ones stuck in the abandoned collective must have been released).
 ``MODE=mismatch``: rank 3 broadcasts while the others allreduce; the ranks that report say so, then the job ends.
-That mode turns the ranks' agreement check off (comm/agreement.py would raise a CollectiveMismatchError at once):
+That mode turns the ranks' agreement check off (comm/collectives/agreement.py would raise a CollectiveMismatchError at
+once):
 the watchdog's own diagnosis is what covers collectives that are not checked, such as gradient buckets.
 """
 
@@ -20,7 +21,7 @@ import time
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import agreement
+from taco_notebook.comm.collectives import agreement
 
 
 def report(line: str) -> None:

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import algorithms
+from taco_notebook.comm.collectives import algorithms
 
 torch.set_num_threads(1)
 r, n = taco.rank(), taco.size()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import taco_notebook.comm as taco
-from taco_notebook.comm import advisor
+from taco_notebook.comm.training import advisor
 
 torch.set_num_threads(1)
 taco.init()

@@ -9,7 +9,7 @@ import io
 import pytest
 
 from taco_notebook.cluster.describe import RankInfo
-from taco_notebook.comm import hardware
+from taco_notebook.comm.group import hardware
 from taco_notebook.errors import OptionError
 from taco_notebook.plan import clusters as plan_clusters
 from taco_notebook.plan.gpus import sharing_line

@@ -9,7 +9,7 @@ import pytest
 
 from taco_notebook.cluster.launch.mpi import LAUNCHERS
 from taco_notebook.cluster.launch.profiles import PROFILES
-from taco_notebook.comm.placement import GPU_MODES
+from taco_notebook.comm.group.placement import GPU_MODES
 from taco_notebook.comm.specs import ALGORITHMS
 from taco_notebook.plan import checks
 from taco_notebook.plan.options import (

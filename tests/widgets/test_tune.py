@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taco_notebook.comm.advisor import Trial, advise, slope
+from taco_notebook.comm.training.advisor import Trial, advise, slope
 from taco_notebook.widgets.tune import tune_html
 
 

@@ -18,7 +18,7 @@ from bokeh.core.validation import check_integrity
 from bokeh.embed import json_item
 from bokeh.models import GlyphRenderer
 
-from taco_notebook.comm.metrics import RECORD_S, SERIES_FIELDS, SERIES_SENT
+from taco_notebook.comm.diagnostics.metrics import RECORD_S, SERIES_FIELDS, SERIES_SENT
 from taco_notebook.model import cell_progress, slowest_rank
 from taco_notebook.widgets import MetricsStream, build_plots, interval_between
 from taco_notebook.widgets.dashboard import (

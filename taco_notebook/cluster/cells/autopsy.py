@@ -1,6 +1,7 @@
 """The hang autopsy, read from outside the ranks: every rank's stacks and collective, grouped, suspects named.
 
-Each rank serves its state on a Unix socket (:mod:`taco_notebook.comm.autopsy`, a listener thread started at
+Each rank serves its state on a Unix socket (:mod:`taco_notebook.comm.diagnostics.listener`, a listener thread started
+at
 engine setup), so the autopsy needs neither the ranks' main threads nor the notebook kernel's: the kernel's cell
 runner reads it when a rank raises a StallError (the ranks that waited report themselves as they were when
 their watchdog fired), ``%taco_cluster stacks`` reads it on demand, and the Jupyter server reads it for the
@@ -33,12 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...comm.autopsy import library_file, socket_dir
+from ...comm.diagnostics.listener import library_file, socket_dir
+from ...remote.autopsy_reader import MODULE as HOST_READER
+from ...remote.autopsy_reader import read_pids
 from ..launch.hostfiles import ProfileError
 from ..launch.overlay import overlay_for
 from ..launch.sshcheck import runs_locally, ssh_command
-from .autopsy_host import MODULE as HOST_READER
-from .autopsy_host import read_pids
 
 __all__ = ["TIMEOUT_S", "REMOTE_SETUP_S", "RankAddress", "RankStacks", "Autopsy", "collect", "after_stall",
            "launcher_of", "read_remote", "host_answers", "rank_span"]
@@ -61,7 +62,8 @@ class RankAddress:
 
 @dataclass
 class RankStacks:
-    """One rank's answer (``snapshot``, from :func:`taco_notebook.comm.autopsy.snapshot`) or why there is none
+    """One rank's answer (``snapshot``, from :func:`taco_notebook.comm.diagnostics.listener.snapshot`) or why there is
+    none
     (``missing``: what the OS says of the process)."""
 
     rank: int

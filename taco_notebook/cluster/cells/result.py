@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from .engine import RESULT_NAME, UNPICKLABLE
+from ...engine.calls import RESULT_NAME, UNPICKLABLE
 
 __all__ = ["RESULT_NAME", "capture_last_expression", "unwrap_result", "UnpicklableResult"]
 

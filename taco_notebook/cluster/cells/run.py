@@ -12,11 +12,11 @@ ladder, the same for Ctrl-C, ``--timeout`` and a rank that raised while its peer
 Whatever happened, the next cell on a live cluster first rebuilds the process group on every rank.
 
 While the cell runs, what the engines send (metric snapshots and ``taco.progress`` counts, see
-``cluster/cells/engine.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
+``engine/calls.py``) is handed to the cell's monitors (the dashboard, the cluster registry) every
 ``REPORT_S`` seconds, and once more when the cell ends, whatever the outcome; meanwhile a page's widget requests (a
-page reloaded mid-run) are answered while queued cells still wait (``widgets/comm_pump.py``).
+page reloaded mid-run) are answered while queued cells still wait (``ipp/comm_pump.py``).
 
-A cell reaches each rank as one call of ``cells/runner.py`` (``view.apply``), whose reply brings back the value of
+A cell reaches each rank as one call of ``engine/runner.py`` (``view.apply``), whose reply brings back the value of
 its last expression (``cells/result.py``); the wait loop reads only the ranks with news (``cells/tracker.py``).
 """
 
@@ -28,17 +28,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from ipyparallel.error import RemoteError
-
+from ...engine import calls, runner
+from ...engine.script import Script
 from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankFailedError
-from ...widgets.comm_pump import CommPump
+from ...ipp import RemoteError
+from ...ipp.comm_pump import CommPump
 from ..session import TacoCluster
-from . import engine, runner
 from .autopsy import after_stall
-from .replicas import check_replicas
+from .replica_check import check_replicas
 from .reporting import cell_outcome, error_line, rank_failure, ranks_phrase, render_traceback, were
 from .result import capture_last_expression, unwrap_result
-from .script import Script
 from .tracker import RankTracker
 
 __all__ = ["CellOptions", "CellMonitor", "OutputSink", "run_cell", "run_script"]
@@ -48,7 +47,7 @@ log = logging.getLogger("taco_notebook")
 POLL_S = 0.05
 # errors after which a rank's process group is gone (the stall watchdog aborts it; the backend lost a peer)
 GROUP_BREAKING = frozenset({"StallError", "DistBackendError", "DistNetworkError"})
-REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every engine.SEND_S)
+REPORT_S = 0.2  # how often the wait loop looks for new payloads (the ranks send one every calls.SEND_S)
 
 
 class CellMonitor(Protocol):
@@ -73,7 +72,7 @@ class CellOptions:
     settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
     runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
-    check_replicas: bool = True  # after a cell on every rank that trained: compare them (cells/replicas.py)
+    check_replicas: bool = True  # after a cell on every rank that trained: compare them (cells/replica_check.py)
     output: str = "all"  # whose stdout the ranks send: all, rank0 or errors (runner.CellSetup.output)
 
 
@@ -107,7 +106,7 @@ class _CellRun:
         self.reported: tuple[dict[int, int], list[int]] = ({}, [])
         self.sending = any(m.wants_metrics for m in options.monitors)
         self.origin: str | None = None  # a script's path: its tracebacks are shown from its first frame
-        self.comms = CommPump()  # a page reloaded mid-cell gets its widgets from the kernel (widgets/comm_pump.py)
+        self.comms = CommPump()  # a page reloaded mid-cell gets its widgets from the kernel (ipp/comm_pump.py)
 
     # ---------------------------------------------------------------- output
     def absorb(self) -> None:
@@ -117,8 +116,8 @@ class _CellRun:
         for rank in self.tracker.news():
             self.unshown.add(rank)
             data = self.tracker.metadata[rank]["data"]
-            if engine.KEY in data:
-                self.payloads[rank] = data[engine.KEY]
+            if calls.KEY in data:
+                self.payloads[rank] = data[calls.KEY]
 
     def drain(self) -> None:
         """Show what arrived since the last call, from the ranks that got messages. The client appends every
@@ -206,7 +205,7 @@ class _CellRun:
             return
         self.shut_down_pg.update(finished)
         self.cluster.mark_group_broken()
-        self.cluster.client[self.cluster.engine_ids(finished)].apply_async(engine.abort)
+        self.cluster.client[self.cluster.engine_ids(finished)].apply_async(calls.abort)
 
     def check_alive(self) -> None:
         if not self.cluster.engines_alive():
@@ -274,12 +273,12 @@ class _CellRun:
             self.cluster.reinit()
         settings = self.options.settings
         if settings and settings.get("compression") == "auto":  # what auto chose is said before the cell runs
-            notes = self.cluster.client[self.engines].apply_sync(engine.configure_cell, settings)
+            notes = self.cluster.client[self.engines].apply_sync(calls.configure_cell, settings)
             if notes[0]:  # the ranks agree
                 self.sink.notice(notes[0])
             settings = None
         setup = runner.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings),
-                                 output=self.options.output, interval=engine.send_interval(len(self.targets)),
+                                 output=self.options.output, interval=calls.send_interval(len(self.targets)),
                                  silent=True)  # the RankTracker ends a silent rank's output at its reply
         try:
             value = self._execute(lambda view: submit(view, setup), captured)

@@ -3,8 +3,9 @@
 The cluster is a running one (``--cluster``), or, for nodes where nothing runs yet (``--hosts``, ``--hostfile``,
 ``--profile``), a temporary one (:mod:`.doctor_nodes`). One engine per node runs
 :func:`taco_notebook.cluster.doctor.nodefacts.node_facts` (``view.apply``), and each node in turn receives a one-second
-stream from the previous one (:func:`taco_notebook.comm.linkspeed.start_receiver` on the receiver's engine,
-:func:`~taco_notebook.comm.linkspeed.send` on the sender's), as :mod:`taco_notebook.cluster.doctor.gather` describes.
+stream from the previous one (:func:`taco_notebook.comm.diagnostics.linkspeed.start_receiver` on the receiver's engine,
+:func:`~taco_notebook.comm.diagnostics.linkspeed.send` on the sender's), as :mod:`taco_notebook.cluster.doctor.collect`
+describes.
 With neither, the report is this machine's alone.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..describe import RankInfo
 from ..session import TacoCluster
-from .gather import local_report, report_from_facts
+from .collect import local_report, report_from_facts
 from .render import ShownReport
 from .report import NodeReport
 
@@ -53,7 +54,7 @@ def _node_facts_on(cluster: TacoCluster, name: str, rank: RankInfo) -> dict[str,
 
 def _measure(cluster: TacoCluster, sender: RankInfo, receiver: RankInfo, address: str,
              seconds: float) -> dict[str, Any]:
-    from ...comm.linkspeed import send, start_receiver
+    from ...comm.diagnostics.linkspeed import send, start_receiver
 
     listening = cluster.client[receiver.rank].apply_sync(start_receiver, address)
     return dict(cluster.client[sender.rank].apply_sync(send, address, listening["port"], listening["token"],

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ...comm import hardware
+from ...comm.group import hardware
 from ..launch.mpi import library_identity
 
 __all__ = ["node_facts", "gpu_facts", "mpi_facts", "torch_facts", "hugepage_facts", "library_identity",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ...engine import calls
 from ...model import MembershipModel
-from ..cells import engine
 from ..describe import RankInfo
 from ..processes.deaths import MARKER_LINE, signal_name
 from ..session import TacoCluster
@@ -81,13 +81,13 @@ class Membership:
         then on the client owns the membership (the group is no longer MPI's world)."""
         ids = [m.engine_id if m.engine_id >= 0 else m.rank for m in members]
         view = cluster.client[ids]
-        facts = view.apply_sync(engine.placement)
+        facts = view.apply_sync(calls.placement)
         one_host = len({tuple(f["where"]) for f in facts}) == 1 and not any(f["tcp"] for f in facts)
         kind = "file" if one_host else "tcp"
-        address = cluster.client[ids[0]].apply_sync(engine.open_group, kind, len(ids))
+        address = cluster.client[ids[0]].apply_sync(calls.open_group, kind, len(ids))
         ranks_by_key = {f["key"]: rank for rank, f in enumerate(facts)}
-        view.apply_sync(engine.join_group, ranks_by_key, [f["node"] for f in facts], kind, address)
-        infos = view.apply_sync(engine.rank_info)
+        view.apply_sync(calls.join_group, ranks_by_key, [f["node"] for f in facts], kind, address)
+        infos = view.apply_sync(calls.rank_info)
         cluster.adopt_ranks([RankInfo(**info, engine_id=eid) for eid, info in zip(ids, infos, strict=True)])
         self.owns_membership = True
 

@@ -1,16 +1,16 @@
 """``%%taco_run --elastic MIN:MAX``: a rank dies, the survivors roll back to the last commit and go on.
 
-The client owns the membership. In an elastic cell every engine tells its wrapper (cluster/processes/rankwrap.py) to
+The client owns the membership. In an elastic cell every engine tells its wrapper (engine/rankwrap.py) to
 keep the MPI job alive if the engine dies; the wrapper still prints its marker line (rank, host, pid, signal) into
 the engine set's log, which :class:`DeathWatch` reads while the cell runs. On a death:
 
-1. the survivors' cell ends: those whose collective failed drop their group at once (``engine.abort``), which
+1. the survivors' cell ends: those whose collective failed drop their group at once (``calls.abort``), which
    releases peers blocked on them; any still running after :data:`SETTLE_S` get SIGINT;
 2. hosts that failed :data:`BLACKLIST_AFTER` times within :data:`BLACKLIST_WINDOW_S` are blacklisted for
    :data:`COOLDOWN_S` (their live engines sit out); with fewer than MIN members left the cell fails, naming them;
 3. :meth:`Membership.rebuild`: the members get contiguous ranks in their old order, the new rank 0 opens a store, every
-   member joins it (comm/membership.py: a new topology, hence a new 2D layout), all through ``view.apply`` of
-   functions in cluster/cells/engine.py;
+   member joins it (comm/group/members.py: a new topology, hence a new 2D layout), all through ``view.apply`` of
+   functions in engine/calls.py;
 4. every ``taco.elastic.State`` is restored to its last commit and synced from the new rank 0, and the cell
    runs again, so ``while state.step < N`` resumes at the committed step.
 
@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...engine import calls
 from ...errors import TacoError
-from ..cells import engine
 from ..cells.reporting import ranks_phrase, stalled_ranks
 from ..cells.run import CellOptions, OutputSink, _CellRun
 from ..describe import RankInfo
@@ -137,8 +137,8 @@ def collect_joiners(cluster: TacoCluster) -> list[RankInfo]:
         if len(new) < count:
             continue
         membership.launching.remove(entry)
-        cluster.client[new].apply_sync(engine.setup_joiner)
-        infos = cluster.client[new].apply_sync(engine.rank_info)
+        cluster.client[new].apply_sync(calls.setup_joiner)
+        infos = cluster.client[new].apply_sync(calls.rank_info)
         membership.pending += [RankInfo(**info, engine_id=eid) for eid, info in zip(new, infos, strict=True)]
     return membership.pending
 
@@ -164,13 +164,13 @@ def admit(cluster: TacoCluster, sink: OutputSink, monitors: Any = ()) -> bool:
         return False
     joining = membership.pending[: _room(cluster)]
     started = time.monotonic()
-    payload, left = cluster.client[cluster.engine_ids([0])[0]].apply_sync(engine.export_namespace)
-    cluster.client[[j.engine_id for j in joining]].apply_sync(engine.import_namespace, payload)
+    payload, left = cluster.client[cluster.engine_ids([0])[0]].apply_sync(calls.export_namespace)
+    cluster.client[[j.engine_id for j in joining]].apply_sync(calls.import_namespace, payload)
     membership.rebuild(cluster, [*cluster.ranks, *joining])
     membership.pending = membership.pending[len(joining):]
     membership.joined += len(joining)
-    counters = cluster.view.apply_sync(engine.elastic_restore)[0]
-    cluster.view.apply_sync(engine.elastic_mode, True)
+    counters = cluster.view.apply_sync(calls.elastic_restore)[0]
+    cluster.view.apply_sync(calls.elastic_mode, True)
     hosts = ", ".join(sorted({j.host for j in joining}))
     stayed = f"; not copied to them (cannot be pickled): {', '.join(left)}" if left else ""
     sink.notice(f"{len(joining)} rank{'s' if len(joining) != 1 else ''} joined (host {hosts}); continuing on "
@@ -207,7 +207,7 @@ def _settle(run: _ElasticCellRun, survivors: list[RankInfo]) -> list[Death]:
         registered = set(cluster.client.ids)  # a rank of a lost node can be unregistered before its death is read
         reachable = [r for r in done if r.engine_id in registered]
         if reachable and running:
-            cluster.client[[r.engine_id for r in reachable]].apply_async(engine.abort)
+            cluster.client[[r.engine_id for r in reachable]].apply_async(calls.abort)
         if done and running:
             aborted.update(r.rank for r in done)
         if not running:
@@ -262,7 +262,7 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
                            "variables; run it with a lower MIN, or %taco_cluster restart for a full cluster")
     started = time.monotonic()
     membership.rebuild(cluster, members)
-    counters = cluster.view.apply_sync(engine.elastic_restore)[0]
+    counters = cluster.view.apply_sync(calls.elastic_restore)[0]
     sink.notice(f"{what}; continuing on {len(members)} ranks {_committed(counters)} "
                 f"(group rebuilt in {time.monotonic() - started:.1f} s)")
     gone = ", ".join(f"rank {d.rank} ({d.host}) lost" for d in deaths)
@@ -287,7 +287,7 @@ def run_elastic(cluster: TacoCluster, submit: Callable[[Any, Any], Any], capture
                            f"{spec.min}: lower MIN or %taco_cluster restart -n {spec.min}")
     if cluster.needs_reinit:
         cluster.reinit()
-    cluster.view.apply_sync(engine.elastic_mode, True)
+    cluster.view.apply_sync(calls.elastic_mode, True)
     collect_joiners(cluster)
     admit(cluster, sink, options.monitors)  # engines added between cells join at the cell's start
     watch = DeathWatch(cluster)
@@ -306,5 +306,5 @@ def run_elastic(cluster: TacoCluster, submit: Callable[[Any, Any], Any], capture
     finally:
         live = [e for e in cluster.engine_ids() if e in cluster.client.ids] if cluster.running else []
         if live:  # a member that died and was not yet recovered from is no longer registered
-            cluster.client[live].apply_sync(engine.elastic_mode, False)
+            cluster.client[live].apply_sync(calls.elastic_mode, False)
 

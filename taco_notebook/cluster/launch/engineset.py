@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ...engine import calls
+from ...engine.rankwrap import LAUNCHED_BY_ENV
 from ...errors import ClusterStartError
-from ..cells import engine
 from ..describe import RankInfo
-from ..processes.rankwrap import LAUNCHED_BY_ENV
 from ..processes.tree import CLUSTER_ID_ENV, alive, descendants
 from .mpi import MPIInfo, single_host_env
 from .profiles import Profile
@@ -58,7 +58,7 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
     launcher = config.MPIEngineSetLauncher
     launcher.mpi_cmd = [mpi.mpiexec]
     launcher.mpi_args = list(mpi.extra_args) + profile.mpiexec_args()
-    launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap",
+    launcher.engine_cmd = [sys.executable, "-m", "taco_notebook.engine.rankwrap",
                            sys.executable, "-m", "ipyparallel.engine"]
     environment = engine_environment(name, size, profile, mpi, env, cluster_id)
     launcher.environment = {**mpi.environment, **environment}  # mpi4py loads mpiexec's MPI
@@ -73,9 +73,9 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
     return config, engines
 
 
-# ipyparallel's controller with a hub that reads only what it acts on (controller.py); its command line is
+# ipyparallel's controller with a hub that reads only what it acts on (ipp/hub.py); its command line is
 # ipyparallel's (controller_args)
-CONTROLLER_CMD = [sys.executable, "-m", "taco_notebook.cluster.launch.controller"]
+CONTROLLER_CMD = [sys.executable, "-m", "taco_notebook.controller"]
 
 
 def registration_timeout(size: int) -> float:
@@ -118,7 +118,8 @@ def check_open_files(size: int) -> None:
     """Refuse, before anything starts, a cluster of ``size`` engines that this host's hard limit of open files
     cannot hold in the controller: its busiest process holds about two descriptors per engine (2,054 at 1,000
     engines, measured), and the controller raises its soft limit up to the hard one
-    (:func:`.controller.raise_open_files_limit`) but no higher. Past the limit registration would stall with
+    (:func:`taco_notebook.controller.raise_open_files_limit`) but no higher. Past the limit registration would stall
+    with
     the engines waiting and the controller unable to accept them."""
     import resource
 
@@ -202,9 +203,9 @@ def read_ranks(client: Any, name: str) -> list[RankInfo]:
     """Every engine's :class:`RankInfo` in rank order, as cluster ``name`` starts: a ClusterStartError unless each
     engine id is its MPI rank, or when the ranks' MPI check failed (saying what it said)."""
     try:
-        infos = client[:].apply_sync(engine.rank_info)
+        infos = client[:].apply_sync(calls.rank_info)
     except Exception as exc:  # the ranks' MPI check: say what it said, not "engine ids differ"
-        from ...comm.mpicheck import mismatch_in
+        from ...comm.group.mpicheck import mismatch_in
 
         if (mismatch := mismatch_in(exc)) is not None:
             raise ClusterStartError(f"cluster {name!r} failed to start: {mismatch}") from None

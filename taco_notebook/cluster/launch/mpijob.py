@@ -202,7 +202,7 @@ def rank_env(spec: MPIJobSpec) -> dict[str, str]:
     """The ``TACO_*`` variables every rank gets (forwarded by ``mpirun``, since ranks started over ssh do not
     inherit the pod's environment): the cluster's name, GPU placement, and where the controller is."""
     return { "TACO_CLUSTER_NAME": spec.name,
-        "TACO_GPUS": "auto",  # one GPU per local rank (comm/placement.py)
+        "TACO_GPUS": "auto",  # one GPU per local rank (comm/group/placement.py)
         "TACO_CONTROLLER_ADDR": spec.controller_address,
         "TACO_CONTROLLER_PORT": str(spec.controller_port),
     }

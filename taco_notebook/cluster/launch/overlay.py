@@ -10,7 +10,7 @@ the emulator (a tool beside production, DESIGN.md), it reads what the emulator w
      "controller_ip": "10.77.0.254", "environment": {"GLOO_SOCKET_IFNAME": "taco0", "UCX_TLS": "self,tcp", ...}}
 
 ``STATE`` is ``$TACO_EMULATE_DIR``, else ``$XDG_STATE_HOME/taco-notebook/emulated`` (or ``~/.local/state/…``).
-The file names a program that mpiexec runs, so it is trusted only as :mod:`~taco_notebook.cluster.private` trusts
+The file names a program that mpiexec runs, so it is trusted only as :mod:`~taco_notebook.private` trusts
 files: written 0600 in a 0700 directory, read only from a directory of this user that no one else may write, only
 if it is a regular file of this user, small, and well formed; otherwise :class:`ProfileError` says which and how
 to fix it. No file, or one whose hosts do not include all of the profile's: None, and the hosts are real ones.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..private import UnsafeDirectoryError, check_private_dir, read_private_json, write_private_json
+from ...private import UnsafeDirectoryError, check_private_dir, read_private_json, write_private_json
 from .hostfiles import ProfileError
 
 __all__ = ["LaunchOverlay", "OVERLAY_FILE", "OVERLAY_VERSION", "default_state_dir", "write_launch_overlay",

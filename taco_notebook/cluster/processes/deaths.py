@@ -1,6 +1,6 @@
 """How a cluster's ranks died, in words: read from what mpiexec and the engines printed.
 
-Each rank runs under :mod:`~taco_notebook.cluster.processes.rankwrap`, which prints a marker line with its rank, host,
+Each rank runs under :mod:`~taco_notebook.engine.rankwrap`, which prints a marker line with its rank, host,
 pid and how it ended; :func:`death_report` finds it in the engine set's log (:func:`engine_output`).
 """
 
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...engine.rankwrap import MARKER
 from ...errors import RankDiedError
-from .rankwrap import MARKER
 
 __all__ = ["MARKER_LINE", "engine_output", "death_report", "died_error", "signal_name", "ranks_text"]
 

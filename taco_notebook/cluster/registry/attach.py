@@ -59,9 +59,8 @@ class AttachedCluster(TacoCluster):
 
 def attach(model: Any, timeout: float = 30.0) -> AttachedCluster:
     """Connect to the cluster of a registry ``model``; checks its engines are the MPI ranks it says."""
-    import ipyparallel as ipp
-
-    from ..client import connect
+    from ... import ipp
+    from ...ipp.client import connect
 
     cluster = AttachedCluster(model["name"], model["size"])
     cluster.cluster_id = model["id"]

@@ -5,7 +5,7 @@ started; see :mod:`~taco_notebook.cluster.registry.writer`), and ``{id}.request.
 asks of a kernel. The directory is ``$TACO_REGISTRY_DIR`` or ``<jupyter runtime dir>/taco-notebook/clusters``.
 
 Nothing in these files is taken on its word (see SECURITY.md): the directory must be this user's and writable by
-no one else (:func:`~taco_notebook.cluster.private.check_private_dir`), files are read only when this user owns
+no one else (:func:`~taco_notebook.private.check_private_dir`), files are read only when this user owns
 them and they are small, and a process named in an entry is killed only when it proves to be that cluster's
 (:func:`~taco_notebook.cluster.processes.tree.proven_processes`).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 from ...model import Action, ClusterModel, PendingModel
-from ..private import check_private_dir, read_private_json, write_private_json
+from ...private import check_private_dir, read_private_json, write_private_json
 from ..processes.tree import proven_processes
 
 __all__ = [
@@ -59,7 +59,7 @@ def registry_dir(directory: str | os.PathLike[str] | None = None) -> Path:
 
 def checked_dir(directory: Path) -> bool:
     """False if ``directory`` does not exist; True if it is safe to trust; raises
-    :class:`~taco_notebook.cluster.private.UnsafeDirectoryError` (with the fix) if another user could control it."""
+    :class:`~taco_notebook.private.UnsafeDirectoryError` (with the fix) if another user could control it."""
     if not os.path.lexists(directory):
         return False
     check_private_dir(directory, _WHAT)

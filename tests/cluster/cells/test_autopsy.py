@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from taco_notebook.cluster.cells.autopsy import Autopsy, RankAddress, collect, launcher_of, rank_span
-from taco_notebook.cluster.cells.autopsy_host import MODULE
-from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.launch.sshcheck import runs_locally
 from taco_notebook.cluster.session import clusters
-from taco_notebook.comm.autopsy import socket_dir
+from taco_notebook.comm.diagnostics.listener import socket_dir
+from taco_notebook.emulate.hosts import EmulatedHosts
 from taco_notebook.errors import RankFailedError
+from taco_notebook.remote.autopsy_reader import MODULE
 
 from ...conftest import REPO
 from ..launch.test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture
@@ -97,7 +97,8 @@ def test_a_rank_hung_in_python_is_named_with_its_place(shared_cluster, released:
     assert re.search(r"^suspect: rank 3 \(in no collective while ranks 0-2 wait in allreduce #\d+ 'step'\)$",
                      text, re.M), text
     assert f"--- rank 3, thread MainThread:\n    cell:12 in <module>: {where}(" in text, text
-    # the communication thread blocked in C, in the ranks' agreement on the allreduce (comm/agreement.py), which
+    # the communication thread blocked in C, in the ranks' agreement on the allreduce (comm/collectives/agreement.py),
+    # which
     # comes first and waits for rank 3: on one node, asleep on the node segment's gate (the header exchange,
     # comm/transport/shm.py); across nodes, torch.distributed's all_gather (or the data's all_reduce)
     assert re.search(r"--- ranks 0-2, thread taco-comm:\n(    .*\n)*    (taco_notebook/comm/transport/shm\.py:\d+ "
@@ -108,10 +109,11 @@ def test_a_rank_hung_in_python_is_named_with_its_place(shared_cluster, released:
 def test_the_stall_watchdog_shows_where_every_rank_was(ip, shared_cluster, capsys) -> None:
     """Rank 3 broadcasts while the others allreduce: every watchdog fires at 3 s; the autopsy under the cell shows
     each rank in its collective as it was then (marked *), and names rank 3. The ranks' agreement check would
-    refuse that pair at once (comm/agreement.py): it is off for the cell, as in a program that turned it off."""
+    refuse that pair at once (comm/collectives/agreement.py): it is off for the cell, as in a program that turned it
+    off."""
     cell = ("t = torch.ones(2)\ntaco.allreduce(t)\nif taco.rank() == 3:\n    taco.broadcast(t)\nelse:\n"
             "    taco.allreduce(t, name='step')")
-    check = "from taco_notebook.comm import agreement\nagreement.set_enabled({})"
+    check = "from taco_notebook.comm.collectives import agreement\nagreement.set_enabled({})"
     ip.run_cell_magic("taco_run", "", check.format(False))
     try:
         with pytest.raises(RankFailedError):

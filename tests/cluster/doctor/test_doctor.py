@@ -22,12 +22,12 @@ from typing import Any
 import psutil
 import pytest
 
-from taco_notebook.cluster.doctor.gather import diagnose_nodes, measure_links, report_from_facts
+from taco_notebook.cluster.doctor.collect import diagnose_nodes, measure_links, report_from_facts
 from taco_notebook.cluster.doctor.nodefacts import _parse_gpu_csv, library_identity, node_facts
 from taco_notebook.cluster.doctor.report import DoctorReport, HugePagesError, diagnose, require_hugepages
 from taco_notebook.cluster.launch.mpi import find_mpi
-from taco_notebook.comm import hardware
-from taco_notebook.comm.linkspeed import measure_link, receive, send, start_receiver
+from taco_notebook.comm.diagnostics.linkspeed import measure_link, receive, send, start_receiver
+from taco_notebook.comm.group import hardware
 
 from ...support.hugepages import (
     NEEDS_ROOT,
@@ -380,7 +380,7 @@ def test_loopback_is_much_faster_than_a_1gbit_link() -> None:
 
 @pytest.mark.skipif(NETNS_SKIP is not None, reason=NETNS_SKIP or "")
 def test_two_emulated_nodes_report_their_own_nics_and_a_1gbit_link() -> None:
-    from taco_notebook.cluster.emulated.nodes import EmulatedNodes
+    from taco_notebook.emulate.nodes import EmulatedNodes
 
     with EmulatedNodes(2, rate="1gbit") as cluster:
         runners = {h: ["ip", "netns", "exec", cluster.namespace_of(h), sys.executable] for h in cluster.nodes}
@@ -399,7 +399,7 @@ def test_two_emulated_nodes_report_their_own_nics_and_a_1gbit_link() -> None:
 def _ssh_skip_reason() -> str | None:
     if NETNS_SKIP is not None:
         return NETNS_SKIP
-    from taco_notebook.cluster.emulated.sshd import find_sshd
+    from taco_notebook.emulate.sshd import find_sshd
 
     if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None or find_sshd() is None:
         return "needs OpenSSH client and server (apt-get install -y openssh-server)"
@@ -412,7 +412,7 @@ SSH_SKIP = _ssh_skip_reason()
 @pytest.mark.skipif(SSH_SKIP is not None, reason=SSH_SKIP or "")
 def test_doctor_over_real_ssh_to_emulated_hosts() -> None:
     """What ``%taco_doctor --hosts n0,n1`` does: facts and the link through ``ssh HOST python``, each node its own."""
-    from taco_notebook.cluster.emulated.hosts import EmulatedHosts
+    from taco_notebook.emulate.hosts import EmulatedHosts
 
     home = Path(tempfile.mkdtemp(prefix="taco-doctor-ssh-", dir=Path.home()))  # sshd refuses keys under /tmp
     try:

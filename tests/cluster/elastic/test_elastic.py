@@ -24,7 +24,7 @@ from IPython.core.error import UsageError
 
 from taco_notebook.cluster.elastic.recovery import Death, ElasticError, ElasticSpec, Membership, parse_elastic
 from taco_notebook.cluster.session import clusters
-from taco_notebook.comm.elastic import State
+from taco_notebook.comm.training.elastic import State
 
 from ...conftest import session_processes
 from ...support.mpirun import run_mpi
@@ -232,7 +232,7 @@ def stalled_rank_is_lost(ip, capsys) -> None:
 def _emulation_skip() -> str | None:
     if os.geteuid() != 0:
         return "needs root to create network namespaces"
-    from taco_notebook.cluster.emulated.hosts import EmulateError, check_prerequisites
+    from taco_notebook.emulate.hosts import EmulateError, check_prerequisites
 
     try:
         check_prerequisites()

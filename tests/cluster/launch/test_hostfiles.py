@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.launch.hostfiles import HOSTFILE_VARIABLES, mpijob_hostfile, read_mpijob_hosts
 from taco_notebook.cluster.launch.profiles import PROFILES, ProfileError, mpijob_profile, profile_for
 from taco_notebook.cluster.session import clusters
+from taco_notebook.emulate.hosts import EmulatedHosts
 
 from ...conftest import session_processes
 from .test_profiles import _left_on_nodes, emulated, needs_hosts  # noqa: F401 - the fixture

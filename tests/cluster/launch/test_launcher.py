@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from taco_notebook.cluster.launch.mpi import LAUNCHER_ENV, MPIInfo, find_mpi, for_one_host, gforker_beside
-from taco_notebook.cluster.processes.rankwrap import LAUNCHED_BY_ENV, MARKER
+from taco_notebook.engine.rankwrap import LAUNCHED_BY_ENV, MARKER
 from taco_notebook.errors import MPINotFoundError
 
 from ...support.mpirun import run_in_session
@@ -97,7 +97,7 @@ def test_rankwrap_under_gforker_sets_local_ranks_and_stops_the_job_when_a_rank_d
     env = {**os.environ, LAUNCHED_BY_ENV: "gforker"}
     began = time.monotonic()
     with open(log, "ab") as out:
-        run_in_session([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap",
+        run_in_session([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.engine.rankwrap",
                         sys.executable, str(script), "60"], stdout=out, env=env, timeout=120)
     took = time.monotonic() - began
     text = log.read_text()
@@ -143,7 +143,7 @@ def test_the_controller_runs_with_taco_settings_and_logs_no_line_per_request(sha
 
     controller = shared_cluster.ipp_cluster.controller
     command = psutil.Process(controller.process.pid).cmdline()
-    assert command[1:3] == CONTROLLER_CMD[1:], command  # taco's hub (controller.py)
+    assert command[1:3] == CONTROLLER_CMD[1:], command  # taco's controller (ipp/hub.py)
     assert command[-len(controller_args(4)):] == controller_args(4), command
     assert "--HeartMonitor.period=3000" in command
     before = Path(controller.output_file).read_text(errors="replace")
@@ -179,7 +179,7 @@ def test_non_ascii_output_reaches_the_log_whole_under_gforker(tmp_path):
     script.write_text(LOUD)
     env = {**os.environ, LAUNCHED_BY_ENV: "gforker"}
     with open(log, "ab") as out:
-        job = run_in_session([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap",
+        job = run_in_session([str(GFORKER), "-n", "3", sys.executable, "-m", "taco_notebook.engine.rankwrap",
                               sys.executable, str(script)], stdout=out, env=env, timeout=120)
     text = log.read_text()  # strict UTF-8: no byte lost or interleaved mid-character
     assert job.returncode == 0, text[-2000:]

@@ -1,7 +1,7 @@
 """The launch overlay: how ``--hosts n0:2,n1:2`` finds emulated nodes without production importing the emulator.
 
 No root, no namespaces: the overlay is a file, and what the emulator publishes is computed from a saved set of
-nodes (:func:`~taco_notebook.cluster.emulated.state.nodes_from_state`, as ``status`` and ``down`` rebuild it).
+nodes (:func:`~taco_notebook.emulate.saved.nodes_from_state`, as ``status`` and ``down`` rebuild it).
 Starting real nodes and running a cell over them is tests/cluster/launch/test_profiles.py's (root and sshd).
 """
 
@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from taco_notebook.cluster.emulated.hosts import EmulatedHosts
-from taco_notebook.cluster.emulated.state import nodes_from_state
 from taco_notebook.cluster.launch.overlay import (
     OVERLAY_FILE,
     LaunchOverlay,
@@ -24,6 +22,8 @@ from taco_notebook.cluster.launch.overlay import (
     write_launch_overlay,
 )
 from taco_notebook.cluster.launch.profiles import Profile, ProfileError, hosts_profile
+from taco_notebook.emulate.hosts import EmulatedHosts
+from taco_notebook.emulate.saved import nodes_from_state
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's (chown) needs root")

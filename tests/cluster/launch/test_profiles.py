@@ -1,7 +1,7 @@
 """``--profile local|hosts``: the same ``%%taco_run`` cell on this machine and on emulated ssh hosts.
 
 The hosts tests are real end to end: network namespaces on a shaped bridge with Debian's sshd in each
-(:class:`~taco_notebook.cluster.emulated.hosts.EmulatedHosts`), mpich's hydra over ``ssh``, ipyparallel's
+(:class:`~taco_notebook.emulate.hosts.EmulatedHosts`), mpich's hydra over ``ssh``, ipyparallel's
 controller on the bridge address, and the cell run from a real IPython shell. They need root, iproute2 and
 openssh-server and skip with the reason otherwise. The state lives under $HOME (sshd refuses keys below /tmp).
 """
@@ -19,7 +19,6 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from taco_notebook.cluster.emulated.hosts import EmulatedHosts
 from taco_notebook.cluster.launch.profiles import (
     LOCAL,
     ProfileError,
@@ -30,11 +29,12 @@ from taco_notebook.cluster.launch.profiles import (
     route_address,
 )
 from taco_notebook.cluster.session import TacoCluster, clusters
+from taco_notebook.emulate.hosts import EmulatedHosts
 
 from ...cli.test_emulate import SSH_SKIP
 from ...conftest import assert_trait_refused, session_processes
+from ...emulate.test_emulated import MPIEXEC
 from ...support.slurm import job_processes_after
-from ..emulated.test_emulated import MPIEXEC
 
 needs_hosts = pytest.mark.skipif(SSH_SKIP is not None or MPIEXEC is None,
                                  reason=SSH_SKIP or "needs mpich's hydra mpiexec")

@@ -34,7 +34,7 @@ from taco_notebook.cluster.launch.slurm.options import SlurmError, SlurmOptions
 
 from ...support.slurm import PARTITION, SlurmCluster, job_processes_after
 
-ENGINE_CMD = [sys.executable, "-m", "taco_notebook.cluster.processes.rankwrap",
+ENGINE_CMD = [sys.executable, "-m", "taco_notebook.engine.rankwrap",
               sys.executable, "-m", "ipyparallel.engine"]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from taco_notebook.cluster.processes.deaths import MARKER_LINE, death_report
-from taco_notebook.cluster.processes.rankwrap import MARKER
+from taco_notebook.engine.rankwrap import MARKER
 
 LOG = (f"2026-11-26 05:00:00.000 [IPEngine] Registering\n"
        f"{MARKER} rank=2 host=n1 pid=4242 signal=9 elastic\n"  # an elastic cell survived it

@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
-from ipyparallel.util import shlex_join
 from traitlets import Any as AnyTrait
 from traitlets import Float, List, Unicode, default
 
+from ....ipp import MPIEngineSetLauncher, SlurmEngineSetLauncher, shlex_join
 from .options import (
     SRUN_ARGS,
     JobState,

@@ -1,0 +1,170 @@
+"""A cell's (or a script's) runner on the rank: the per-cell set-up, the code, and the reply, in one request.
+
+``%%taco_run`` sends each rank one ``view.apply`` of :func:`run_cell` (a script: :func:`run_script`), which does
+the per-cell set-up of :mod:`.engine` (``begin_cell``, ``configure_cell``), runs the code, holds back the stdout of
+ranks whose output is not shown (``--output``), resets the cell's settings, and answers in its reply what the
+kernel used to ask for in separate requests: the value of the last expression and whether this rank has
+replicas to check (issue 27: one request per rank per cell, not four). Like :mod:`.engine`, it travels as a
+reference to this module, which the engines import.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import os
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+from ..ipp.quiet_kernel import end_silently, iopub_mark
+from .calls import (
+    SEND_S,
+    begin_cell,
+    configure_cell,
+    fetch_result,
+    reset_settings,
+    send_end_state,
+    settings_in_force,
+    user_shell,
+)
+from .script import Script
+
+__all__ = ["CellSetup", "run_cell", "run_script", "ScriptExit", "HELD_CHARS"]
+
+
+class CellSetup(NamedTuple):
+    """What a cell's runner does on the rank before and after the code (``%%taco_run``'s per-cell state)."""
+
+    dashboard: bool = True  # send metrics while it runs (some monitor watches)
+    settings: dict[str, Any] | None = None  # taco.configure(**settings) for this cell only
+    reset: bool = False  # taco.configure(reset=True) after it (the settings were set here or by configure_cell)
+    output: str = "all"  # whose stdout is sent: all, rank0 (and a failing rank's) or errors (failing ranks')
+    interval: float = SEND_S  # seconds between this rank's dashboard payloads (send_interval)
+    # a request that sent nothing on IOPub ends without the idle status, its reply saying so: for a caller whose
+    # RankTracker takes such a reply as the end of the output (quiet.end_silently)
+    silent: bool = False
+
+
+HELD_CHARS = 64 * 1024  # the most of a quiet rank's stdout kept, to show if the rank fails
+
+
+class _Held(io.StringIO):
+    """A quiet rank's stdout: kept (the last :data:`HELD_CHARS`), not sent, unless the rank fails."""
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if self.tell() > 2 * HELD_CHARS:
+            tail = self.getvalue()[-HELD_CHARS:]
+            self.seek(0)
+            self.truncate()
+            super().write(tail)
+        return written
+
+
+@contextmanager
+def _quiet_unless_failed(output: str) -> Iterator[_Held | None]:
+    """While the code runs: this rank's stdout held back when ``output`` says it is not shown (``--output``).
+    The caller shows what was held when the rank fails (:func:`_show_held`); stderr always goes through."""
+    from ..comm import rank
+
+    if output == "all" or (output == "rank0" and rank() == 0):
+        yield None
+        return
+    held, real = _Held(), sys.stdout
+    sys.stdout = held
+    try:
+        yield held
+    finally:
+        sys.stdout = real
+
+
+def _show_held(held: _Held | None, output: str) -> None:
+    """A quiet rank failed: what it printed is context for its traceback, so it is shown after all."""
+    text = held.getvalue() if held is not None else ""
+    if text:
+        cut = " (its last 64 KiB)" if len(text) >= HELD_CHARS else ""
+        print(f"[taco] this rank's output, held back by --output {output} until it failed{cut}:\n{text}",
+              end="" if text.endswith("\n") else "\n", flush=True)
+
+
+def _around(setup: CellSetup) -> None:
+    """The per-cell set-up the runners do in the same request as the code: no message of its own. Settings a
+    previous cell left in force (a Ctrl-C that landed in its reset) are reset first."""
+    begin_cell(setup.dashboard, setup.interval)
+    if settings_in_force() and not setup.reset:
+        reset_settings()
+    if setup.settings:
+        configure_cell(setup.settings)
+
+
+def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
+    """A ``%%taco_run`` cell, in one request (``view.apply``): the per-cell set-up, then ``source`` run by the
+    engine's IPython shell as an ``execute`` would run it (input transformers, so magics and ``!`` lines;
+    history and ``In``; the events, so the metrics' post-execute flush), then what the kernel needs back:
+    the value of the last expression (``captured``) and whether this rank has replicas to check.
+
+    A failure is raised again, so the reply is an error named by the user's exception (``StallError``,
+    ``KeyboardInterrupt``…); its traceback starts in the engine's machinery, which the kernel cuts at the
+    cell's first frame (``reporting.render_traceback``). ``run_cell`` has already shown it once, on this
+    request's IOPub, where the kernel does not read it."""
+    from ..comm.diagnostics.replicas import wanted
+
+    mark = iopub_mark() if setup.silent else None
+    try:
+        _around(setup)
+        with _quiet_unless_failed(setup.output) as held:
+            result = user_shell().run_cell(source, store_history=True)
+    finally:
+        if setup.reset:
+            reset_settings()
+    error = result.error_before_exec or result.error_in_exec
+    if error is not None:
+        _show_held(held, setup.output)
+        raise error
+    # end_silently last: it reads whether anything before it in this request was sent on IOPub
+    return {"value": fetch_result() if captured else None, "replicas": wanted(), "silent": end_silently(mark)}
+
+
+class ScriptExit(RuntimeError):
+    """A script called ``sys.exit`` with a non-zero status (raised in place of SystemExit, which would end the
+    engine)."""
+
+
+def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
+    """Run ``script`` (``%taco_run SCRIPT ARGS``, :mod:`.script`) in this engine as ``python path args`` would,
+    after the per-cell set-up (as :func:`run_cell`), then put ``__main__``, ``sys.argv`` and ``sys.path`` back
+    for the next cell, and send the dashboard its end state (an applied call fires no post_execute)."""
+    from ..comm.diagnostics.replicas import wanted
+
+    mark = iopub_mark() if setup.silent else None
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script.path, __builtins__=__builtins__, __cached__=None)
+    saved = sys.modules.get("__main__"), sys.argv, list(sys.path)
+    # the sent source is what runs: tracebacks show its lines even on a host without the file
+    linecache.cache[script.path] = (len(script.source), None, script.source.splitlines(keepends=True), script.path)
+    sys.modules["__main__"], sys.argv = main, [script.path, *script.args]
+    sys.path.insert(0, os.path.dirname(script.path))
+    held = None
+    try:
+        _around(setup)
+        with _quiet_unless_failed(setup.output) as held:
+            exec(compile(script.source, script.path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _show_held(held, setup.output)
+            status = f"status {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
+            raise ScriptExit(f"{os.path.basename(script.path)} called sys.exit({status})") from None
+    except BaseException:
+        _show_held(held, setup.output)
+        raise
+    finally:
+        if saved[0] is not None:
+            sys.modules["__main__"] = saved[0]
+        sys.argv, sys.path[:] = saved[1], saved[2]
+        send_end_state()
+        if setup.reset:
+            reset_settings()
+    return {"value": None, "replicas": wanted(), "silent": end_silently(mark)}
