@@ -1,16 +1,42 @@
 """The one door to ipyparallel and ipykernel: their public names that taco uses, re-exported here, and in
 submodules every override of their internals (the lean client, the hub, the quiet kernel, the streams, the
-comm pump). No other module of the package imports ipyparallel."""
+comm pump), each listed with what it relies on in :mod:`.assumptions`. No other module of the package imports
+ipyparallel or ipykernel.
+
+Importing this package checks that the installed versions are ones these overrides were written for.
+"""
 
 from __future__ import annotations
 
-from ipyparallel import Client, Cluster
-from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
-from ipyparallel.error import RemoteError
-from ipyparallel.util import shlex_join
+from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["Client", "Cluster", "MPIEngineSetLauncher", "SlurmEngineSetLauncher", "RemoteError", "shlex_join",
-           "publish_data"]
+from packaging.version import Version
+
+SUPPORTED = {"ipyparallel": ("9", "10"), "ipykernel": ("6.29", "8")}  # [lowest, first unsupported)
+
+
+def check_versions(found: dict[str, str] | None = None) -> None:
+    """Raise ImportError naming the supported range when an installed ipyparallel or ipykernel is outside it
+    (``found`` maps a package to its version; the installed ones by default)."""
+    for package, (lowest, above) in SUPPORTED.items():
+        try:
+            installed = found[package] if found is not None else version(package)
+        except (KeyError, PackageNotFoundError):
+            raise ImportError(f"taco_notebook needs {package}>={lowest},<{above}, which is not installed") from None
+        if not Version(lowest) <= Version(installed) < Version(above):
+            raise ImportError(f"taco_notebook supports {package}>={lowest},<{above}; {installed} is installed "
+                              f"(pip install '{package}>={lowest},<{above}')")
+
+
+check_versions()
+
+from ipyparallel import Client, Cluster  # noqa: E402 - only after the check, which names what is wrong
+from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher  # noqa: E402
+from ipyparallel.error import RemoteError  # noqa: E402
+from ipyparallel.util import shlex_join  # noqa: E402
+
+__all__ = ["SUPPORTED", "check_versions", "Client", "Cluster", "MPIEngineSetLauncher", "SlurmEngineSetLauncher",
+           "RemoteError", "shlex_join", "publish_data"]
 
 
 def publish_data(data: dict[str, object]) -> None:
