@@ -182,6 +182,20 @@ def _third_party_imports(path: Path) -> set[str]:
     return found
 
 
+def test_no_module_imports_another_modules_private_name() -> None:
+    """What modules share is public in the module that owns it: ``from .checked import _refuse`` is a name the
+    owner may change without looking for users."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "labextension" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("taco_notebook")):
+                wrong += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports {alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_only_the_adapter_imports_ipyparallel_or_ipykernel() -> None:
     """One door to upstream internals: every import of ipyparallel or ipykernel sits in ``taco_notebook/ipp/``."""
     wrong = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")

@@ -12,7 +12,7 @@ import torch
 
 from ..comm.collectives import ops as collectives
 from .basics import Average, check_process_set
-from .mpi_ops import UNCOMPRESSED, _check_tensor, _handle, _named, _reduce_now, synchronize
+from .mpi_ops import UNCOMPRESSED, check_tensor, named, new_handle, reduce_now, synchronize
 
 __all__ = [
     "allgather",
@@ -28,10 +28,10 @@ __all__ = [
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
     """Start gathering every rank's ``tensor`` along dimension 0 (first dimensions may differ)."""
-    _check_tensor(tensor, "allgather_async")
+    check_tensor(tensor, "allgather_async")
     group = check_process_set(process_set)
-    with _named("allgather", name) as reserved:
-        return _handle(collectives.allgather_async(tensor, name, group), reserved=reserved)
+    with named("allgather", name) as reserved:
+        return new_handle(collectives.allgather_async(tensor, name, group), reserved=reserved)
 
 
 class _Allgather(torch.autograd.Function):
@@ -45,7 +45,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # Horovod averages the incoming gradients over ranks (each rank's loss saw the whole gathered tensor)
-        averaged = _reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, ctx.process_set)
+        averaged = reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, ctx.process_set)
         group = check_process_set(ctx.process_set)
         rows = collectives.allgather(torch.tensor([ctx.rows], dtype=torch.int64), group=group)
         from .basics import rank
@@ -58,7 +58,7 @@ class _Allgather(torch.autograd.Function):
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """A new tensor: every rank's ``tensor`` concatenated along dimension 0, in rank order."""
-    _check_tensor(tensor, "allgather")
+    check_tensor(tensor, "allgather")
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor, name, process_set)  # type: ignore[no-any-return]
     return synchronize(allgather_async(tensor, name, process_set))  # type: ignore[no-any-return]
@@ -66,15 +66,15 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start copying ``root_rank``'s ``tensor`` into every rank's, in place."""
-    _check_tensor(tensor, "broadcast_async_")
+    check_tensor(tensor, "broadcast_async_")
     group = check_process_set(process_set)
-    with _named("broadcast", name) as reserved:
-        return _handle(collectives.broadcast_async(tensor, root_rank, name, group), reserved=reserved)
+    with named("broadcast", name) as reserved:
+        return new_handle(collectives.broadcast_async(tensor, root_rank, name, group), reserved=reserved)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start broadcasting a copy of ``tensor`` (which is not changed) from ``root_rank``."""
-    _check_tensor(tensor, "broadcast_async")
+    check_tensor(tensor, "broadcast_async")
     return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
 
 
@@ -89,13 +89,13 @@ class _Broadcast(torch.autograd.Function):
         from .basics import rank
 
         # Horovod: the root's gradient is the average of every rank's; the others' inputs did not reach the output
-        averaged = _reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, ctx.process_set)
+        averaged = reduce_now(grad, grad.detach().clone(), Average, None, 1.0, 1.0, UNCOMPRESSED, ctx.process_set)
         return (averaged if rank() == ctx.root_rank else averaged.zero_()), None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor`` on every rank (``tensor`` is not changed)."""
-    _check_tensor(tensor, "broadcast")
+    check_tensor(tensor, "broadcast")
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Broadcast.apply(tensor, root_rank, name, process_set)  # type: ignore[no-any-return]
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
@@ -108,10 +108,10 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, pr
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> int:
     """Start an alltoall; :func:`synchronize` gives ``(output, received_splits)``."""
-    _check_tensor(tensor, "alltoall_async")
+    check_tensor(tensor, "alltoall_async")
     group = check_process_set(process_set)
-    with _named("alltoall", name) as reserved:
-        return _handle(collectives.alltoall_async(tensor, splits, name, group), reserved=reserved)
+    with named("alltoall", name) as reserved:
+        return new_handle(collectives.alltoall_async(tensor, splits, name, group), reserved=reserved)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -132,7 +132,7 @@ class _Alltoall(torch.autograd.Function):
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
     """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` (equal parts without ``splits``); the rows received,
     in rank order, and with ``splits`` also how many rows came from each rank (``(output, received_splits)``)."""
-    _check_tensor(tensor, "alltoall")
+    check_tensor(tensor, "alltoall")
     if tensor.requires_grad and torch.is_grad_enabled():
         output, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:

@@ -11,7 +11,7 @@ import torch
 
 from .basics import reduce_op
 from .compression import Compression
-from .mpi_ops import _handle, allreduce, allreduce_async, allreduce_async_, synchronize
+from .mpi_ops import allreduce, allreduce_async, allreduce_async_, new_handle, synchronize
 
 __all__ = ["grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_"]
 
@@ -22,7 +22,7 @@ def _grouped(
     handles = [start(t, name=None if name is None else f"{name}.{i}", **kwargs) for i, t in enumerate(tensors)]
     future: Future[Any] = Future()
     future.set_result(None)
-    return _handle(future, lambda _: [synchronize(h) for h in handles])
+    return new_handle(future, lambda _: [synchronize(h) for h in handles])
 
 
 def grouped_allreduce_async(

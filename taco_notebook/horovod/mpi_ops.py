@@ -67,7 +67,7 @@ def _reserve(kind: str, name: Any) -> str | None:
 
 
 @contextmanager
-def _named(kind: str, name: Any) -> Iterator[str | None]:
+def named(kind: str, name: Any) -> Iterator[str | None]:
     """:func:`_reserve` the name; what the block submits is matched by name, as Horovod's coordinator does
     (``comm/collectives/byname.py``): a named operation one rank starts before the others reach it waits for them."""
     reserved = _reserve(kind, name)
@@ -75,7 +75,7 @@ def _named(kind: str, name: Any) -> Iterator[str | None]:
         yield reserved
 
 
-def _handle(
+def new_handle(
     future: Future[Any], finish: Callable[[Any], Any] = lambda result: result, reserved: str | None = None
 ) -> int:
     handle = next(_next_handle)
@@ -114,7 +114,7 @@ def synchronize(handle: int) -> Any:
     return finish(result)
 
 
-def _check_tensor(tensor: Any, what: str) -> None:
+def check_tensor(tensor: Any, what: str) -> None:
     check_initialized()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"hvd.{what} needs a torch.Tensor, got {type(tensor).__name__}")
@@ -162,11 +162,11 @@ def allreduce_async(
     process_set: Any = None,
 ) -> int:
     """Start reducing a copy of ``tensor`` (which is not changed); returns a handle for :func:`synchronize`."""
-    _check_tensor(tensor, "allreduce_async")
+    check_tensor(tensor, "allreduce_async")
     found = reduce_op(op, average)
     output = tensor.detach().clone()
-    with _named("allreduce", name) as reserved:
-        return _handle(
+    with named("allreduce", name) as reserved:
+        return new_handle(
             *_start_allreduce(tensor, output, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
                               process_set),
             reserved,
@@ -183,17 +183,17 @@ def allreduce_async_(
     process_set: Any = None,
 ) -> int:
     """Start reducing ``tensor`` in place; returns a handle for :func:`synchronize`."""
-    _check_tensor(tensor, "allreduce_async_")
+    check_tensor(tensor, "allreduce_async_")
     found = reduce_op(op, average)
-    with _named("allreduce", name) as reserved:
-        return _handle(
+    with named("allreduce", name) as reserved:
+        return new_handle(
             *_start_allreduce(tensor, tensor, found, name, prescale_factor, postscale_factor, UNCOMPRESSED,
                               process_set),
             reserved,
         )
 
 
-def _reduce_now(
+def reduce_now(
     tensor: torch.Tensor,
     output: torch.Tensor,
     op: ReduceOp,
@@ -223,11 +223,11 @@ class _Allreduce(torch.autograd.Function):
         process_set: Any,
     ) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        return _reduce_now(tensor, tensor.detach().clone(), op, name, prescale, postscale, spec, process_set)
+        return reduce_now(tensor, tensor.detach().clone(), op, name, prescale, postscale, spec, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _reduce_now(
+        reduced = reduce_now(
             grad, grad.detach().clone(), ctx.op, None, ctx.prescale, ctx.postscale, UNCOMPRESSED, ctx.process_set
         )
         return reduced, None, None, None, None, None, None
@@ -248,7 +248,7 @@ def allreduce(
     ``compression``: an ``hvd.Compression`` member runs inside taco's allreduce; a user's own Horovod
     ``Compressor`` is applied around it, as Horovod does.
     """
-    _check_tensor(tensor, "allreduce")
+    check_tensor(tensor, "allreduce")
     found = reduce_op(op, average)
     spec = spec_of(compression)
     payload, cctx = (tensor, None) if spec is not None else compression.compress(tensor)
@@ -258,7 +258,7 @@ def allreduce(
             payload, found, name, prescale_factor, postscale_factor, spec or UNCOMPRESSED, process_set
         )
     else:
-        out = _reduce_now(
+        out = reduce_now(
             payload,
             payload.detach().clone(),
             found,

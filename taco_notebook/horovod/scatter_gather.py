@@ -18,7 +18,7 @@ from ..comm.collectives import ops as collectives
 from ..comm.collectives import scatter
 from .basics import Average, ReduceOp, check_process_set, comm_op, reduce_op, size
 from .gather_ops import allgather, allgather_async
-from .mpi_ops import _check_tensor, _handle, _named, synchronize
+from .mpi_ops import check_tensor, named, new_handle, synchronize
 
 __all__ = [
     "reducescatter",
@@ -58,13 +58,13 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Start a reducescatter; :func:`~.mpi_ops.synchronize` gives this rank's rows of the reduced tensor."""
-    _check_tensor(tensor, "reducescatter_async")
+    check_tensor(tensor, "reducescatter_async")
     group = check_process_set(process_set)
     found, how = _scatter_op(op)
     source = tensor.detach()
     integer_mean = found is Average and not (source.is_floating_point() or source.is_complex())
     source = _scaled(source, prescale_factor)
-    with _named("reducescatter", name) as reserved:
+    with named("reducescatter", name) as reserved:
         future = scatter.reduce_scatter_async(source, "sum" if integer_mean else how, name, group)
     members = size() if group is None else group.size
 
@@ -73,7 +73,7 @@ def reducescatter_async(
             part = part.div_(members, rounding_mode="trunc")
         return _scaled(part, postscale_factor)
 
-    return _handle(future, finish, reserved)
+    return new_handle(future, finish, reserved)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -101,7 +101,7 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over every rank (averaged by default), this rank's rows of it."""
-    _check_tensor(tensor, "reducescatter")
+    check_tensor(tensor, "reducescatter")
     if tensor.requires_grad and torch.is_grad_enabled() and prescale_factor == postscale_factor == 1.0:
         return _ReduceScatter.apply(tensor, name, op, process_set)  # type: ignore[no-any-return]
     handle = reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
@@ -163,7 +163,7 @@ def _list_handle(handles: list[int]) -> int:
 
     done: Future[Any] = Future()
     done.set_result(None)
-    return _handle(done, lambda _: [synchronize(h) for h in handles])
+    return new_handle(done, lambda _: [synchronize(h) for h in handles])
 
 
 def sparse_allreduce_async(

@@ -280,13 +280,13 @@ def test_powersgd_asks_for_row_cuts_only_for_a_described_buffer() -> None:
 
 def test_batched_orthonormalisation_equals_one_qr_per_matrix() -> None:
     # One QR per distinct (shape, dtype) instead of one per weight: the same Q on CPU, to the bit.
-    from taco_notebook.comm.compression.powersgd import _orthonormal
+    from taco_notebook.comm.compression.powersgd import orthonormal
 
     g = torch.Generator().manual_seed(3)
     ps = [torch.randn(64, 4, generator=g) for _ in range(5)] + [torch.randn(32, 4, generator=g),
                                                                   torch.randn(64, 4, generator=g, dtype=torch.float64)]
     ps.insert(2, torch.zeros(64, 4))  # a zero factor (a gradient of lower rank) still comes out orthonormal
-    got = _orthonormal(ps)
+    got = orthonormal(ps)
     assert all(torch.equal(a, torch.linalg.qr(p).Q) for a, p in zip(got, ps, strict=True))
     eye = torch.eye(4)
     assert all(torch.allclose(q.t() @ q, eye.to(q.dtype), atol=1e-5) for q in got)

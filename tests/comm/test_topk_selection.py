@@ -18,8 +18,8 @@ from taco_notebook.comm.compression.selection import (
     _device_top,
     _sampled_top,
     _sparse_nonzero,
-    _top_indices,
     selection_for,
+    top_indices,
 )
 
 
@@ -43,7 +43,7 @@ def test_selection_equals_torch_topk(layout: str, n: int, ratio: float) -> None:
     t = _data(layout, n)
     k = math.ceil(ratio * n)
     assert torch.unique(t.abs()).numel() == n, "ties-free data, so the top-k set is unique"
-    got = _top_indices(t, k, TopKState(ratio, 0, True))
+    got = top_indices(t, k, TopKState(ratio, 0, True))
     want = torch.topk(t.abs(), k, sorted=False).indices
     assert got.numel() == k
     assert torch.equal(got.sort().values, want.sort().values)
@@ -57,7 +57,7 @@ def test_scratch_buffers_shrink_between_calls_without_stale_entries() -> None:
                      (600_003, torch.float32)):
         t = _data("iid", n, seed=n).to(dtype)
         k = math.ceil(0.01 * n)
-        got = _top_indices(t, k, state)
+        got = top_indices(t, k, state)
         assert torch.equal(got.sort().values, torch.topk(t.abs(), k).indices.sort().values), (n, dtype)
 
 
@@ -66,7 +66,7 @@ def test_ties_at_the_kth_magnitude_go_to_the_lowest_indices() -> None:
     t = -torch.ones(n)
     threes = torch.arange(5, n, 97)[:8_000]
     t[threes] = 3.0  # all 8,000 of them in, then 100 of the tied ones, from the lowest index up
-    got = _top_indices(t, k, TopKState(0.01, 0, True))
+    got = top_indices(t, k, TopKState(0.01, 0, True))
     assert got.numel() == k and bool((got.diff() > 0).all())
     ones = torch.tensor([i for i in range(200) if i not in set(threes[:3].tolist())][:100])
     assert torch.equal(got, torch.cat([threes, ones]).sort().values)
@@ -83,7 +83,7 @@ def test_sparse_nonzero_equals_nonzero(density: float) -> None:
 def test_low_precision_selection_picks_top_magnitudes(dtype: torch.dtype) -> None:
     # Half precision has ties: compare the magnitudes chosen, which are unique as a multiset.
     t = _data("iid", 1_000_000).to(dtype)
-    got = _top_indices(t, 10_000, TopKState(0.01, 0, True))
+    got = top_indices(t, 10_000, TopKState(0.01, 0, True))
     want = torch.topk(t.abs(), 10_000).indices
     assert torch.equal(t.abs()[got].sort().values, t.abs()[want].sort().values)
 

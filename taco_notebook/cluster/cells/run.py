@@ -84,7 +84,7 @@ class OutputSink(Protocol):
     def flush(self) -> None: ...
 
 
-class _CellRun:
+class CellRun:
     def __init__(self, cluster: TacoCluster, options: CellOptions, sink: OutputSink) -> None:
         self.cluster = cluster
         self.options = options
@@ -388,6 +388,6 @@ def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSin
         options = replace(options, monitors=[*options.monitors, RegistryRun(cluster, shown)])
         if options.runner is not None:  # --elastic: cluster/elastic/recovery.py's, which survives a rank's death
             return options.runner(cluster, submit, captured, options, sink, origin)
-        run = _CellRun(cluster, options, sink)
+        run = CellRun(cluster, options, sink)
         run.origin = origin
         return run.run(submit, captured)

@@ -27,7 +27,7 @@ from typing import Any
 from ...engine import calls
 from ...errors import TacoError
 from ..cells.reporting import ranks_phrase, stalled_ranks
-from ..cells.run import CellOptions, OutputSink, _CellRun
+from ..cells.run import CellOptions, CellRun, OutputSink
 from ..describe import RankInfo
 from ..session import TacoCluster
 from .membership import (
@@ -62,7 +62,7 @@ class MembershipLost(Exception):
         self.deaths = deaths
 
 
-class _ElasticCellRun(_CellRun):
+class _ElasticCellRun(CellRun):
     """The cell's wait loop, watching the wrappers' markers as well as mpiexec."""
 
     def __init__(self, cluster: TacoCluster, options: CellOptions, sink: OutputSink, watch: DeathWatch) -> None:
@@ -276,7 +276,7 @@ def _recover(run: _ElasticCellRun, lost: MembershipLost, membership: Membership,
 def run_elastic(cluster: TacoCluster, submit: Callable[[Any, Any], Any], captured: bool, options: CellOptions,
                 sink: OutputSink, origin: str | None = None, *, spec: ElasticSpec) -> Any:
     """Run a cell (or a script) as an elastic one (``CellOptions.runner``, with ``spec`` bound): on a rank's
-    death recover (module docstring) and ``submit`` it again (see :meth:`.run._CellRun.run`)."""
+    death recover (module docstring) and ``submit`` it again (see :meth:`.run.CellRun.run`)."""
     membership = Membership.of(cluster)
     if membership is None:
         membership = Membership(spec)

@@ -251,7 +251,7 @@ def _through_node(buf: torch.Tensor, compressor: Compressor) -> bool:
     return buf.device.type == "cpu" and compressor.name == "none" and buf.dtype != torch.bool
 
 
-def _check(tensor: Any, op: str) -> None:
+def check_reducible(tensor: Any, op: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce needs a torch.Tensor, got {type(tensor).__name__}")
     if op not in ("sum", "avg"):
@@ -268,7 +268,7 @@ def _job(tensor: torch.Tensor, op: str, compression: CompressionSpec | str | Non
     A CUDA tensor is reduced on the comm stream once the caller's stream reached this point; the future's
     ``result()`` orders the caller after the reduction, without a host sync (see :mod:`.streams`).
     """
-    _check(tensor, op)
+    check_reducible(tensor, op)
     compressor = compressor_for(compression) if tensor.is_floating_point() else NoneCompressor()
     if algorithm is not None:
         check_algorithm(algorithm)
@@ -278,7 +278,7 @@ def _job(tensor: torch.Tensor, op: str, compression: CompressionSpec | str | Non
         if not bootstrap.is_initialized():
             bootstrap.init()
         resolved = resolve_algorithm(algorithm)  # may build groups: collective, so on this thread
-        return _reduce_in_place(tensor, op, compressor, resolved, key, prescale, postscale)
+        return reduce_in_place(tensor, op, compressor, resolved, key, prescale, postscale)
 
     return streams.on_comm_stream(tensor, tracked("allreduce", name, work))
 
@@ -294,7 +294,7 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor
 
 
-def _reduce_in_place(tensor: torch.Tensor, op: str, compressor: Compressor, resolved: str,
+def reduce_in_place(tensor: torch.Tensor, op: str, compressor: Compressor, resolved: str,
                      key: Hashable, prescale: float = 1.0, postscale: float = 1.0) -> torch.Tensor:
     """Sum (or average) ``tensor`` over every rank in place, on the current (comm) stream; ``prescale``
     multiplies each rank's input before the sum, ``postscale`` the result after (and after averaging)."""

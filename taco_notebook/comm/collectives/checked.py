@@ -1,9 +1,9 @@
 """What every collective of comm/ shares: bring the group up, check the tensor, agree first, refuse for all.
 
-:func:`_checked` runs a collective's work after the ranks' agreement (:mod:`.agreement`) on the communication
+:func:`run_checked` runs a collective's work after the ranks' agreement (:mod:`.agreement`) on the communication
 thread; the caller wraps both in one ``stall.tracked`` scope, so the check and the collective are one numbered
-collective for the stall watchdog. :func:`_refuse` tells the other ranks that a call failed its own checks here.
-Dtypes gloo lacks travel widened (:func:`_wider`) or as bytes (:func:`_as_bytes`).
+collective for the stall watchdog. :func:`refuse` tells the other ranks that a call failed its own checks here.
+Dtypes gloo lacks travel widened (:func:`wider_dtype`) or as bytes (:func:`as_bytes`).
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ __all__ = ["REDUCE_OPS"]
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
 
 
-def _ready() -> None:
+def ensure_ready() -> None:
     if not bootstrap.is_initialized():
         bootstrap.init()
 
 
-def _check_tensor(tensor: Any, what: str) -> None:
+def check_tensor(tensor: Any, what: str) -> None:
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
 
 
-def _wider(dtype: Any) -> Any:
+def wider_dtype(dtype: Any) -> Any:
     """The dtype a reduction of ``dtype`` travels in when gloo has no kernel for it (None: it has one).
 
     Sums wrap as they would in the narrow type once cast back; uint64 goes as int64 (same bits for sums)."""
@@ -50,19 +50,19 @@ def _wider(dtype: Any) -> Any:
     }.get(dtype)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (contiguous, at least 1-d) seen as rows of uint8, its first dimension kept, when gloo lacks its
     dtype (broadcast, allgather, alltoall only move bytes); the tensor itself otherwise."""
     import math
 
     import torch
 
-    if _wider(tensor.dtype) is None or tensor.is_cuda:
+    if wider_dtype(tensor.dtype) is None or tensor.is_cuda:
         return tensor
     return tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:])).view(torch.uint8)
 
 
-def _checked(
+def run_checked(
     sig: agreement.Signature,
     work: Callable[[], Any],
     extra: int = 0,
@@ -74,7 +74,7 @@ def _checked(
     Wrap the result in ``stall.tracked``: a rank waiting in the check waits for that collective."""
 
     def run() -> Any:
-        _ready()
+        ensure_ready()
         if not agreement.enabled():
             return work() if then is None else then([])
         extras = agreement.agree(sig, extra, group)
@@ -85,7 +85,7 @@ def _checked(
     return run
 
 
-def _refuse(kind: str, error: BaseException, group: Any = None) -> BaseException:
+def refuse(kind: str, error: BaseException, group: Any = None) -> BaseException:
     """Tell the other ranks (of ``group``) this call failed here (they raise, naming it, instead of waiting);
     return ``error``. Only while the process group is up: before it, nothing is waiting.
 
@@ -100,7 +100,7 @@ def _refuse(kind: str, error: BaseException, group: Any = None) -> BaseException
     return error
 
 
-def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
+def in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
     """Run ``collective`` on a contiguous buffer and write the result back into ``tensor``."""
     if tensor.numel() == 0:
         return tensor
@@ -113,14 +113,14 @@ def _in_place(tensor: torch.Tensor, collective: Any) -> torch.Tensor:
     return tensor
 
 
-def _caller_stream(tensor: torch.Tensor) -> Any:
+def caller_stream(tensor: torch.Tensor) -> Any:
     """The submitting thread's current CUDA stream for ``tensor``'s device (None on CPU)."""
     import torch
 
     return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
 
 
-def _output(tensor: torch.Tensor, caller: Any) -> torch.Tensor:
+def handed_to_caller(tensor: torch.Tensor, caller: Any) -> torch.Tensor:
     """A new tensor made on the comm stream and handed to the caller: tell the caching allocator the caller's
     stream uses it too, so its memory is not reused on the comm stream while the caller still reads it."""
     if caller is not None:
@@ -128,7 +128,7 @@ def _output(tensor: torch.Tensor, caller: Any) -> torch.Tensor:
     return tensor
 
 
-def _gathered_counts(count: int, device: Any, group: Any = None) -> list[int]:
+def gathered_counts(count: int, device: Any, group: Any = None) -> list[int]:
     """Every rank's ``count``, in rank order (a collective: call on the communication thread)."""
     import torch
     import torch.distributed as dist

@@ -14,7 +14,7 @@ from ..diagnostics.stall import tracked
 from ..state import state
 from ..transport import streams
 from . import agreement, groups
-from .checked import _as_bytes, _caller_stream, _check_tensor, _checked, _gathered_counts, _output, _refuse
+from .checked import as_bytes, caller_stream, check_tensor, gathered_counts, handed_to_caller, refuse, run_checked
 
 if TYPE_CHECKING:
     import torch
@@ -37,29 +37,29 @@ def _allgather_job(
 
     pg = groups.resolve(group)
     try:
-        _check_tensor(tensor, "allgather")
+        check_tensor(tensor, "allgather")
     except TypeError as error:
-        raise _refuse("allgather", error, pg) from None
+        raise refuse("allgather", error, pg) from None
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-    caller = _caller_stream(rows)
+    caller = caller_stream(rows)
     sig = agreement.describe_tensor("allgather", rows, name, rows_may_differ=True)
 
     def gather(counts: list[int]) -> torch.Tensor:
-        counts = counts or _gathered_counts(rows.shape[0], rows.device, pg)
+        counts = counts or gathered_counts(rows.shape[0], rows.device, pg)
         longest = max(counts)
         padded = (
             rows
             if rows.shape[0] == longest
             else torch.cat([rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
         )
-        out = _output(rows.new_empty((longest * len(counts), *rows.shape[1:])), caller)
+        out = handed_to_caller(rows.new_empty((longest * len(counts), *rows.shape[1:])), caller)
         if out.numel():
-            all_gather(_as_bytes(out), _as_bytes(padded), group=pg)
+            all_gather(as_bytes(out), as_bytes(padded), group=pg)
         if all(c == longest for c in counts):
             return out
-        return _output(torch.cat([out[i * longest : i * longest + c] for i, c in enumerate(counts)]), caller)
+        return handed_to_caller(torch.cat([out[i * longest : i * longest + c] for i, c in enumerate(counts)]), caller)
 
-    work = _checked(sig, lambda: None, extra=rows.shape[0], then=gather, group=pg)
+    work = run_checked(sig, lambda: None, extra=rows.shape[0], then=gather, group=pg)
     return streams.on_comm_stream(rows, tracked("allgather", name, work))
 
 
@@ -112,12 +112,12 @@ def _alltoall_job(
 
     pg = groups.resolve(group)
     try:
-        _check_tensor(tensor, "alltoall")
+        check_tensor(tensor, "alltoall")
         sends = _alltoall_sends(tensor, splits, state.ensure_topology().size if group is None else group.size)
     except (TypeError, ValueError) as error:
-        raise _refuse("alltoall", error, pg) from None
+        raise refuse("alltoall", error, pg) from None
     source = tensor.contiguous()
-    caller = _caller_stream(source)
+    caller = caller_stream(source)
     sig = agreement.describe_tensor("alltoall", source, name, rows_may_differ=True)
 
     def work() -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,13 +125,13 @@ def _alltoall_job(
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=pg)
         counts = [int(c) for c in received.tolist()]
-        out = _output(source.new_empty((sum(counts), *source.shape[1:])), caller)
+        out = handed_to_caller(source.new_empty((sum(counts), *source.shape[1:])), caller)
         dist.all_to_all_single(
-            _as_bytes(out), _as_bytes(source), output_split_sizes=counts, input_split_sizes=sends, group=pg
+            as_bytes(out), as_bytes(source), output_split_sizes=counts, input_split_sizes=sends, group=pg
         )
         return out, received.cpu()
 
-    return streams.on_comm_stream(source, tracked("alltoall", name, _checked(sig, work, group=pg)))
+    return streams.on_comm_stream(source, tracked("alltoall", name, run_checked(sig, work, group=pg)))
 
 
 def alltoall(

@@ -37,7 +37,7 @@ def new_group(ranks: Any) -> SubGroup:
     """A group of ``ranks`` (collective over every rank of the job: all call it with the same ranks)."""
     import torch.distributed as dist
 
-    from .checked import _ready
+    from .checked import ensure_ready
 
     size = state.ensure_topology().size
     try:
@@ -48,7 +48,7 @@ def new_group(ranks: Any) -> SubGroup:
         raise ValueError(f"a group needs distinct ranks in 0..{size - 1}, got {list(ranks)!r}")
 
     def make() -> SubGroup:
-        _ready()
+        ensure_ready()
         handle = dist.new_group(list(chosen), backend=state.backend)
         return SubGroup(chosen, handle, state.generation)
 

@@ -23,7 +23,7 @@ from ..diagnostics.stall import tracked
 from ..state import state
 from ..transport import streams
 from . import agreement, groups
-from .checked import REDUCE_OPS, _as_bytes, _check_tensor, _checked, _in_place, _ready, _refuse, _wider
+from .checked import REDUCE_OPS, as_bytes, check_tensor, ensure_ready, in_place, refuse, run_checked, wider_dtype
 from .gather import allgather, allgather_async, alltoall, alltoall_async
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def _allreduce_job(
     no agreement first (a rank inside ``join()`` feeding zeros to an allreduce the others agreed on)."""
     pg = groups.resolve(group)
     try:
-        _check_tensor(tensor, "allreduce")
+        check_tensor(tensor, "allreduce")
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
         if op not in ("sum", "avg") and CompressionSpec.parse(compression).kind != "none":
@@ -82,17 +82,18 @@ def _allreduce_job(
                 "compression or algorithm with group="
             )
         sig = _allreduce_sig(tensor, op, compression, algorithm, name)
-        wide = _wider(tensor.dtype) if not tensor.is_cuda else None
+        wide = wider_dtype(tensor.dtype) if not tensor.is_cuda else None
         buffer = tensor if wide is None else tensor.to(wide)
         reduce = _reduce_work(buffer, op, compression, algorithm, name if key is None else key, prescale, postscale, pg)
     except (TypeError, ValueError) as error:
-        raise (_refuse("allreduce", error, pg) if check else error) from None
+        raise (refuse("allreduce", error, pg) if check else error) from None
 
     def work() -> torch.Tensor:
         reduced = reduce()
         return reduced if wide is None else tensor.copy_(reduced)
 
-    return streams.on_comm_stream(tensor, tracked("allreduce", name, _checked(sig, work, group=pg) if check else work))
+    job = run_checked(sig, work, group=pg) if check else work
+    return streams.on_comm_stream(tensor, tracked("allreduce", name, job))
 
 
 def _reduce_work(
@@ -112,10 +113,10 @@ def _reduce_work(
 
     from ..compression.compressors import NoneCompressor
     from ..config import check_algorithm, compressor_for
-    from .algorithms import _check, _reduce_in_place, resolve_algorithm, scale_
+    from .algorithms import check_reducible, reduce_in_place, resolve_algorithm, scale_
 
     if op in ("sum", "avg"):
-        _check(tensor, op)
+        check_reducible(tensor, op)
     if op in ("sum", "avg") and pg is None:
         compressor = compressor_for(compression) if tensor.is_floating_point() else NoneCompressor()
         if algorithm is not None:
@@ -124,7 +125,7 @@ def _reduce_work(
 
         def accelerated() -> torch.Tensor:
             resolved = resolve_algorithm(algorithm)  # may build groups: collective, so on this thread
-            return _reduce_in_place(tensor, op, compressor, resolved, stable, prescale, postscale)
+            return reduce_in_place(tensor, op, compressor, resolved, stable, prescale, postscale)
 
         return accelerated
     reduce_op = {
@@ -143,8 +144,8 @@ def _reduce_work(
         scale_(buf, postscale)
 
     def backend() -> torch.Tensor:
-        _ready()
-        return _in_place(tensor, reduce)
+        ensure_ready()
+        return in_place(tensor, reduce)
 
     return backend
 
@@ -209,19 +210,19 @@ def _broadcast_job(
 
     pg = groups.resolve(group)
     try:
-        _check_tensor(tensor, "broadcast")
+        check_tensor(tensor, "broadcast")
         _check_root(root, group)
     except (TypeError, ValueError) as error:
-        raise _refuse("broadcast", error, pg) from None
+        raise refuse("broadcast", error, pg) from None
     sig = agreement.describe_tensor("broadcast", tensor, name, root=root)
 
     def send(buf: torch.Tensor) -> None:
-        dist.broadcast(_as_bytes(buf.reshape(-1)), src=root, group=pg)
+        dist.broadcast(as_bytes(buf.reshape(-1)), src=root, group=pg)
 
     def work() -> torch.Tensor:
-        return _in_place(tensor, send)
+        return in_place(tensor, send)
 
-    return streams.on_comm_stream(tensor, tracked("broadcast", name, _checked(sig, work, group=pg)))
+    return streams.on_comm_stream(tensor, tracked("broadcast", name, run_checked(sig, work, group=pg)))
 
 
 def broadcast(
@@ -247,7 +248,7 @@ def barrier(group: groups.SubGroup | None = None) -> None:
     def work() -> None:
         dist.barrier(group=pg)
 
-    state.comm_thread.run(tracked("barrier", None, _checked(agreement.Signature("barrier"), work, group=pg)))
+    state.comm_thread.run(tracked("barrier", None, run_checked(agreement.Signature("barrier"), work, group=pg)))
 
 
 def broadcast_parameters(params: Any, root: int = 0) -> None:

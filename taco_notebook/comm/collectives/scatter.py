@@ -17,7 +17,7 @@ from ..diagnostics.stall import tracked
 from ..state import state
 from ..transport import streams
 from . import agreement, groups
-from .checked import REDUCE_OPS, _check_tensor, _checked, _refuse, _wider
+from .checked import REDUCE_OPS, check_tensor, refuse, run_checked, wider_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ def _reduce_scatter_job(
 
     pg = groups.resolve(group)
     try:
-        _check_tensor(tensor, "reduce_scatter")
+        check_tensor(tensor, "reduce_scatter")
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
         if tensor.dim() == 0:
@@ -45,14 +45,14 @@ def _reduce_scatter_job(
         if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
     except (TypeError, ValueError) as error:
-        raise _refuse("reduce_scatter", error, pg) from None
+        raise refuse("reduce_scatter", error, pg) from None
     topo = state.ensure_topology()
     members = list(range(topo.size)) if group is None else list(group.ranks)
     me = members.index(topo.rank)
     counts = scatter_rows(tensor.shape[0], len(members))
     offset = sum(counts[:me])
     sig = agreement.describe_tensor("reduce_scatter", tensor, name, op=op)
-    wide = _wider(tensor.dtype) if not tensor.is_cuda else None
+    wide = wider_dtype(tensor.dtype) if not tensor.is_cuda else None
     backend_op = {
         "sum": dist.ReduceOp.SUM,
         "avg": dist.ReduceOp.SUM,
@@ -70,7 +70,7 @@ def _reduce_scatter_job(
             buf.div_(len(members))
         return buf.narrow(0, offset, counts[me]).to(tensor.dtype).clone()
 
-    return streams.on_comm_stream(tensor, tracked("reduce_scatter", name, _checked(sig, work, group=pg)))
+    return streams.on_comm_stream(tensor, tracked("reduce_scatter", name, run_checked(sig, work, group=pg)))
 
 
 def reduce_scatter(

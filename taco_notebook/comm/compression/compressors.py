@@ -28,7 +28,7 @@ import torch
 from ..transport.reduction import Reduced, all_gather, pack, spread, unpack
 from .base import NOTHING_SENT, CompressionStats, Compressor, Payload, alone
 from .powersgd import PowerSGDCompressor
-from .selection import _top_indices
+from .selection import top_indices
 from .spec import DEFAULT_TOPK_RATIO, DEFAULT_TOPK_THRESHOLD, TOPK, CompressionSpec
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor", "TopKState",
@@ -200,7 +200,7 @@ class TopKCompressor(Compressor):
         numel = tensor.numel()
         corrected = self._corrected(tensor, key)
         k = self.num_selected(numel)
-        indices = _top_indices(corrected, k, self.state)
+        indices = top_indices(corrected, k, self.state)
         values = corrected.index_select(0, indices)  # index_select: ~7x faster than corrected[indices] on CPU
         if self.state.error_feedback:
             corrected.index_fill_(0, indices, 0)  # corrected is the residual buffer: now corrected - sent

@@ -25,13 +25,13 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int]:
     return -(-numel // cols), cols
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; float32 and the half types compute in float32 (QR needs it, and the
     residual of a half gradient would lose what it is meant to keep)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _orthonormal(ps: list[torch.Tensor]) -> list[torch.Tensor]:
+def orthonormal(ps: list[torch.Tensor]) -> list[torch.Tensor]:
     """``torch.linalg.qr(p).Q`` of each ``p``, one batched QR per distinct shape: a transformer's 98 weights
     have 4 shapes, so 4 QRs (each several kernels on a GPU) instead of 98. On a CPU the batch runs the same
     LAPACK call per matrix, so the result is the same to the bit."""
@@ -48,7 +48,7 @@ def _orthonormal(ps: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _summed(factors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+def summed(factors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
     """Sum several small matrices over ``group`` in one allreduce (latency, not bytes, is their cost)."""
     flat = torch.cat([f.reshape(-1) for f in factors])
     dist.all_reduce(flat, group=group)

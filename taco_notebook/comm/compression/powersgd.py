@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..transport.reduction import Reduced, ring_accounted
 from .base import NOTHING_SENT, Compressor, Payload, alone
-from .factors import _compute_dtype, _orthonormal, _summed, matrix_shape
+from .factors import compute_dtype, matrix_shape, orthonormal, summed
 from .layout import packed_numel, pieces, row_cuts
 from .spec import DEFAULT_POWERSGD_MIN_SIZE, DEFAULT_POWERSGD_WARMUP, POWERSGD
 
@@ -162,7 +162,7 @@ class PowerSGDCompressor(Compressor):
         rows, cols = matrix_shape(tensor.shape)
         residual, q = self.state.residuals.get(key), self.state.qs.get(key)
         if residual is not None and (residual.numel() != rows * cols or residual.device != tensor.device
-                                     or residual.dtype != _compute_dtype(tensor.dtype)):
+                                     or residual.dtype != compute_dtype(tensor.dtype)):
             self.state.reset(key)
         elif q is not None and (q.shape[0] != cols or q.device != tensor.device):
             self.state.reset(key)
@@ -174,7 +174,7 @@ class PowerSGDCompressor(Compressor):
         With error feedback this is the residual buffer itself, updated in place; ``tensor`` is only read.
         """
         flat = tensor.reshape(-1)
-        numel, dtype = flat.numel(), _compute_dtype(tensor.dtype)
+        numel, dtype = flat.numel(), compute_dtype(tensor.dtype)
         if not self.state.error_feedback:
             if numel == rows * cols and flat.dtype == dtype:
                 return flat.view(rows, cols)
@@ -356,13 +356,13 @@ class PowerSGDCompressor(Compressor):
             wire += flat.numel() * flat.element_size()
         if low:
             mats = [self._matrix(view, sub, *matrix_shape(view.shape)) for sub, view in low]
-            ps = _summed([m @ self._start_q(sub, m) for (sub, _), m in zip(low, mats, strict=True)], group)
-            ps = _orthonormal(ps)
+            ps = summed([m @ self._start_q(sub, m) for (sub, _), m in zip(low, mats, strict=True)], group)
+            ps = orthonormal(ps)
             qts = [p.t() @ m for p, m in zip(ps, mats, strict=True)]
             if self.state.error_feedback:
                 for p, qt, m in zip(ps, qts, mats, strict=True):
                     m.addmm_(p, qt, alpha=-1)
-            qts = _summed(qts, group)
+            qts = summed(qts, group)
             for (low_key, view), p, qt in zip(low, ps, qts, strict=True):
                 self.state.qs[low_key] = qt.t()
                 if view.dtype == p.dtype:  # straight into the buffer: no full-size product to copy

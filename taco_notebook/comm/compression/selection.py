@@ -32,7 +32,7 @@ _MIN_SAMPLE = 1 << 15
 _CANDIDATE_FACTORS = (1.25, 4.0)
 
 
-def _top_indices(values: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
+def top_indices(values: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     """Indices (int64) of the ``k`` largest-magnitude entries of the 1-D ``values``: the exact top-k, chosen
     by the selection suited to the tensor's device (:func:`selection_for`)."""
     return selection_for(values.device)(values, k, scratch)
