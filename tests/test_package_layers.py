@@ -196,6 +196,30 @@ def test_no_module_imports_another_modules_private_name() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def _cluster_fields() -> set[str]:
+    """The attributes :class:`TacoCluster` sets on itself."""
+    tree = ast.parse((PACKAGE / "cluster" / "session.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TacoCluster")
+    return {node.attr for node in ast.walk(cls) if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name) and node.value.id == "self"}
+
+
+def test_only_a_cluster_writes_its_own_fields() -> None:
+    """``TacoCluster`` changes through its own verbs (``request``, ``fail``, ``set_run``…): no other module
+    assigns to a field of an object it calls a cluster (subclasses write ``self``'s)."""
+    fields = _cluster_fields()
+    assert {"pending", "error", "cluster_id", "mpi", "ranks"} <= fields
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "labextension" in path.parts or path == PACKAGE / "cluster" / "session.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr in fields
+                    and isinstance(node.value, ast.Name) and "cluster" in node.value.id.lower()):
+                wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} sets {node.value.id}.{node.attr}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_only_the_adapter_imports_ipyparallel_or_ipykernel() -> None:
     """One door to upstream internals: every import of ipyparallel or ipykernel sits in ``taco_notebook/ipp/``."""
     wrong = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")

@@ -1,13 +1,7 @@
 """TacoCluster: an ipyparallel cluster whose engines are MPI ranks, and the one home of that cluster's state.
 
-Wraps ``ipyparallel.Cluster(engines="mpi")`` (process management is ipyparallel's), and adds what a training
-user needs on top: engine id checked against MPI rank, each rank's host and pid, the MPI implementation, a
-torch process group brought up on start, and a liveness check that says which rank died and how.
-
-All the sidebar shows lives on the :class:`TacoCluster`; :meth:`TacoCluster.model` builds the ClusterModel, and
-lifecycle events go to subscribers (:meth:`TacoCluster.subscribe`), the registry writer among them
-(:mod:`~taco_notebook.cluster.registry.writer`; this module imports no registry code). Clusters are kept by name
-in :data:`clusters`; every cluster this process started is stopped by the one exit hook registered here.
+It wraps ``ipyparallel.Cluster(engines="mpi")`` and adds engine ids checked against MPI ranks, each rank's host
+and pid, a torch process group on start, and which rank died and how. Lifecycle events go to subscribers.
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ NO_ENGINES = "the engines' mpiexec exited; scale or delete the cluster"
 
 
 class HeldMembership(Protocol):
-    """What a cluster asks of the elastic membership it holds (cluster/elastic/membership.py's ``Membership``):
-    a protocol, so that the elastic modules import this one and never the reverse."""
+    """What a cluster asks of the elastic membership it holds (a protocol: elastic/ imports this module)."""
 
     owns_membership: bool  # True once ranks were renumbered: the group is no longer MPI's world
 
@@ -69,25 +62,33 @@ class TacoCluster:
     watcher carries out the sidebar's stop/scale requests only when it can take it. ``cluster_id`` is set by
     the first start and kept by later ones (:meth:`scale`), so the registry entry keeps its id.
 
-    Model state: ``error`` (why broken, or why its last action failed), ``pending`` (a stop or scale the server
-    queued), ``run`` (:meth:`set_run`), ``processes`` (all it started: killed at stop even if orphaned by then)
-    and ``shared_memory`` (the ranks' MPI segments in /dev/shm, removed at stop). Only this class writes its
-    fields: an elastic membership (``elastic``) changes them through the methods under "membership" below."""
+    Only this class writes its fields; other modules change them through its verbs: :meth:`request`,
+    :meth:`take_request` and :meth:`fail` (the server's manager), :meth:`set_run` (the cell runner), the
+    methods under "membership" (an elastic membership) and :meth:`kill_engines`."""
 
-    owner_kind: OwnerKind = "kernel"  # the server extension sets "server" on its own clusters
+    owner_kind: OwnerKind = "kernel"  # "server" for the clusters a Jupyter server owns
     cluster_id: str | None = None
 
     def __init__(self, name: str = "default", size: int = 4, mpiexec: str | None = None,
                  start_timeout: float = 120.0, env: dict[str, str] | None = None,
-                 profile: Profile | None = None) -> None:
+                 profile: Profile | None = None, *, cluster_id: str | None = None,
+                 owner_kind: OwnerKind | None = None, mpi: MPIInfo | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
         if size <= 0:
             raise ValueError(f"size must be a positive integer, got {size}")
         self.profile = profile or LOCAL  # where the engines run (cluster/launch/profiles.py)
         self._engines: Any = "mpi"  # ipp.Cluster's engines: "mpi", or the slurm profile's launcher class
         self.profile.check_size(size)
-        self.name, self.size, self.mpiexec, self.start_timeout = name, size, mpiexec, start_timeout
+        self.name = name
+        self.size = size
+        self.mpiexec = mpiexec
+        self.start_timeout = start_timeout
+        if cluster_id is not None:
+            self.cluster_id = cluster_id
+        if owner_kind is not None:
+            self.owner_kind = owner_kind
         self.env = dict(env or {})
-        self.mpi: MPIInfo | None = None
+        self.mpi = mpi
         self.ipp_cluster: Any = None
         self.client: Any = None
         self.ranks: list[RankInfo] = []
@@ -100,10 +101,9 @@ class TacoCluster:
         self._phase: Literal["starting", "stopping"] | None = None
         self._subscribers: list[Subscriber] = []
         self.shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
-        self._engine_logs: list[str] = []  # ipyparallel forgets a stopped engine set, and with it its log's path
-        self._engine_launchers: list[Any] = []  # ...and deletes the log when mpiexec exits, keeping its text
+        self._sets = engineset.StartedSets()
         self.busy = threading.RLock()
-        self.progress: Callable[[str], None] | None = None  # the slurm profile's queue-state lines go here
+        self.progress = progress  # the slurm profile's queue-state lines go here
         self.elastic: HeldMembership | None = None  # a Membership once an --elastic cell ran here
 
     # ---------------------------------------------------------------- state
@@ -123,8 +123,8 @@ class TacoCluster:
         return self.ipp_cluster is not None and self.error is None
 
     def model(self) -> ClusterModel:
-        """The cluster as the registry, the REST API and the sidebar show it. Reads plain attributes only (and
-        the engines' liveness): safe from any thread. ``this_server`` is False; the server sets it when serving."""
+        """The cluster as the registry, the REST API and the sidebar show it (safe from any thread); the server
+        sets ``this_server`` when it serves it."""
         state = self.state
         up = state in ("running", "broken")
         nodes = nodes_of(self.ranks) if state != "starting" else []
@@ -158,6 +158,19 @@ class TacoCluster:
         self.run = run
         self._emit("run")
 
+    def request(self, action: Literal["stop", "scale"], size: int | None = None) -> None:
+        """Show a stop or scale as ``pending`` until whoever carries it out calls :meth:`take_request`."""
+        self.pending = {"action": action, "size": size, "requested_at": time.time()}
+
+    def take_request(self) -> None:
+        """The pending action begins: it is no longer pending, and the last action's error is forgotten."""
+        self.pending = None
+        self.error = None
+
+    def fail(self, why: str) -> None:
+        """Record why the last action on the cluster failed: it shows broken, with ``why``, until it starts."""
+        self.error = why
+
     # ---------------------------------------------------------------- lifecycle
     def announce_start(self) -> None:
         """Show it ``starting`` now, for a :meth:`start` queued to another thread (the server's manager)."""
@@ -166,17 +179,15 @@ class TacoCluster:
 
     def start(self) -> TacoCluster:
         """Start controller and ``size`` engines, check them, and bring up the process group on every rank.
-
-        Emits ``starting``, then ``running`` (failing: ``stopping``/``stopped``, and raises). ipyparallel's exit
-        hook is off for it (``shutdown_atexit=False``): this module's one hook stops it fast, where ipyparallel's
-        (registered at its first start, so run before ours) would first stop it slowly.
-        """
+        Emits ``starting``, then ``running`` (failing: ``stopping``/``stopped``, and raises)."""
         from .. import ipp
         from ..ipp.client import connect
 
         self.mpi = mpi_for(self.profile, self.mpi, self.mpiexec)
         cluster_id = self.cluster_id = self.cluster_id or new_cluster_id(self.name)
-        self.error, self._phase, _live[cluster_id] = None, "starting", self
+        self.error = None
+        self._phase = "starting"
+        _live[cluster_id] = self
         self._emit("starting")
         try:
             private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
@@ -186,10 +197,10 @@ class TacoCluster:
                                            controller_ip=self.profile.controller_ip, log=IPP_LOG, cluster_id=cluster_id,
                                            controller_args=engineset.controller_args(self.size), shutdown_atexit=False)
             self.ipp_cluster.start_cluster_sync()
-            self._refresh_engine_sets()
+            self._sets.refresh(self.ipp_cluster)
             self.client = connect(self.ipp_cluster)  # ipyparallel's client, lighter per request
             engineset.wait_for_engines(self.client, self.size, self.start_timeout, self._start_failure, self.profile,
-                                       self._engine_launchers)
+                                       self._sets.launchers)
             self.check_ranks()
             self.view.apply_sync(calls.setup_namespace)  # `taco`, the process group, the metrics flush
         except BaseException as exc:
@@ -199,9 +210,11 @@ class TacoCluster:
             if isinstance(exc, ClusterStartError | KeyboardInterrupt):
                 raise
             raise ClusterStartError(self._failed(exc, output)) from exc
-        self.started_at, self.needs_reinit = time.time(), False
+        self.started_at = time.time()
+        self.needs_reinit = False
         self.processes = process_tree(self.ipp_cluster)  # killed at stop even if orphaned by then
-        self.shared_memory, self._phase = shared_memory_files(self.ranks), None
+        self.shared_memory = shared_memory_files(self.ranks)
+        self._phase = None
         self._emit("running")
         return self
 
@@ -218,11 +231,8 @@ class TacoCluster:
         self.ranks = engineset.read_ranks(self.client, self.name)
 
     def stop(self, fast: bool = False) -> None:
-        """Stop engines and controller; leaves nothing running. Safe to call twice.
-
-        Emits ``stopping`` (if it ran) and ``stopped``. ``fast`` (at interpreter exit) terminates the processes
-        at once instead of asking them to exit.
-        """
+        """Stop engines and controller; leaves nothing running. Safe to call twice. Emits ``stopping`` (if it
+        ran) and ``stopped``. ``fast`` (at exit) terminates the processes instead of asking them to exit."""
         self._stop(fast, final=True)
 
     def _stop(self, fast: bool = False, final: bool = True) -> None:
@@ -239,11 +249,8 @@ class TacoCluster:
                 self._emit("stopped")
 
     def scale(self, size: int) -> TacoCluster:
-        """Restart with ``size`` ranks under the same name and registry id (an elastic cluster grows instead).
-
-        An MPI job's world size is fixed at launch, so scaling is a stop and a start of a new ``size``-rank MPI
-        job: what the engines held (variables, the process group) is lost. Holds :attr:`busy` meanwhile.
-        """
+        """Restart with ``size`` ranks under the same name and registry id (an elastic cluster grows instead):
+        MPI fixes a job's world size at launch, so what the engines held is lost. Holds :attr:`busy` meanwhile."""
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive integer, got {size!r}")
         if self.elastic is not None and self.running and size > len(self.ranks):
@@ -257,18 +264,21 @@ class TacoCluster:
     def _stop_processes(self, fast: bool = False) -> None:
         cluster, client = self.ipp_cluster, self.client
         self.ipp_cluster = self.client = None
-        self.ranks, self.elastic = [], None
+        self.ranks = []
+        self.elastic = None
         if cluster is None:
             return
-        tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory  # teardown adds the mapped
-        self.processes, self.shared_memory = [], set()
+        tree = process_tree(cluster) + self.processes
+        shared_memory = self.shared_memory  # teardown adds the segments the processes still map
+        self.processes = []
+        self.shared_memory = set()
         stop_processes(cluster, client, tree, shared_memory, fast)
         kill(marked_processes(self.cluster_id or ""))  # orphans the tree missed (a controller stopped mid-fork)
 
     # ---------------------------------------------------------------- membership
     def reinit(self) -> None:
         """Rebuild the process group on every rank (after a failed or interrupted cell): over MPI's world, or
-        over the members the client chose once an elastic change happened (cluster/elastic/recovery.py)."""
+        over the members chosen once an elastic change happened."""
         if self.elastic is not None and self.elastic.owns_membership:
             self.elastic.rebuild(self, list(self.ranks))
         else:
@@ -276,21 +286,19 @@ class TacoCluster:
         self.needs_reinit = False
 
     def launch_engines(self, count: int) -> None:
-        """Start ``count`` more engines (a second ``mpiexec`` to the same controller) for an elastic cluster, the
-        running ones untouched (any thread): they join at the next commit of a running ``--elastic`` cell, or at
-        the next such cell. Their processes are this cluster's from now on (killed at stop)."""
+        """Start ``count`` more engines (a second ``mpiexec`` to the same controller) for an elastic cluster: they
+        join at the next commit of an ``--elastic`` cell, the running ones untouched."""
         if self.ipp_cluster is None or self.elastic is None:
             raise RuntimeError(f"cluster {self.name!r} runs no elastic cell: engines can only be added to an "
                                "elastic cluster (run a %%taco_run --elastic cell first)")
         self.elastic.expect_engines(count, set(self.client.ids) if self.client is not None else set())
         self.ipp_cluster.start_engines_sync(n=count)
-        self._refresh_engine_sets()
+        self._sets.refresh(self.ipp_cluster)
         self.processes = list({p.pid: p for p in self.processes + process_tree(self.ipp_cluster)}.values())
 
     def kill_ranks(self, ranks: list[int]) -> None:
-        """SIGKILL the engines of ``ranks`` (hung members, cluster/elastic/recovery.py): a local engine only when it
-        is in the process tree of one of this cluster's engine sets (proven ours), any other through ipyparallel's
-        signal request to that engine. Their wrappers' marker lines then report the deaths."""
+        """SIGKILL the engines of ``ranks`` (hung members): a local one only when it is in this cluster's engine
+        sets' process tree (proven ours), any other through ipyparallel's signal request to that engine."""
         ours = {p.pid: p for p in engineset.set_processes(engineset.engine_sets(self.ipp_cluster))}
         kill([ours[r.pid] for r in self.ranks if r.rank in ranks and r.pid in ours], wait=False)
         remote = [r.rank for r in self.ranks if r.rank in ranks and r.pid not in ours]
@@ -306,7 +314,8 @@ class TacoCluster:
         follows), or members died and the rest wait for a rebuild (the size stays)."""
         self.ranks = list(ranks)
         if rebuilt:
-            self.size, self.needs_reinit = len(ranks), False
+            self.size = len(ranks)
+            self.needs_reinit = False
 
     def mark_group_broken(self) -> None:
         """The ranks' process group cannot be trusted (a failed cell, a lost member): the next cell rebuilds it."""
@@ -319,14 +328,9 @@ class TacoCluster:
             raise RuntimeError(f"cluster {self.name!r} is not running")
         return self.client[self.engine_ids()] if self.elastic is not None else self.client[:]
 
-    def _refresh_engine_sets(self) -> None:
-        """Remember the engine sets and their logs (at start, and when an elastic cluster grows)."""
-        self._engine_launchers = engineset.engine_sets(self.ipp_cluster)
-        self._engine_logs = engineset.log_paths(self._engine_launchers)
-
     def engine_log_paths(self) -> list[str]:
         """The engine sets' logs, where mpiexec gathers what the ranks and their wrappers print."""
-        return self._engine_logs or engineset.log_paths(engineset.engine_sets(self.ipp_cluster))
+        return self._sets.log_paths(self.ipp_cluster)
 
     def engine_ids(self, ranks: list[int] | None = None) -> list[int]:
         """The ipyparallel engine ids of ``ranks`` (default: every rank), in that order."""
@@ -349,7 +353,7 @@ class TacoCluster:
 
     def engine_output(self) -> str:
         """What mpiexec and the engines printed (the engine set's log)."""
-        return engine_output(self.engine_log_paths(), self._engine_launchers)
+        return engine_output(self.engine_log_paths(), self._sets.launchers)
 
     def death(self) -> str | None:
         """None while the engines run; otherwise a sentence saying which rank died, where and how."""
@@ -374,13 +378,9 @@ def stop_all(fast: bool = False) -> None:
 
 
 def _stop_at_exit() -> None:
-    """The process's one exit hook: stop every cluster it started (kernel's or server's), fast.
-
-    Registered once, at import. ipyparallel's own hook is off for our clusters (``shutdown_atexit=False``): its
-    stop (~5 s) would run first and outlast a kernel's grace at shutdown, leaving registry entries shown as stale.
-    Each cluster stops under its ``busy`` lock, so a stop/scale the registry's watcher is carrying out finishes
-    first (up to :data:`EXIT_WAIT_S`); ``exiting`` stops the watcher from taking another.
-    """
+    """The process's one exit hook: stop every cluster it started, fast. ipyparallel's own hook is off for them
+    (``shutdown_atexit=False``): its slower stop would outlast a kernel's grace at shutdown. Each stops under its
+    ``busy`` lock, so a stop or scale in progress finishes first (up to :data:`EXIT_WAIT_S`)."""
     exiting.set()
     owned = {id(c): c for c in [*clusters.values(), *_live.values()]}
     clusters.clear()

@@ -98,9 +98,9 @@ def start_cluster(name: str, size: int, mpiexec: str | None, say: RankOutput, en
     # TacoCluster.start() picks the one-host launcher again from TACO_MPI_LAUNCHER unless its mpiexec was named:
     # a launcher chosen here names the program it resolved to (gforker is kept as it is)
     chosen = mpi.mpiexec if launcher is not None and mpi.launcher == "hydra" else mpiexec
-    cluster = track(TacoCluster(name, size, mpiexec=chosen, env=dict(env or {}), profile=profile))  # sidebar lists it
-    cluster.mpi = mpi
-    cluster.progress = say.notice  # the slurm profile's job id and queue state
+    cluster = TacoCluster(name, size, mpiexec=chosen, env=dict(env or {}), profile=profile, mpi=mpi,
+                          progress=say.notice)  # the slurm profile's job id and queue state go to progress
+    track(cluster)  # the sidebar lists it
     say.notice(f"starting cluster {name!r}: {size} ranks with {mpi.description}…")
     began = time.monotonic()
     cluster.start()

@@ -33,7 +33,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -175,9 +174,8 @@ class ClusterManager:
         """Start a cluster owned by this server; returns at once with state ``starting``."""
         request = parse_start_request(body)
         name = request.get("name", "default")
-        cluster = TacoCluster(name, request["size"])
-        cluster.owner_kind = "server"
-        cluster_id = cluster.cluster_id = new_cluster_id(name)
+        cluster_id = new_cluster_id(name)
+        cluster = TacoCluster(name, request["size"], cluster_id=cluster_id, owner_kind="server")
         with self._lock:
             if self._closed:
                 raise Conflict("the Jupyter server is shutting down; start the cluster after it restarts")
@@ -240,8 +238,7 @@ class ClusterManager:
             raise Conflict(f"cluster {cluster.cluster_id} already has {what}; try again when it is done")
         if self._closed:
             raise Conflict("the Jupyter server is shutting down and stops every cluster it started")
-        cluster.pending = {"action": "stop" if action == "stop" else "scale", "size": size,
-                           "requested_at": time.time()}
+        cluster.request("stop" if action == "stop" else "scale", size)
         self._pool.submit(self._run, cluster, action, size)
         return self._owned_model(cluster)
 
@@ -249,7 +246,7 @@ class ClusterManager:
         """Worker thread: carry out one action; ``busy`` keeps actions on one cluster in order."""
         with cluster.busy:
             with self._lock:
-                cluster.pending = cluster.error = None
+                cluster.take_request()
             try:
                 if action == "stop":
                     cluster.stop()
@@ -260,7 +257,7 @@ class ClusterManager:
             except Exception as exc:  # a worker thread: the error goes to the model, where the sidebar shows it
                 log.warning("cluster %s: %s failed: %s", cluster.cluster_id, action, exc)
                 with self._lock:
-                    cluster.error = f"{action} failed: {exc}"
+                    cluster.fail(f"{action} failed: {exc}")
                 return
             if action == "stop":
                 with self._lock:

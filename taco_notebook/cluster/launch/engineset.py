@@ -238,3 +238,21 @@ def sets_alive(sets: list[Any], slurm: bool) -> bool:
 
         return bool(sets) and all(job_alive(es) for es in sets)
     return bool(sets) and all(alive(getattr(es, "process", None)) for es in sets)
+
+
+class StartedSets:
+    """The engine sets a cluster started, and their logs' paths, remembered: ipyparallel forgets a stopped set
+    (and with it its log's path), and deletes the log when mpiexec exits, keeping its text on the launcher."""
+
+    def __init__(self) -> None:
+        self.launchers: list[Any] = []
+        self.logs: list[str] = []
+
+    def refresh(self, ipp_cluster: Any) -> None:
+        """Read them again (at start, and when an elastic cluster grows)."""
+        self.launchers = engine_sets(ipp_cluster)
+        self.logs = log_paths(self.launchers)
+
+    def log_paths(self, ipp_cluster: Any) -> list[str]:
+        """The logs remembered, else those of ``ipp_cluster``'s engine sets now."""
+        return self.logs or log_paths(engine_sets(ipp_cluster))

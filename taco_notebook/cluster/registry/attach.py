@@ -56,22 +56,26 @@ class AttachedCluster(TacoCluster):
     def scale(self, size: int) -> TacoCluster:
         raise ClusterStartError(f"cluster {self.name!r} belongs to the Jupyter server: scale it from the sidebar")
 
+    def adopt(self, started_at: float | None, timeout: float) -> None:
+        """Connect to the running cluster of this id through its ipyparallel cluster file; checks that its
+        engines are the MPI ranks it says."""
+        from ... import ipp
+        from ...ipp.client import connect
+
+        self.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=self.cluster_id)
+        self.client = connect(self.ipp_cluster)
+        self.client.wait_for_engines(self.size, timeout=timeout, interactive=False)  # no stray tqdm bar
+        self.check_ranks()
+        self.started_at = started_at or time.time()
+
 
 def attach(model: Any, timeout: float = 30.0) -> AttachedCluster:
     """Connect to the cluster of a registry ``model``; checks its engines are the MPI ranks it says."""
-    from ... import ipp
-    from ...ipp.client import connect
-
-    cluster = AttachedCluster(model["name"], model["size"])
-    cluster.cluster_id = model["id"]
+    cluster = AttachedCluster(model["name"], model["size"], cluster_id=model["id"])
     try:
-        cluster.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=model["id"])
-        cluster.client = connect(cluster.ipp_cluster)
-        cluster.client.wait_for_engines(model["size"], timeout=timeout, interactive=False)  # no stray tqdm bar
-        cluster.check_ranks()
+        cluster.adopt(model.get("started_at"), timeout)
     except Exception as exc:
         cluster.stop()
         raise ClusterStartError(f"cannot attach to cluster {model['name']!r} started from the sidebar "
                                 f"({model['id']}): {exc}") from exc
-    cluster.started_at = model.get("started_at") or time.time()
     return cluster
