@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
 
 from taco_notebook.controller import raise_open_files_limit  # noqa: E402
+from taco_notebook.engine.wire import CellReply, CellSetup  # noqa: E402
 from taco_notebook.ipp.quiet_kernel import quiet_kernel  # noqa: E402
 from taco_notebook.ipp.stdstreams import lean_streams  # noqa: E402
 
@@ -68,7 +69,7 @@ PLAIN_SETUP = (lean_streams, quiet_kernel)
 VARIANTS = ("old", "stock", "new", "coalescing")
 
 
-def plain_run_cell(source: str, captured: bool, silent: bool = False) -> dict[str, Any]:
+def plain_run_cell(source: str, captured: bool, silent: bool = False) -> CellReply:
     """The new protocol's runner on a plain engine: ``runner.run_cell``'s message shape without taco (the code
     through the shell; the reply carries the value, the replica answer, and whether the request ended without
     sending anything on IOPub, ``quiet.end_silently``)."""
@@ -82,8 +83,7 @@ def plain_run_cell(source: str, captured: bool, silent: bool = False) -> dict[st
     error = result.error_before_exec or result.error_in_exec
     if error is not None:
         raise error
-    return {"value": shell.user_ns.get("__taco_result__") if captured else None, "replicas": False,
-            "silent": end_silently(mark)}
+    return CellReply(shell.user_ns.get("__taco_result__") if captured else None, False, end_silently(mark))
 
 
 def plain_noop(*_: Any) -> bool:
@@ -191,8 +191,8 @@ class Taco:
         from taco_notebook.engine import runner
 
         if view is not None:  # the coalescing view: one reply for every rank, read without a tracker
-            return view.apply_async(runner.run_cell, source, runner.CellSetup(dashboard=False), False)
-        setup = runner.CellSetup(dashboard=False, silent=True)  # as run.py's
+            return view.apply_async(runner.run_cell, source, CellSetup(dashboard=False), False)
+        setup = CellSetup(dashboard=False, silent=True)  # as run.py's
         client = self.stock if stock else self.client
         return tracked(client, client[:].apply_async(runner.run_cell, source, setup, False), self.size)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..ipp.quiet_kernel import quiet_kernel
 from ..ipp.stdstreams import lean_streams
+from .wire import SEND_S, CellSettings
 
 __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "rank_info", "begin_cell",
            "configure_cell", "send_interval", "user_shell", "send_end_state", "check_replicas", "settings_in_force",
@@ -40,7 +41,6 @@ __all__ = ["KEY", "SEND_S", "RESULT_NAME", "UNPICKLABLE", "setup_namespace", "ra
            "join_group", "elastic_restore", "setup_joiner", "export_namespace", "import_namespace"]
 
 KEY = "taco"  # the key of the engines' payload in an AsyncResult's ``metadata["data"]``
-SEND_S = 0.4  # 2.5 redraws a second: what a person can follow; more only costs the ranks and the notebook
 PAYLOADS_PER_S = 250  # what the whole cluster sends the notebook at most: past 100 ranks each sends less often
 
 
@@ -234,18 +234,15 @@ def check_replicas(run: bool) -> dict[str, Any] | bool | None:
     return after_cell() if run else wanted()
 
 
-def configure_cell(settings: dict[str, Any]) -> str | None:
-    """``taco.configure(**settings)`` for the next cell (``%%taco_run --algorithm/--compression/--fusion-mb``);
-    with ``--compression auto``, the line saying what auto chose (taco.tune's remembered choice, or none)."""
+def configure_cell(settings: CellSettings) -> str | None:
+    """``taco.configure()`` with a cell's ``settings`` for the next cell; with ``--compression auto``, the line
+    saying what auto chose (taco.tune's remembered choice, or none)."""
     from ..comm import configure
-    from ..comm.training.advisor import AUTO, auto_choice
+    from ..comm.training.advisor import auto_choice
 
     _cell_settings[0] = True
-    note = None
-    if settings.get("compression") == AUTO:
-        spec, note = auto_choice()
-        settings = {**settings, "compression": spec}
-    configure(**settings)
+    spec, note = auto_choice() if settings.auto_compression else (None, None)
+    configure(**settings.configure_kwargs(auto=spec))
     return note
 
 

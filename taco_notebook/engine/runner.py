@@ -17,11 +17,9 @@ import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
 
 from ..ipp.quiet_kernel import end_silently, iopub_mark
 from .calls import (
-    SEND_S,
     begin_cell,
     configure_cell,
     fetch_result,
@@ -31,21 +29,9 @@ from .calls import (
     user_shell,
 )
 from .script import Script
+from .wire import CellReply, CellSetup
 
-__all__ = ["CellSetup", "run_cell", "run_script", "ScriptExit", "HELD_CHARS"]
-
-
-class CellSetup(NamedTuple):
-    """What a cell's runner does on the rank before and after the code (``%%taco_run``'s per-cell state)."""
-
-    dashboard: bool = True  # send metrics while it runs (some monitor watches)
-    settings: dict[str, Any] | None = None  # taco.configure(**settings) for this cell only
-    reset: bool = False  # taco.configure(reset=True) after it (the settings were set here or by configure_cell)
-    output: str = "all"  # whose stdout is sent: all, rank0 (and a failing rank's) or errors (failing ranks')
-    interval: float = SEND_S  # seconds between this rank's dashboard payloads (send_interval)
-    # a request that sent nothing on IOPub ends without the idle status, its reply saying so: for a caller whose
-    # RankTracker takes such a reply as the end of the output (quiet.end_silently)
-    silent: bool = False
+__all__ = ["run_cell", "run_script", "ScriptExit", "HELD_CHARS"]
 
 
 HELD_CHARS = 64 * 1024  # the most of a quiet rank's stdout kept, to show if the rank fails
@@ -100,7 +86,7 @@ def _around(setup: CellSetup) -> None:
         configure_cell(setup.settings)
 
 
-def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
+def run_cell(source: str, setup: CellSetup, captured: bool) -> CellReply:
     """A ``%%taco_run`` cell, in one request (``view.apply``): the per-cell set-up, then ``source`` run by the
     engine's IPython shell as an ``execute`` would run it (input transformers, so magics and ``!`` lines;
     history and ``In``; the events, so the metrics' post-execute flush), then what the kernel needs back:
@@ -125,7 +111,7 @@ def run_cell(source: str, setup: CellSetup, captured: bool) -> dict[str, Any]:
         _show_held(held, setup.output)
         raise error
     # end_silently last: it reads whether anything before it in this request was sent on IOPub
-    return {"value": fetch_result() if captured else None, "replicas": wanted(), "silent": end_silently(mark)}
+    return CellReply(fetch_result() if captured else None, wanted(), end_silently(mark))
 
 
 class ScriptExit(RuntimeError):
@@ -133,7 +119,7 @@ class ScriptExit(RuntimeError):
     engine)."""
 
 
-def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
+def run_script(script: Script, setup: CellSetup) -> CellReply:
     """Run ``script`` (``%taco_run SCRIPT ARGS``, :mod:`.script`) in this engine as ``python path args`` would,
     after the per-cell set-up (as :func:`run_cell`), then put ``__main__``, ``sys.argv`` and ``sys.path`` back
     for the next cell, and send the dashboard its end state (an applied call fires no post_execute)."""
@@ -167,4 +153,4 @@ def run_script(script: Script, setup: CellSetup) -> dict[str, Any]:
         send_end_state()
         if setup.reset:
             reset_settings()
-    return {"value": None, "replicas": wanted(), "silent": end_silently(mark)}
+    return CellReply(None, wanted(), end_silently(mark))

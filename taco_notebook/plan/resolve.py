@@ -10,12 +10,15 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..comm.specs import check_positive
 from ..errors import OptionError
 from .options import DEFAULT_NP
 from .settings import CLUSTER_ENV, RANK_SETTINGS, TacoSettings, setting_from_env
+
+if TYPE_CHECKING:
+    from ..engine.wire import CellSettings
 
 __all__ = ["DEFAULT_NP", "option_errors", "comm_settings", "cluster_settings", "required_hugepages", "positive_int",
            "cluster_size", "elastic_spec", "positive_float", "parse_targets", "gpu_option"]
@@ -46,24 +49,31 @@ def _flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def comm_settings(config: TacoSettings, args: Any) -> dict[str, object]:
-    """The ranks' ``taco.configure()`` for this cell: each of ``--algorithm/--compression/--fusion-mb/
-    --stall-timeout`` given, else its trait when set (the ranks read the environment themselves), checked so
-    that a typo starts nothing."""
+def comm_settings(config: TacoSettings, args: Any) -> CellSettings | None:
+    """The ranks' ``taco.configure()`` for this cell (None: nothing given): each of ``--algorithm/--compression/
+    --fusion-mb/--stall-timeout`` given, else its trait when set (the ranks read the environment themselves),
+    checked so that a typo starts nothing."""
     from ..comm.compression.spec import CompressionSpec
     from ..comm.specs import algorithm_from_env, fusion_mb_from_env, stall_timeout_from_env
+    from ..comm.training.advisor import AUTO
+    from ..engine.wire import CellSettings
 
     from_env = {"algorithm": algorithm_from_env, "compression": CompressionSpec.from_env,
                 "fusion_mb": fusion_mb_from_env, "stall_timeout": stall_timeout_from_env}  # fmt: skip
-    chosen: dict[str, object] = {}
+    chosen: dict[str, Any] = {}
     with option_errors():
         for name in RANK_SETTINGS:
             value = config.chosen(name, getattr(args, name), _flag_of(name))
-            if value is not None:  # the compression spec goes as its value (parsed once more: a cache hit)
-                chosen[name] = CompressionSpec.parse(value) if name == "compression" and value != "auto" else value
+            if value is not None:
+                chosen[name] = value
             else:  # the ranks will read it: a bad value fails here, naming the variable, before anything starts
                 from_env[name]()
-    return chosen
+    if not chosen:
+        return None
+    compression = chosen.pop("compression", None)
+    auto = compression == AUTO  # the option's check gave its canonical text, or auto
+    spec = None if compression is None or auto else CompressionSpec.parse(compression)
+    return CellSettings(compression=spec, auto_compression=auto, **chosen)
 
 
 def cluster_settings(config: TacoSettings, args: Any, size: int) -> dict[str, str]:

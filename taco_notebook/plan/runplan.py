@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from ..cluster.cells.run import CellOptions
 from ..cluster.session import TacoCluster, clusters
 from ..engine.script import Script, load_script
+from ..engine.wire import Output
 from ..errors import OptionError
 from .clusters import check_hugepages, chosen_profile, ensure_cluster, shared_size
 from .options import OUTPUT_ALL_UP_TO
@@ -73,13 +74,13 @@ def link_capacity(config: TacoSettings, option: str | None) -> float | None:
 _told_output: set[str] = set()  # the clusters (ids) told once that auto shows rank 0's output only
 
 
-def output_mode(config: TacoSettings, option: str | None, ranks: int, cluster_id: str, say: RankOutput) -> str:
+def output_mode(config: TacoSettings, option: str | None, ranks: int, cluster_id: str, say: RankOutput) -> Output:
     """Whose output the cell shows (``--output``, ``TacoMagics.output``, ``TACO_OUTPUT``, else auto): all up to
     :data:`~.options.OUTPUT_ALL_UP_TO` ranks, rank0 beyond, which is said once per cluster."""
     with option_errors():
         mode = config.chosen("output", option, "--output") or setting_from_env("output") or "auto"
     if mode != "auto":
-        return str(mode)
+        return cast(Output, str(mode))  # one of the option's choices
     if ranks <= OUTPUT_ALL_UP_TO:
         return "all"
     if cluster_id not in _told_output:

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from taco_notebook.comm.compression.spec import CompressionSpec
 from taco_notebook.engine import calls, runner
+from taco_notebook.engine.wire import CellReply, CellSettings, CellSetup
 
 from ..support.waiting import wait_until
 
@@ -188,7 +190,7 @@ def test_rank_info_is_each_engines_rank_and_check_ranks_is_public(shared_cluster
 @pytest.mark.cluster
 def test_configure_for_a_cell_then_reset_restores_the_ranks_settings(view):
     before = view.apply_sync(_settings)
-    view.apply_sync(calls.configure_cell, {"algorithm": "flat", "compression": "fp16", "fusion_mb": 8})
+    view.apply_sync(calls.configure_cell, CellSettings("flat", CompressionSpec.parse("fp16"), fusion_mb=8))
     during = view.apply_sync(_settings)
     assert all(s["algorithm"] == "flat" and s["compression"].name == "fp16" and s["fusion_mb"] == 8 for s in during)
     view.apply_sync(calls.reset_settings)
@@ -254,10 +256,10 @@ def test_run_cell_does_the_setup_runs_the_code_as_a_cell_and_answers_in_one_requ
     from taco_notebook.cluster.cells.result import capture_last_expression
 
     source, captured = capture_last_expression("%time x = taco.rank()\ntaco.settings().fusion_mb, x * 10")
-    setup = runner.CellSetup(dashboard=False, settings={"fusion_mb": 3}, reset=True)
+    setup = CellSetup(dashboard=False, settings=CellSettings(fusion_mb=3), reset=True)
     replies = view.apply_sync(runner.run_cell, source, setup, captured)
-    assert [r["value"] for r in replies] == [(3, 0), (3, 10), (3, 20), (3, 30)]
-    assert [r["replicas"] for r in replies] == [False] * 4  # nothing trained through taco
+    assert [r.value for r in replies] == [(3, 0), (3, 10), (3, 20), (3, 30)]
+    assert [r.replicas for r in replies] == [False] * 4  # nothing trained through taco
     assert view.apply_sync(_settings)[0]["fusion_mb"] != 3  # reset after the cell
 
 
@@ -266,7 +268,7 @@ def test_run_cell_raises_the_users_exception_with_the_cells_frames(view):
 
     from taco_notebook.cluster.cells.reporting import render_traceback
 
-    ar = view.apply_async(runner.run_cell, "def f():\n    raise KeyError('k')\nf()\n", runner.CellSetup(False), False)
+    ar = view.apply_async(runner.run_cell, "def f():\n    raise KeyError('k')\nf()\n", CellSetup(False), False)
     errors = [e for e in ar.get(return_exceptions=True) if isinstance(e, RemoteError)]
     assert len(errors) == 4 and {e.ename for e in errors} == {"KeyError"}
     shown = re.sub(r"\x1b\[[0-9;]*m", "", render_traceback(errors[0]))
@@ -284,7 +286,7 @@ def test_the_tracker_sees_output_and_each_ranks_end(shared_cluster, view, told):
     from taco_notebook.cluster.cells.tracker import RankTracker
 
     code = "print('hello from', taco.rank())\n__import__('time').sleep(0.3 * taco.rank())\n"
-    ar = view.apply_async(runner.run_cell, code, runner.CellSetup(False), False)
+    ar = view.apply_async(runner.run_cell, code, CellSetup(False), False)
     tracker = RankTracker(shared_cluster.client, ar, [0, 1, 2, 3])
     assert tracker.told  # this ipyparallel has the callbacks the tracker uses
     tracker.told = told
@@ -330,8 +332,8 @@ def test_a_silent_cell_ends_at_its_reply_without_an_idle_status(shared_cluster, 
 
     client = shared_cluster.client
 
-    def cell(code: str, silent: bool) -> tuple[list[dict[str, Any]], Any]:
-        ar = view.apply_async(runner.run_cell, code, runner.CellSetup(False, silent=silent), False)
+    def cell(code: str, silent: bool) -> tuple[list[CellReply], Any]:
+        ar = view.apply_async(runner.run_cell, code, CellSetup(False, silent=silent), False)
         tracker = RankTracker(client, ar, [0, 1, 2, 3])
         replies = ar.get(60)
         assert tracker.wait(10)
@@ -344,14 +346,14 @@ def test_a_silent_cell_ends_at_its_reply_without_an_idle_status(shared_cluster, 
         found["replies"], found["ar"] = cell("x = 1", silent=True)
 
     assert _sent_by(view, silent) == [0, 0, 0, 0]
-    assert [reply["silent"] for reply in found["replies"]] == [True] * 4
+    assert [reply.silent for reply in found["replies"]] == [True] * 4
     assert not set(found["ar"].msg_ids) & set(client.metadata)  # ipyparallel's bookkeeping of it is gone
 
     def printing() -> None:
         found["replies"], found["ar"] = cell("print('said', taco.rank())", silent=True)
 
     assert _sent_by(view, printing) == [2, 2, 2, 2]  # the stream and the idle status
-    assert [reply["silent"] for reply in found["replies"]] == [False] * 4
+    assert [reply.silent for reply in found["replies"]] == [False] * 4
     assert found["ar"].stdout == [f"said {rank}\n" for rank in range(4)]
     assert _sent_by(view, lambda: cell("x = 2", silent=False)) == [1, 1, 1, 1]  # not asked: the idle status
 

@@ -100,15 +100,23 @@ def test_the_ranks_get_the_compression_spec_as_a_value():
     """The trait holds the spec's canonical text; what ``%%taco_run`` sends the ranks is the parsed value."""
     from types import SimpleNamespace
 
+    from taco_notebook.engine.wire import CellSettings
     from taco_notebook.plan.resolve import comm_settings
 
     config = TacoSettings()
     config.compression = " TopK:0.01"
     args = SimpleNamespace(algorithm=None, compression=None, fusion_mb=None, stall_timeout=None)
     assert config.compression == "topk:0.01"
-    assert comm_settings(config, args)["compression"] == CompressionSpec("topk", 0.01)
+    assert comm_settings(config, args) == CellSettings(compression=CompressionSpec("topk", 0.01))
     args.compression = "powersgd:2:warmup=0"
-    assert comm_settings(config, args)["compression"] == CompressionSpec("powersgd", rank=2, warmup=0)
+    args.fusion_mb = "8"
+    assert comm_settings(config, args) == CellSettings(compression=CompressionSpec("powersgd", rank=2, warmup=0),
+                                                       fusion_mb=8.0)
+    args.compression = "AUTO"
+    assert comm_settings(config, args) == CellSettings(auto_compression=True, fusion_mb=8.0)
+    config.compression = None
+    args.compression = args.fusion_mb = None
+    assert comm_settings(config, args) is None  # nothing given: the ranks keep their own settings
 
 
 def test_rank_settings_env_then_trait_then_option_on_real_ranks(ip, magics, shared_cluster, monkeypatch):

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from ...engine import calls, runner
 from ...engine.script import Script
+from ...engine.wire import CellReply, CellSettings, CellSetup, Output
 from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankFailedError
 from ...ipp import RemoteError
 from ...ipp.comm_pump import CommPump
@@ -69,11 +70,11 @@ class CellOptions:
     gather: bool = False
     interrupt_grace: float = 2.5  # seconds ranks get to honour SIGINT before they are killed
     failure_grace: float = 10.0  # seconds peers of a failed rank get to finish before the ladder starts
-    settings: dict[str, object] | None = None  # taco.configure() for this cell only: algorithm, compression…
+    settings: CellSettings | None = None  # taco.configure() for this cell only: algorithm, compression…
     monitors: Sequence[CellMonitor] = ()  # engines send metrics only when someone watches
     runner: Callable[..., Any] | None = None  # what runs it instead of the plain wait loop (--elastic)
     check_replicas: bool = True  # after a cell on every rank that trained: compare them (cells/replica_check.py)
-    output: str = "all"  # whose stdout the ranks send: all, rank0 or errors (runner.CellSetup.output)
+    output: Output = "all"  # whose stdout the ranks send: all, rank0 or errors
 
 
 class OutputSink(Protocol):
@@ -265,19 +266,19 @@ class CellRun:
         self.cluster.kill_engines(f"{ranks_phrase(stuck)} hung after {why}")
         return stuck
 
-    def run(self, submit: Callable[[Any, runner.CellSetup], Any], captured: bool) -> Any:
+    def run(self, submit: Callable[[Any, CellSetup], Any], captured: bool) -> Any:
         """Prepare the ranks, ``submit(view, setup)`` the work (a cell's or a script's runner, which does the
         per-cell ``setup`` in the same request), and wait for it through the ladder; ``captured``: the cell's
         last expression is to be brought back."""
         if self.cluster.needs_reinit:
             self.cluster.reinit()
         settings = self.options.settings
-        if settings and settings.get("compression") == "auto":  # what auto chose is said before the cell runs
+        if settings is not None and settings.auto_compression:  # what auto chose is said before the cell runs
             notes = self.cluster.client[self.engines].apply_sync(calls.configure_cell, settings)
             if notes[0]:  # the ranks agree
                 self.sink.notice(notes[0])
             settings = None
-        setup = runner.CellSetup(dashboard=self.sending, settings=settings, reset=bool(self.options.settings),
+        setup = CellSetup(dashboard=self.sending, settings=settings, reset=self.options.settings is not None,
                                  output=self.options.output, interval=calls.send_interval(len(self.targets)),
                                  silent=True)  # the RankTracker ends a silent rank's output at its reply
         try:
@@ -312,13 +313,13 @@ class CellRun:
         self.collect_errors()
         if self.errors:
             raise self.failure()
-        replies = self.ar.get()  # every rank's runner's reply: {"value", "replicas"}
+        replies: list[CellReply] = self.ar.get()  # every rank's runner's reply
         if (self.options.check_replicas and self.options.targets is None and self.cluster.elastic is None
-                and all(reply["replicas"] for reply in replies)):
+                and all(reply.replicas for reply in replies)):
             check_replicas(self.cluster.client[self.engines], self.sink)
         if not captured:
             return None
-        values = [unwrap_result(reply["value"]) for reply in replies]
+        values = [unwrap_result(reply.value) for reply in replies]
         return values if self.options.gather else values[0]
 
     def _wait_with_ladder(self) -> None:
@@ -375,7 +376,7 @@ def run_script(cluster: TacoCluster, script: Script, options: CellOptions, sink:
 
 
 def _run(cluster: TacoCluster, shown: str, options: CellOptions, sink: OutputSink,
-         submit: Callable[[Any, runner.CellSetup], Any], captured: bool, origin: str | None = None) -> Any:
+         submit: Callable[[Any, CellSetup], Any], captured: bool, origin: str | None = None) -> Any:
     """Holds ``cluster.busy`` meanwhile, so a stop or scale asked for from the sidebar waits for the cell to end;
     ``shown`` is what the sidebar says runs."""
     from .reporting import RegistryRun

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from concurrent.futures import InvalidStateError
 from typing import Any
 
+from ...engine.wire import CellReply
+
 __all__ = ["RankTracker"]
 
 
@@ -155,7 +157,7 @@ def _end_silent_output(future: Any) -> None:
     if future.cancelled() or future.exception() is not None:
         return
     reply, output = future.result(), getattr(future, "output", None)
-    if isinstance(reply, dict) and reply.get("silent") is True and output is not None and not output.done():
+    if isinstance(reply, CellReply) and reply.silent and output is not None and not output.done():
         try:
             output.set_result(None)
         except InvalidStateError:  # an idle status resolved it meanwhile (quiet.end_silently: sent after all)
