@@ -1,8 +1,8 @@
 """The cluster state model: one typed structure for the registry files, the REST API and the sidebar.
 
 It sits below both ``cluster/`` (which builds it, :meth:`~taco_notebook.cluster.session.TacoCluster.model`) and
-``server/`` (which serves it); ``labextension/src/models.ts`` mirrors these TypedDicts field for field: change
-both together. No imports from the rest of the package.
+``server/`` (which serves it); ``labextension/src/models.ts`` mirrors these TypedDicts field for field
+(``tests/server/test_models_ts.py`` compares them). No imports from the rest of the package.
 
 Its last section defines how far a running cell got (:func:`cell_progress`), once for the sidebar's ``run`` and
 the dashboard under the cell.
