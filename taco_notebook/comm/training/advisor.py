@@ -22,7 +22,7 @@ one. The compression is switched on ``state.optimizer`` when it is a ``Distribut
 (:meth:`~.optimizer.DistributedOptimizer.set_compression`), on ``hook_state`` when given (a DDP model's
 ``TacoHookState``), else on the rank's default (``configure()``: what a DDP hook registered with state None
 follows); the compression in force before is put back afterwards. Importable without IPython; the notebook draws
-:class:`TuneResult` as an HTML table (``taco_notebook.widgets.tune``).
+:class:`TuneResult` as an HTML table (:mod:`taco_notebook.widgets.tune`).
 """
 
 from __future__ import annotations
