@@ -260,7 +260,7 @@ class TacoCluster:
         self.ranks, self.elastic = [], None
         if cluster is None:
             return
-        tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory  # teardown adds the mapped
+        tree, shared_memory = process_tree(cluster) + self.processes, self.shared_memory  # plus what the tree maps
         self.processes, self.shared_memory = [], set()
         stop_processes(cluster, client, tree, shared_memory, fast)
         kill(marked_processes(self.cluster_id or ""))  # orphans the tree missed (a controller stopped mid-fork)
@@ -377,7 +377,7 @@ def _stop_at_exit() -> None:
     """The process's one exit hook: stop every cluster it started (kernel's or server's), fast.
 
     Registered once, at import. ipyparallel's own hook is off for our clusters (``shutdown_atexit=False``): its
-    stop (~5 s) would run first and outlast a kernel's grace at shutdown, leaving registry entries shown as stale.
+    slower stop would run first and outlast a kernel's grace at shutdown, leaving registry entries shown as stale.
     Each cluster stops under its ``busy`` lock, so a stop/scale the registry's watcher is carrying out finishes
     first (up to :data:`EXIT_WAIT_S`); ``exiting`` stops the watcher from taking another.
     """
