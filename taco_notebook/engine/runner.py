@@ -43,7 +43,7 @@ class CellSetup(NamedTuple):
     output: str = "all"  # whose stdout is sent: all, rank0 (and a failing rank's) or errors (failing ranks')
     interval: float = SEND_S  # seconds between this rank's dashboard payloads (send_interval)
     # a request that sent nothing on IOPub ends without the idle status, its reply saying so: for a caller whose
-    # RankTracker takes such a reply as the end of the output (quiet.end_silently)
+    # RankTracker takes such a reply as the end of the output (quiet_kernel.end_silently)
     silent: bool = False
 
 
