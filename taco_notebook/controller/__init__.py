@@ -1,6 +1,5 @@
-"""taco's controller process: ``python -m taco_notebook.controller`` with ipyparallel's command line
-(:data:`taco_notebook.cluster.launch.engineset.CONTROLLER_CMD`), running
-:class:`taco_notebook.ipp.hub.TacoController`."""
+"""taco's controller process (``python -m taco_notebook.controller``): :class:`taco_notebook.ipp.hub.TacoController`
+with ipyparallel's command line (:data:`taco_notebook.cluster.launch.engineset.CONTROLLER_CMD`)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ per request it does N times per cell. Per request, ipyparallel's client makes:
 ``RankTracker``) reads, and does the same work once per request or once per batch:
 
 * futures waited on through their own condition (:class:`LeanFuture`), one shared resolved "sent" future for
-  untracked requests, and a done callback that purges once all of a request's futures are done instead of
-  the ``multi_future``;
+  untracked requests, and instead of the ``multi_future`` a done callback that purges once all of a request's
+  futures are done;
 * the requests of one ``apply`` to N ranks handed to the IO thread as one batch, sent straight on the socket
   when nothing is queued on its stream (in order: once a send would block, it and the rest go through the
   stream's queue). zmq's socket descriptor is edge-triggered and a send on the socket can consume the edge of a
@@ -24,8 +24,7 @@ per request it does N times per cell. Per request, ipyparallel's client makes:
   (``ZMQStream.flush``);
 * the ``started`` date through ``datetime.fromisoformat``, dateutil only for what it does not read.
 
-:func:`connect` is ``ipp.Cluster.connect_client`` with this class; ``benchmarks/README.md`` compares the two
-clients.
+:func:`connect` is ``ipp.Cluster.connect_client`` with this class (``benchmarks/README.md`` compares the two).
 """
 
 from __future__ import annotations

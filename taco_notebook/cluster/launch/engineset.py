@@ -73,8 +73,7 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
     return config, engines
 
 
-# ipyparallel's controller with a hub that reads only what it acts on (ipp/hub.py), on ipyparallel's command line
-# (controller_args)
+# ipyparallel's controller with a hub that reads only what it acts on (ipp/hub.py); controller_args is its line
 CONTROLLER_CMD = [sys.executable, "-m", "taco_notebook.controller"]
 
 

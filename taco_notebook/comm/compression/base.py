@@ -131,9 +131,8 @@ class Compressor(ABC):
         """The dtype of this compressor's payload for a ``dtype`` tensor when that payload is the tensor cast
         (none: ``dtype`` itself; fp16/bf16: theirs), else None (TopK, PowerSGD).
 
-        A pass that produces the shard anyway (the 2D algorithm's shared-memory sum) then writes it straight
-        in this dtype and calls :meth:`start_reduce_wire`, instead of a full-size cast before and after the
-        network.
+        A pass that produces the shard anyway (the 2D algorithm's shared-memory sum) then writes it straight in
+        this dtype and calls :meth:`start_reduce_wire`: no full-size cast before and after the network.
         """
         return None
 

@@ -160,8 +160,7 @@ class TopKCompressor(Compressor):
     The selection is exact (a threshold estimated from a sample only narrows the candidates, see
     :func:`.selection._sampled_top`), and on the 2D algorithm it sees the whole shard: TopK does not pipeline in
     chunks (``pipelines = False``). Its wire is a small fraction of the dense bytes, so there is little network
-    time to hide, chunks cost more than they overlap, and chunks below 512K elements fall back to a full
-    ``torch.topk``.
+    time to hide; chunks cost more than they overlap, and below 512K elements fall back to a full ``torch.topk``.
 
     >>> c = TopKCompressor(0.01, threshold=0)
     >>> payload, ctx = c.compress(grad, key="layer1.weight")
@@ -267,8 +266,7 @@ class TopKCompressor(Compressor):
     def merge(payloads: Sequence[Payload], ctx: TopKContext) -> torch.Tensor:
         """Sum several ranks' payloads for one tensor into a dense tensor of ``ctx.shape``.
 
-        Indices may repeat across ranks; their values add up. Dense payloads (``ctx.sparse`` False) are
-        summed.
+        Indices may repeat across ranks; their values add up. Dense payloads (``ctx.sparse`` False) are summed.
         """
         if not isinstance(ctx, TopKContext):
             raise TypeError(f"TopK merge needs a TopKContext, got {type(ctx).__name__}")

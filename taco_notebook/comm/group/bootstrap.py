@@ -4,9 +4,8 @@ The ranks meet through :mod:`.rendezvous` (a FileStore in a private directory on
 the job's interface across hosts; its name or address agreed over MPI), so nothing is hard-coded and two jobs on
 one machine never collide. The process group can be destroyed and built again without restarting the processes
 (after an interrupted cell, or when membership changes): the process's state is :data:`.state.state`, and
-``shutdown()`` runs the teardown callbacks that modules building on the group registered there. The collective
-timeout is ``taco.configure(collective_timeout=...)`` (default ``TACO_COLLECTIVE_TIMEOUT``, 1800 s), read at
-``init()``.
+``shutdown()`` runs the teardown callbacks that modules building on the group registered there. ``init()`` reads
+the collective timeout, ``taco.configure(collective_timeout=...)`` (default ``TACO_COLLECTIVE_TIMEOUT``, 1800 s).
 
 Works under ``%%taco_run`` and under plain ``mpiexec -n 4 python train.py`` alike; imports no IPython.
 """

@@ -21,8 +21,8 @@ What listens, after this (tests/comm/test_rendezvous.py checks it):
   ``import taco_notebook.comm`` before MPI starts, when hydra says every rank is local). Hydra's ``mpiexec``: one
   control port on 0.0.0.0 for the job's lifetime (its ranks inherit the descriptor), which no hydra option or
   variable moves (not ``-iface lo``, ``-launcher fork``, ``-localhost`` nor ``HYDRA_IFACE``);
-  ``MPIEXEC_PORT_RANGE`` only chooses its port, for a firewall rule. ipyparallel controller and engines:
-  127.0.0.1 only.
+  ``MPIEXEC_PORT_RANGE`` only chooses its port, for a firewall rule. The ipyparallel controller and engines
+  listen on 127.0.0.1 only.
 - several hosts: rank 0's store on its job interface address; gloo pairs on ``GLOO_SOCKET_IFNAME``'s address
   (else the hostname's); hydra's control port on 0.0.0.0 of the launching host and UCX's per-rank listeners on
   the job's network. None of them authenticates: firewall the job's network to the job's hosts.
@@ -70,8 +70,7 @@ class Rendezvous:
         (``shutdown()``: every rank is closing at the same time); a directory left empty is removed at once.
         Otherwise (``abort()`` passes 0: its peers are failing) the store file is unlinked now, so that a peer's
         destructor from then on finds no file and returns, and the directory goes :data:`REAP_AFTER_S` later on a
-        timer thread, when a destructor that had already seen the file has long created its own in the directory
-        still there.
+        timer thread, once a destructor that had already seen the file has long made its own in that directory.
         """
         self.store = None
         if self.directory is not None and self.kind == "file" and wait_s > 0:

@@ -53,8 +53,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 class NodeSegment:
-    """The node's shared buffer: a header of flags, ``local_size`` input slots of ``capacity`` bytes and one
-    output area.
+    """The node's shared buffer: a header of flags, an input slot of ``capacity`` bytes per local rank, an output area.
 
     Each chunk of an allreduce (elements ``[lo, hi)``) takes three passes per rank: :meth:`copy_in`,
     :meth:`sum_shard` (into the output area, which the cross-node step reduces in place), then :meth:`reduced`
@@ -155,8 +154,7 @@ class NodeSegment:
     def exchange(self, values: tuple[int, int]) -> tuple[list[int], list[int]] | None:
         """Every local rank's two int64 ``values``, in local-rank order, through the header: what the ranks'
         agreement on a collective exchanges (:mod:`.agreement`), without gloo's allgather (L-1 loopback steps
-        among L processes). Collective over the node. None on every local rank when the node has no room for the
-        segment.
+        among L processes). Collective over the node; None on every local rank when the node has no room for it.
 
         Two calls' values alternate between two pairs of rows: a rank overwrites call k's row only in call
         k+2, after every rank published call k+1, which each did after reading call k.
