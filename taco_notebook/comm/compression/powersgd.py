@@ -2,24 +2,16 @@
 
 A gradient viewed as an ``n x m`` matrix ``M`` is sent as two thin factors: ``P = M Q`` (``n x r``) is summed
 over the group, orthogonalised, then ``Q = M^T P`` (``m x r``) is summed, and every rank rebuilds
-``P Q^T``: ``(n + m) r`` numbers instead of ``n m``, in two small dense allreduces. Like PyTorch's
-``ddp_comm_hooks/powerSGD_hook.py``, with its knobs in a slotted :class:`PowerSGDState`:
+``P Q^T``: ``(n + m) r`` numbers instead of ``n m``, in two small dense allreduces. As PyTorch's
+``ddp_comm_hooks/powerSGD_hook.py`` does, it keeps error feedback (what the projection lost is added to the
+next gradient: delayed, never dropped), warm-starts each step from the previous summed ``Q`` (the first from a
+fixed seed, the same on every rank) and sends small tensors dense; the knobs are :class:`PowerSGDState`'s.
 
-- error feedback: what this rank's gradient lost to the projection (``M - P Q_local^T``) is added to its
-  next gradient, so nothing is dropped, only delayed;
-- warm start: each step's power iteration starts from the previous step's summed ``Q`` (one iteration per
-  step then tracks the top subspace as it drifts); the first ``Q`` comes from a fixed seed, so every rank
-  starts from the same one;
-- tensors below ``min_size`` elements, or whose factors would not be at least half the size of the
-  matrix, travel uncompressed (a dense allreduce), as in PyTorch's hook.
-
-Shapes: taco's allreduce hands a compressor flat 1-D buffers (a fusion bucket, or on ``2d`` the shard of it
-that crosses nodes), viewed as a near-square matrix as PyTorch's ``batched_powerSGD_hook`` does. A tensor of 2
-or more dimensions is viewed as ``(shape[0], rest)``, as PyTorch's per-parameter hook does, and so is each
-tensor of a flat buffer whose layout is described (:meth:`PowerSGDCompressor.describe_buffer`, which
-DistributedOptimizer and the DDP hook call for each bucket; on ``2d`` the node's shards are then cut on row
-boundaries, :mod:`.layout`): with heavy momentum the square view of a fused bucket loses too much. Half
-precision is computed in float32 (QR, residual) on the gradient's device, with no host sync.
+Shapes: a flat 1-D buffer (a fusion bucket, or on ``2d`` the shard that crosses nodes) is viewed as a
+near-square matrix, as PyTorch's ``batched_powerSGD_hook`` does; a tensor of 2 or more dimensions as ``(shape[0],
+rest)``, as its per-parameter hook does, and so is each tensor of a buffer whose layout is described
+(:meth:`PowerSGDCompressor.describe_buffer`, :mod:`.layout`): with heavy momentum the square view of a fused
+bucket loses too much. Half precision computes in float32 on the gradient's device, with no host sync.
 
 Orthogonalisation is ``torch.linalg.qr``: cheaper than Gram-Schmidt, and a zero column (a gradient of lower
 rank than ``r``) still comes out orthonormal instead of stuck at zero.
