@@ -102,7 +102,7 @@ class ClusterModel(TypedDict):
 
     id: str
     name: str
-    profile: str  # how its engines launch: local, hosts or slurm (cluster/launch/profiles.py)
+    profile: str  # how its engines launch: local, hosts, slurm or mpijob (cluster/launch/profiles.py)
     owner: Owner
     this_server: bool
     state: State

@@ -6,9 +6,9 @@ instead, read through a temporary cluster of one engine per node (as ``%taco_doc
 stderr), stopped before the report is printed.
 
 The logic lives in :mod:`taco_notebook.cluster.doctor.report` (and :mod:`taco_notebook.plan.doctor` for nodes
-where no cluster runs); ``%taco_doctor`` shows the same report for every node
-of a cluster. Exit codes: 0 no errors (warnings may remain), 1 a finding of severity error, 2 bad arguments,
-3 ``--require-hugepages N`` not met, 4 the nodes could not be examined (a host unreachable, no MPI).
+where no cluster runs); ``%taco_doctor`` shows the same report for every node of a cluster. Exit codes: 0 no
+errors (warnings may remain), 1 a finding of severity error, 2 bad arguments, 3 ``--require-hugepages N`` not
+met, 4 the nodes could not be examined (a host unreachable, no MPI).
 """
 
 from __future__ import annotations

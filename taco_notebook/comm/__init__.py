@@ -10,7 +10,7 @@ Importable without IPython, so the same code runs under ``mpiexec -n 4 python tr
 from __future__ import annotations
 
 from ..errors import StallError
-from .collectives import algorithms as _algorithms  # noqa: F401, I001 - registers taco's world group with every group start
+from .collectives import algorithms as _algorithms  # noqa: F401, I001 - registers taco's world group on group start
 from .collectives.groups import SubGroup, new_group
 from .collectives.ops import (
     REDUCE_OPS,

@@ -1,17 +1,16 @@
 """Per-process defaults of comm/: algorithm, compression, fusion threshold, shared memory, collective timeout.
 
-Defaults come from the environment (parsed in :mod:`.specs`): TACO-Training's LightCC flags, so jobs tuned
-for it behave the same here (``LIGHT_2D_ALLREDUCE``: 1 = hierarchical, 0 = flat, unset = hierarchical when
-the job spans several nodes with several ranks each; ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` /
-``LIGHT_TOPK_THRESHOLD``: TopK compression), ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by
-default), ``TACO_SHM`` (0 keeps the intra-node steps on the process group: 2D's, a one-node job's allreduce),
-``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default), ``TACO_STALL_TIMEOUT`` (seconds, 300 by default, 0
-= off: see :mod:`.stall`) and ``TACO_CHUNK_MB`` (the 2D pipeline's chunk in MiB; ``auto``, the default, picks
-it from measured speeds; 0 turns pipelining off). ``configure()``, each call's arguments and, from a notebook,
-``%%taco_run``'s options and ``TacoMagics`` traits (``--algorithm/--compression/--fusion-mb`` configure the
-ranks for a cell; ``--shm/--collective-timeout`` go into the cluster's environment, see
-``taco_notebook.plan.settings``) override them. The environment is read when a setting is first used, not at
-import.
+Defaults come from the environment (parsed in :mod:`.specs`): TACO-Training's LightCC flags, so jobs tuned for
+it behave the same here (``LIGHT_2D_ALLREDUCE``: 1 = hierarchical, 0 = flat, unset = hierarchical when the job
+spans several nodes with several ranks each; ``LIGHT_TOPK_ALLREDUCE`` / ``LIGHT_TOPK_RATIO`` /
+``LIGHT_TOPK_THRESHOLD``: TopK compression), ``TACO_FUSION_MB`` (Horovod's fusion threshold, 64 MB by default),
+``TACO_SHM`` (0 keeps the intra-node steps on the process group: 2D's, a one-node job's allreduce),
+``TACO_COLLECTIVE_TIMEOUT`` (seconds, 1800 by default), ``TACO_STALL_TIMEOUT`` (seconds, 300 by default, 0 =
+off: see :mod:`.stall`) and ``TACO_CHUNK_MB`` (the 2D pipeline's chunk in MiB; ``auto``, the default, picks it
+from measured speeds; 0 turns pipelining off). ``configure()``, each call's arguments and, from a notebook,
+``%%taco_run``'s options and ``TacoMagics`` traits (``--algorithm/--compression/--fusion-mb`` configure the ranks
+for a cell; ``--shm/--collective-timeout`` go into the cluster's environment, see :mod:`taco_notebook.plan.settings`)
+override them. The environment is read when a setting is first used, not at import.
 """
 
 from __future__ import annotations
@@ -82,9 +81,8 @@ def configure(algorithm: str | None = None, compression: CompressionSpec | str |
 
     ``shm`` applies to the 2D groups built next (after ``reinit()``), ``collective_timeout`` to the next
     ``init()``/``reinit()``: both are fixed when the groups are made. ``stall_timeout`` (seconds, 0 or
-    ``"off"`` for never) applies from the next collective on (:mod:`.stall`); ``chunk_mb`` sets the 2D
-    pipeline's chunk size in MiB from the next allreduce on (``"auto"``: from measured speeds; 0: no
-    pipelining).
+    ``"off"`` for never) applies from the next collective on (:mod:`.stall`); ``chunk_mb`` sets the 2D pipeline's
+    chunk size in MiB from the next allreduce on (``"auto"``: from measured speeds; 0: no pipelining).
     """
     global _current
     base = _from_env() if reset else settings()

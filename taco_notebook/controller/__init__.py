@@ -1,6 +1,5 @@
-"""taco's controller process: ``python -m taco_notebook.controller`` with ipyparallel's command line
-(:data:`taco_notebook.cluster.launch.engineset.CONTROLLER_CMD`), running
-:class:`taco_notebook.ipp.hub.TacoController`."""
+"""taco's controller process (``python -m taco_notebook.controller``): :class:`taco_notebook.ipp.hub.TacoController`
+with ipyparallel's command line (:data:`taco_notebook.cluster.launch.engineset.CONTROLLER_CMD`)."""
 
 from __future__ import annotations
 
@@ -14,10 +13,9 @@ def raise_open_files_limit() -> tuple[int, int]:
     and schedulers, inherit it); return ``(soft, hard)`` as they are after.
 
     Every engine holds connections to each of the controller's processes: about two descriptors per engine in
-    the busiest (2,054 at 1,000 engines, measured). The usual soft limit of 1,024 would stop registration near
-    500 engines, with the hard limit often far above it
-    (:func:`taco_notebook.cluster.launch.engineset.check_open_files` refuses a size
-    the hard limit cannot hold).
+    the busiest. The usual soft limit of 1,024 would stop registration near 500 engines, with the hard limit
+    often far above it (:func:`taco_notebook.cluster.launch.engineset.check_open_files` refuses a size the hard
+    limit cannot hold).
     """
     import resource
 

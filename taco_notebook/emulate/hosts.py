@@ -1,11 +1,10 @@
 """Emulated nodes as real ssh hosts that outlive the process that made them (``python -m taco_notebook emulate``).
 
 :class:`EmulatedHosts` is an :class:`~taco_notebook.emulate.nodes.EmulatedNodes` set (network namespaces on a
-shaped bridge) with a real ``sshd`` on every node (:mod:`~taco_notebook.emulate.sshd`), all of it
-recorded in one private state directory (0700, files 0600) so that ``status`` and ``down`` find it again from
-other processes::
+shaped bridge) with a real ``sshd`` on every node (:mod:`~taco_notebook.emulate.sshd`), all of it recorded in one
+private state directory (0700, files 0600) so that ``status`` and ``down`` find it again from other processes::
 
-    STATE/nodes.json            the namespaces, links, subnet (emulated_state.save_nodes)
+    STATE/nodes.json            the namespaces, links, subnet (saved.save_nodes)
     STATE/hosts.json            slots per node, each sshd's pid and start time
     STATE/launch-overlay.json   what ``--hosts n0:2,…`` needs, once ssh works (cluster/launch/overlay.py)
     STATE/netns/                EmulatedNodes' work directory

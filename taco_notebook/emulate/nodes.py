@@ -12,8 +12,8 @@ MPI ranks are placed on the nodes by mpich's hydra with :mod:`taco_notebook.emul
                        env=cluster.mpiexec_env(), check=True)
 
 Only private addresses inside the namespaces created here are used; the bridge has no route to anywhere else.
-emulate/saved.py saves and loads a set so it can outlive its maker: ``python -m
-taco_notebook emulate`` (:mod:`taco_notebook.emulate.hosts`) runs a real sshd on each node that way.
+:mod:`taco_notebook.emulate.saved` saves and loads a set so it can outlive its maker: ``python -m taco_notebook
+emulate`` (:mod:`taco_notebook.emulate.hosts`) runs a real sshd on each node that way.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 The notebook kernel drives its engines only through the plain functions below, called with
 ``view.apply(engine.func, ...)`` (``apply_sync`` where the kernel needs the answer, ``apply_async`` where it
 only needs the order): the user's cell is the one thing sent as source (a script's source travels as the
-argument of :func:`run_script`). A module-level function travels as
-its code and runs on the engine with this module's globals (ipyparallel re-imports the module there), so
-the engine's state (the metrics sender) lives here and a rename fails at import, not in a cell at run time.
+argument of :func:`.runner.run_script`). A module-level function travels as its code and runs on the engine
+with this module's globals (ipyparallel re-imports the module there), so the engine's state (the metrics
+sender) lives here and a rename fails at import, not in a cell at run time.
 
 What ``taco`` is on the engines is defined here, in :func:`setup_namespace`: the rank's API,
 :mod:`taco_notebook.comm` (``taco.rank()``, ``taco.allreduce``…), as in ``import taco_notebook.comm as taco``
@@ -15,7 +15,7 @@ under plain ``mpiexec``. In the notebook itself ``%load_ext taco_notebook`` bind
 The engine's side of the live dashboard is here too: while a cell runs, ``taco.metrics`` hands snapshots to
 the sender installed by :func:`begin_cell`, which sends them on the engine's IOPub as an ipyparallel
 ``data_message``; they land in the cell's ``AsyncResult`` metadata (``md["data"][KEY]``, latest value
-wins), which the kernel's wait loop (``run.py``) reads. After every execution the engine sends once more if
+wins), which the kernel's wait loop (:mod:`.cells.run`) reads. After every execution the engine sends once more if
 anything changed, so the dashboard's final picture is the cell's true end state, not the last throttled one.
 
 The user namespace is reached as ``get_ipython().user_ns`` (the dict ipyparallel runs cells and applied
@@ -165,9 +165,10 @@ def setup_joiner() -> None:
 
 
 def _serve_cells(shell: Any) -> None:
-    """What every engine needs to run cells, after its namespace: the autopsy's listener, the lean streams (no
-    IOPub round trip for a stream with nothing to flush, stdstreams.py), the quiet kernel (no busy status, no log
-    line per request, no idle status for a silent cell, quiet_kernel.py) and the metrics' end-of-execution flush."""
+    """What every engine needs to run cells, after its namespace: the autopsy's listener, the lean streams
+    (:mod:`.stdstreams`: no IOPub message for a stream with nothing to flush), the quiet kernel
+    (:mod:`.quiet_kernel`: no busy status, no log line per request, no idle status for a silent cell) and the
+    metrics' end-of-execution flush."""
     _listen_for_autopsy()
     lean_streams()
     quiet_kernel()
@@ -176,9 +177,9 @@ def _serve_cells(shell: Any) -> None:
 
 
 def _listen_for_autopsy() -> None:
-    """The hang autopsy's listener thread (comm/diagnostics/listener.py): answers while the main thread is blocked.
-    Without
-    it (its directory refused as unsafe) the engine still runs: the autopsy then says this rank has no listener."""
+    """The hang autopsy's listener thread (:mod:`.diagnostics.listener`): answers while the main thread is
+    blocked. Without it (its directory refused as unsafe) the engine still runs: the autopsy then says this rank
+    has no listener."""
     from ..comm.diagnostics.listener import listen
 
     try:
@@ -226,9 +227,8 @@ def begin_cell(dashboard: bool = True, interval: float = SEND_S) -> None:
 
 
 def check_replicas(run: bool) -> dict[str, Any] | bool | None:
-    """After a cell on every rank, the replica check (comm/diagnostics/replicas.py): ``run`` False, whether this rank
-    has
-    something to check (no collective); True, the check itself (collective: only when every rank said yes)."""
+    """After a cell on every rank, the replica check (:mod:`.diagnostics.replicas`). ``run`` False: whether this
+    rank has something to check (no collective). True: the check itself (collective, once every rank said yes)."""
     from ..comm.diagnostics.replicas import after_cell, wanted
 
     return after_cell() if run else wanted()

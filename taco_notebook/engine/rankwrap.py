@@ -1,25 +1,25 @@
 """Run one MPI rank's engine as a child and say how it ended.
 
-``mpiexec`` starts ``python -m taco_notebook.engine.rankwrap ENGINE-COMMAND…`` on every rank. The wrapper
-starts the engine with the MPI environment and file descriptors inherited, forwards every signal it gets, and when the
+``mpiexec`` starts ``python -m taco_notebook.engine.rankwrap ENGINE-COMMAND…`` on every rank. The wrapper starts
+the engine with the MPI environment and file descriptors inherited, forwards every signal it gets, and when the
 engine dies abnormally prints one marker line (rank, host, pid, signal or exit code) to stderr, which mpiexec
 gathers from every node into the engine set's log. The client reads that line to say *which* rank died and
 how: mpiexec itself only reports that one did. The wrapper then ends the same way, so MPI reacts as usual.
 
-Under MPICH's gforker (a one-host cluster, see cluster/launch/mpi.py) the wrapper writes the rank's output straight
-into gforker's own stdout/stderr file (gforker's relay drops a rank's output at its first non-ASCII byte), and
-does two things hydra does and gforker does not: it tells each rank its local rank and the local size
-(``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``, which comm/ reads to keep MPI on shared memory and to place GPUs;
-every rank is local), and when its engine dies abnormally it kills the job's other ranks (SIGKILL, as hydra
-does on a rank's death; gforker alone would leave them running, and a SIGTERM would let their cells end "on
-their own" instead of as dead engines).
+Under MPICH's gforker (a one-host cluster, see :mod:`taco_notebook.cluster.launch.mpi`) the wrapper writes the
+rank's output straight into gforker's own stdout/stderr file (gforker's relay drops a rank's output at its first
+non-ASCII byte), and does two things hydra does and gforker does not: it tells each rank its local rank and the
+local size (``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``, which comm/ reads to keep MPI on shared memory and to place
+GPUs; every rank is local), and when its engine dies abnormally it kills the job's other ranks (SIGKILL, as hydra
+does on a rank's death; gforker alone would leave them running, and a SIGTERM would let their cells end "on their
+own" instead of as dead engines).
 
 Elastic mode (``%%taco_run --elastic``): the engine tells its wrapper through a pipe (``TACO_RANKWRAP_MODE_FD``,
 one line per change: ``elastic`` or ``strict``, written by :func:`taco_notebook.engine.calls.elastic_mode`).
 When an engine dies while its last word was ``elastic``, the wrapper prints the marker line as usual but does
 not end the MPI job: it stops no other rank and stays alive (holding the rank's PMI connection, so neither
 hydra nor gforker sees a rank go) until the job is stopped or its parent goes. The client then rebuilds the
-process group over the survivors (cluster/elastic/recovery.py).
+process group over the survivors (:mod:`taco_notebook.cluster.elastic.recovery`).
 
 Stdlib only: it starts on every rank before anything else.
 """

@@ -1,11 +1,10 @@
 """A cell's (or a script's) runner on the rank: the per-cell set-up, the code, and the reply, in one request.
 
 ``%%taco_run`` sends each rank one ``view.apply`` of :func:`run_cell` (a script: :func:`run_script`), which does
-the per-cell set-up of :mod:`.engine` (``begin_cell``, ``configure_cell``), runs the code, holds back the stdout of
+the per-cell set-up of :mod:`.calls` (``begin_cell``, ``configure_cell``), runs the code, holds back the stdout of
 ranks whose output is not shown (``--output``), resets the cell's settings, and answers in its reply what the
-kernel used to ask for in separate requests: the value of the last expression and whether this rank has
-replicas to check (issue 27: one request per rank per cell, not four). Like :mod:`.engine`, it travels as a
-reference to this module, which the engines import.
+kernel needs back: the value of the last expression and whether this rank has replicas to check. So a cell is
+one request per rank. Like :mod:`.calls`, it travels as a reference to this module, which the engines import.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 Horovod's semantics (out-of-place average by default, ``root_rank=``, ``op=``, handles) over the same engine as
 :mod:`taco_notebook.comm` (its process group, allreduce, compressors, fusion and optimizer machinery): a job may
 use both. Runs under ``mpiexec -n 4 python train.py`` and in a ``%%taco_run`` cell; imports no IPython.
-Where Horovod cannot be matched, README.md's "Horovod compatibility" says so and why.
+Where Horovod cannot be matched, docs/horovod-and-ddp.md ("Not matched, and why") says so and why.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def grouped_reducescatter(
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None) -> int:
-    """:func:`~.mpi_ops.allgather_async` of every tensor, one handle for the list of results."""
+    """:func:`~.gather_ops.allgather_async` of every tensor, one handle for the list of results."""
     return _list_handle(
         [allgather_async(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
     )
@@ -154,7 +154,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None
 ) -> list[torch.Tensor]:
-    """:func:`~.mpi_ops.allgather` of every tensor in the list (differentiable as each is)."""
+    """:func:`~.gather_ops.allgather` of every tensor in the list (differentiable as each is)."""
     return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
 

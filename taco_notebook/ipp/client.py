@@ -1,23 +1,22 @@
 """The notebook's ipyparallel client, with the per-rank cost of a request cut where ipyparallel spends it.
 
-A cell is one ``apply`` per rank (``cells/run.py``), so whatever ipyparallel's client does per request it does
-N times per cell: 33 ms of the notebook's CPU per empty cell at 64 plain engines on 2 cores, 145 ms at 256.
-Of it, per request (py-spy, 64 engines):
+A cell is one ``apply`` per rank (:mod:`taco_notebook.cluster.cells.run`), so whatever ipyparallel's client does
+per request it does N times per cell. Per request, ipyparallel's client makes:
 
-* **seven ``threading.Condition`` objects**, with their futures a third of the notebook's CPU: a reply and an output
-  future, each with an ``Event`` for ``MessageFuture.wait`` and a "sent" future, already resolved unless the
-  request is tracked, and a ``multi_future`` over the pair only to purge the client's caches when both are done;
+* **seven ``threading.Condition`` objects**: a reply and an output future, each with an ``Event`` for
+  ``MessageFuture.wait`` and a "sent" future, already resolved unless the request is tracked, and a
+  ``multi_future`` over the pair only to purge the client's caches when both are done;
 * **a wake-up of the IO thread** (``call_soon_threadsafe``: a write to its self-pipe), and on that thread a
   ``ZMQStream`` queue that reads the socket's events (a ``getsockopt``) and schedules one more callback per
   message before it sends;
-* **the reply's ``started`` date through dateutil**, 48 µs a parse.
+* **the reply's ``started`` date through dateutil**, a slow parse.
 
 :class:`LeanClient` keeps every behaviour and attribute the rest of ipyparallel (views, ``AsyncResult``,
 ``RankTracker``) reads, and does the same work once per request or once per batch:
 
 * futures waited on through their own condition (:class:`LeanFuture`), one shared resolved "sent" future for
-  untracked requests, and a done callback that purges once all of a request's futures are done instead of
-  the ``multi_future``;
+  untracked requests, and instead of the ``multi_future`` a done callback that purges once all of a request's
+  futures are done;
 * the requests of one ``apply`` to N ranks handed to the IO thread as one batch, sent straight on the socket
   when nothing is queued on its stream (in order: once a send would block, it and the rest go through the
   stream's queue). zmq's socket descriptor is edge-triggered and a send on the socket can consume the edge of a
@@ -25,9 +24,7 @@ Of it, per request (py-spy, 64 engines):
   (``ZMQStream.flush``);
 * the ``started`` date through ``datetime.fromisoformat``, dateutil only for what it does not read.
 
-Measured with ipyparallel's client beside this one on the same cluster, cell by cell, on 2 cores: the notebook's
-CPU per empty cell 33.4 -> 19.2 ms at 64 plain engines, 144.5 -> 75.5 ms at 256 (``benchmarks/README.md``,
-seventh round). :func:`connect` is ``ipp.Cluster.connect_client`` with this class.
+:func:`connect` is ``ipp.Cluster.connect_client`` with this class (``benchmarks/README.md`` compares the two).
 """
 
 from __future__ import annotations
@@ -77,7 +74,7 @@ class LeanFuture(MessageFuture):
 
 def parse_date(text: Any) -> Any:
     """An engine's ISO 8601 timestamp as an aware ``datetime``, as ``ipyparallel.util._parse_date`` gives it
-    (which runs dateutil, 48 µs a date): ``fromisoformat`` reads what engines send, the rest goes to ipyparallel."""
+    (which runs the slower dateutil): ``fromisoformat`` reads what engines send, the rest goes to ipyparallel."""
     if isinstance(text, str):
         try:
             parsed = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)

@@ -1,11 +1,11 @@
-"""Answer a page's widget requests while a cell blocks the kernel's main thread (issue 25: reload mid-run).
+"""Answer a page's widget requests while a cell blocks the kernel's main thread (a page reloaded mid-run).
 
 ipykernel 7 reads the shell socket on a thread of its own and hands each message to the main thread through an
 inproc socket that the main thread's event loop reads. A cell that blocks that thread (the wait loop of
-``cluster/cells/run.py``, for the whole of a ``%%taco_run`` cell) leaves every message there until it ends. A page
-reloaded mid-run asks for its widgets' state with such messages (``comm_open`` and ``comm_msg`` ``request_states``
-on ipywidgets' control comm, or ``comm_info_request`` and one ``request_state`` per widget), so until the cell's
-end it showed JupyterLab's "Loading widget..." where the live dashboard had been.
+:mod:`taco_notebook.cluster.cells.run`, for the whole of a ``%%taco_run`` cell) leaves every message there until
+it ends. A page reloaded mid-run asks for its widgets' state with such messages (``comm_open`` and ``comm_msg``
+``request_states`` on ipywidgets' control comm, or ``comm_info_request`` and one ``request_state`` per widget),
+so until the cell's end it would show JupyterLab's "Loading widget..." where the live dashboard had been.
 
 :class:`CommPump`, called from a blocking wait loop, empties that socket without blocking, through the kernel's own
 ``ZMQStream.flush``, and sorts what it reads:
@@ -89,7 +89,7 @@ class CommPump:
             return 0
         try:
             return self._pump()
-        except Exception:  # never the cell's failure: stop pumping, the messages wait for the cell's end as before
+        except Exception:  # never the cell's failure: stop pumping, the messages wait for the cell's end
             log.exception("taco: answering the page's widget requests mid-cell failed; they wait for the cell's end")
             self._stream = None
             return 0

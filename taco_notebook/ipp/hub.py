@@ -2,9 +2,9 @@
 
 ipyparallel's hub subscribes to a copy of every message its queues pass (requests, replies, IOPub) and
 deserialises each in full: signature, four JSON frames, the dates in them, then a database record. With
-``NoDB`` (:func:`.engineset.controller_args`) the records are thrown away, yet that work was 39% of the
-controller's CPU at 64 ranks (py-spy), every request, reply, status and output line of every rank. Here the hub
-keeps what it uses the messages for, read from the one frame that carries it:
+``NoDB`` (:func:`.engineset.controller_args`) the records are thrown away, yet the hub still parses every
+request, reply, status and output line of every rank. Here the hub keeps what it uses the messages for, read
+from the one frame that carries it:
 
 * a request to an engine (``in``) and its reply (``out``): the pending and completed bookkeeping that
   ``Client.queue_status`` reports and the hub walks when an engine goes away, from the request's header and
@@ -13,7 +13,7 @@ keeps what it uses the messages for, read from the one frame that carries it:
   output, dashboard payloads) would only have been written to the database that ``NoDB`` discards.
 
 Anything these readers do not recognise (a message without identities or with a bad signature, an unknown
-engine) goes to ipyparallel's own handler, which logs it as before. The controller process that runs it is
+engine) goes to ipyparallel's own handler, which logs it. The controller process that runs it is
 :mod:`taco_notebook.controller`.
 """
 
@@ -78,7 +78,7 @@ def drain_monitor(hub: Any, batch: int = BATCH) -> None:
     """Read the monitor stream's messages in batches: each time the stream hands the hub a message, the hub
     goes on reading what is already queued (up to ``batch``, so that registrations and queries still get
     their turn) before it returns to the event loop. ``ZMQStream`` reads one message per turn of the loop and
-    asks the socket for its events after each (three quarters of the hub's CPU once the handlers were lean)."""
+    asks the socket for its events after each, which would cost more than the lean handlers themselves."""
     import zmq
 
     stream, dispatch = hub.monitor, hub.dispatch_monitor_traffic

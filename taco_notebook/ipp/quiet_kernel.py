@@ -1,31 +1,25 @@
-"""An engine's kernel that spends nothing per request on what no one reads (issue 27).
+"""An engine's kernel that spends nothing per request on what no one reads.
 
 * **The busy status.** ipykernel publishes an IOPub ``status`` message before it handles every shell request
   (``busy``) and another after it (``idle``). On a cluster's engine only ipyparallel's clients listen, and they
   act on ``idle`` alone: it tells a client that a request's output is complete
   (``AsyncResult.wait_for_output``, which ``%%taco_run`` waits for before it reads a cell's output). ``busy`` is
-  parsed and dropped. Yet each costs per rank per cell: the engine sends it, the controller forwards it to every
-  client and copies it to its hub, and the notebook deserialises it (signature, four JSON frames, dates) and
-  wakes the cell's wait loop for it. Of the four messages per rank an empty cell makes, it is one; without it
-  the notebook's and the controller's CPU per rank per empty cell fell 16% and the cell's wall time 10% at 64
-  plain ranks on 2 cores (1.012 -> 0.847 ms a rank, 147.1 -> 131.9 ms, the two in turn). The kernel publishes
-  everything else as before: ``idle`` after every request, ``starting``, and both statuses of control
+  parsed and dropped, yet it costs per rank per cell: the engine sends it, the controller forwards it to every
+  client and copies it to its hub, and the notebook deserialises it and wakes the cell's wait loop for it. The
+  kernel publishes everything else: ``idle`` after every request, ``starting``, and both statuses of control
   requests (abort, shutdown, interrupts).
 * **Log lines per request.** ipyparallel's engine logs ``Handling apply_request: <id>`` at INFO for every
-  request, and its log level is INFO: a line per rank per cell into the engine set's log through mpiexec's
-  output forwarding, without end (64,000 lines for 1,000 cells on 64 ranks). And it leaves the engine's logger
-  at DEBUG behind that INFO handler, so the kernel's five ``log.debug`` calls per request each build a
-  ``LogRecord`` (caller, time, thread) that is then dropped: about 3% of an engine's CPU for an empty cell
-  (py-spy, 16 ranks). Once the engine is set up, its logger keeps warnings and errors only, unless its
-  handlers were set to DEBUG (``--log-level=DEBUG``, asked for to debug an engine), which keeps everything.
+  request, and its log level is INFO: a line per rank per cell into the engine set's log, without end. It also
+  leaves the engine's logger at DEBUG behind that INFO handler, so the kernel's ``log.debug`` calls per request
+  each build a ``LogRecord`` that is then dropped. Once the engine is set up, its logger keeps warnings and
+  errors only, unless its handlers were set to DEBUG (``--log-level=DEBUG``, asked for to debug an engine),
+  which keeps everything.
 * **The idle status of a silent cell.** A ``%%taco_run`` cell that sends nothing on IOPub (no output, no
   dashboard payload, no error: an empty cell, or one that only computes) needs no idle status to say its output
   is complete: its runner says so in its reply (:func:`end_silently`), the kernel then sends no idle status for
-  the request, and the notebook's ``RankTracker`` ends the request's output at the reply. That leaves two
-  messages per rank for such a cell, the request and the reply. At 64 torch ranks on 2 cores an empty cell went
-  from 163.5 to 122.7-130.1 ms (``benchmarks/README.md``, fifth round). A cell that sent anything, or whose
-  runner was not asked (``CellSetup.silent``: only ``%%taco_run`` asks, as only it has the tracker), ends with
-  its idle status as before.
+  the request, and the notebook's ``RankTracker`` ends the request's output at the reply: two messages per rank,
+  the request and the reply. A cell that sent anything, or whose runner was not asked (``CellSetup.silent``:
+  only ``%%taco_run`` asks, as only it has the tracker), ends with its idle status.
 
 The kernel is changed by giving the object a subclass of its own class (ipyparallel's ``IPythonParallelKernel``,
 or whatever runs the engine) that overrides ``_publish_status``, and its IOPub thread's ``send_multipart`` is

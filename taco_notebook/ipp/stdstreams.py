@@ -1,19 +1,17 @@
-"""An engine's ``sys.stdout`` and ``sys.stderr`` that skip the IOPub round trip when they hold nothing (issue 27).
+"""An engine's ``sys.stdout`` and ``sys.stderr`` that skip the IOPub round trip when they hold nothing.
 
 ipykernel's ``OutStream.flush`` hands the IOPub thread a flush and an event, then waits for the event, whether or
 not anything was written: a barrier behind everything queued on that thread. An engine flushes both streams
 after every request (ipyparallel's ``apply_request``) and again after every message it handles (ipykernel's
-``dispatch_shell``): four thread round trips per empty cell, about 30% of an engine's CPU for one (measured with
-py-spy at 16 ranks: 49.1 ms of the engines' CPU per empty cell, 33-35 ms without them).
+``dispatch_shell``): four thread round trips per empty cell, a large share of an engine's CPU for one.
 
 The barrier orders nothing that needs it when the stream holds nothing: the reply goes on the shell socket, the
 idle status that tells the client a request's output is complete is queued on the same IOPub thread after anything
 queued before it, and ``%%taco_run`` waits for that status (``AsyncResult.wait_for_output``) before it reads a
-cell's output (for a cell that sent nothing, its reply says so instead: ``quiet_kernel.py``). So ``LeanOutStream``
-flushes
-as ipykernel does whenever the stream has a write in its buffers or a flush pending (or echoes to a terminal), and
-returns at once otherwise. A write from another thread fills the buffer before it marks the flush pending, and the
-IOPub thread marks it done before it empties the buffer: either is seen.
+cell's output (for a cell that sent nothing, its reply says so instead: :mod:`.quiet_kernel`). So
+``LeanOutStream`` flushes as ipykernel does whenever the stream has a write in its buffers or a flush pending (or
+echoes to a terminal), and returns at once otherwise. A write from another thread fills the buffer before it
+marks the flush pending, and the IOPub thread marks it done before it empties the buffer: either is seen.
 
 Only ipykernel's own ``OutStream`` with that state (ipykernel 6.29 to 7) is changed, by giving the two stream
 objects the subclass; anything else (a stream a user or another library put in place) is left as it is.

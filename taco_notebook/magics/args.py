@@ -1,6 +1,5 @@
 """Argument stacks shared by the magics (made from the option table, :mod:`taco_notebook.plan.options`), their
-help, and the boundary that shows the plan layer's :class:`~taco_notebook.errors.OptionError` as IPython's
-``UsageError``.
+help, and the boundary that shows the plan layer's :class:`~taco_notebook.errors.OptionError` as a ``UsageError``.
 
 The options are checked and resolved (option, else trait, else environment) by :mod:`taco_notebook.plan.resolve`.
 """

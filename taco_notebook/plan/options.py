@@ -29,7 +29,7 @@ __all__ = ["Flag", "Option", "OPTIONS", "EFFECTS", "DEFAULT_NP", "COMPRESSION_FO
 
 DEFAULT_NP = 4
 COMPRESSION_FORMS = ("none", "fp16", "bf16", "topk:RATIO", "powersgd:RANK")  # comm.compression's specs
-COMPRESSION_CHOICES = (*COMPRESSION_FORMS, "auto")  # auto: taco.tune's choice (comm.advisor)
+COMPRESSION_CHOICES = (*COMPRESSION_FORMS, "auto")  # auto: taco.tune's choice (comm.training.advisor)
 DASHBOARD_MODES = ("auto", "widget", "text", "off")  # widgets.dashboard's, which imports bokeh: a test keeps them equal
 EFFECTS = {
     "cell": "the ranks' `taco.configure()` for each cell",

@@ -66,7 +66,7 @@ class RankOutput:
 
     def warn(self, text: str) -> None:
         """A line about something going wrong or being lost (a rank failed, engines killed or restarted):
-        stderr. ``--quiet`` silences it too, as it always did the magic's own messages."""
+        stderr. ``--quiet`` silences it too, as it does the magic's other messages."""
         if not self.quiet:
             target = self._target("stderr")
             target.write(f"[taco] {text}\n")

@@ -128,8 +128,8 @@ def cluster_size(value: str | None, option: str, limit: int | None = None) -> in
 
 
 def positive_float(value: str | None, option: str) -> float | None:
-    """An option's text as a positive, finite number of seconds (None when not given), else an OptionError naming
-    ``option``."""
+    """An option's text as a positive, finite number of seconds (None when not given), else an OptionError that
+    names ``option``."""
     if value is None:
         return None
     with option_errors():

@@ -8,9 +8,8 @@ host. There it prints one JSON line::
     python -m taco_notebook.remote.autopsy_reader --dir /tmp/taco-0/stacks --timeout 1.5 4711 4712
     {"host": "n1", "pids": {"4711": {"reply": {"now": {...}, "at_stall": null}}, "4712": {"missing": "..."}}}
 
-Standard library only (no ``taco_notebook.comm``, which imports torch): it starts in tens of milliseconds on a
-host where torch takes a second. It only connects to the ranks' sockets and reads ``/proc``: it never stops
-or changes a rank.
+Standard library only (no ``taco_notebook.comm``, which imports torch), so it starts without torch's import
+time. It only connects to the ranks' sockets and reads ``/proc``: it never stops or changes a rank.
 """
 
 from __future__ import annotations

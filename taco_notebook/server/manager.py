@@ -14,11 +14,9 @@ Two kinds of cluster, one list:
   (the extension's shutdown hook, :class:`~taco_notebook.server.handlers.TacoServerExtension`). Their state
   (pending action, last error) lives on the cluster; the manager keeps only a dict of them by id.
 
-Every blocking method (each reads or writes registry files, or starts, stops or kills processes) has an async
-twin named ``<method>_async`` that runs it in a worker thread (:func:`asyncio.to_thread`): the REST handlers
-await the twins, so a slow disk or a stale entry's processes being killed never hold up the server's event loop,
-while tests, kernels and scripts call the plain methods. The logic is written once, synchronously, because
-the registry and :class:`TacoCluster` are synchronous; the twins only move it off the loop.
+Every blocking method has an async twin ``<method>_async`` that runs it in a worker thread
+(:func:`asyncio.to_thread`): the REST handlers await the twins, so the event loop never waits on the disk or on
+processes being killed; tests, kernels and scripts call the plain methods, written once, synchronously.
 
 Every method returns models and raises :class:`BadRequest`, :class:`NotFound` or :class:`Conflict` (or
 :class:`UnsafeRegistry` when the registry directory could be controlled by another user). Each model served says

@@ -1,7 +1,7 @@
 """The live training dashboard's pure parts: bokeh plots and the stream that turns metric snapshots into them.
 
-``widgets`` never talks to engines: it renders the ``taco_notebook.comm.diagnostics.metrics.snapshot()`` dicts it is
-handed.
+``widgets`` never talks to engines: it renders the snapshot dicts it is handed
+(:func:`taco_notebook.comm.diagnostics.metrics.snapshot`).
 """
 
 from __future__ import annotations

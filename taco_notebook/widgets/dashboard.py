@@ -256,9 +256,9 @@ class Dashboard:
         """Close the live ``BokehModel`` widgets: the cell's output no longer shows them (see ``finish``).
 
         With ``picture`` (the final picture's HTML) each live view (its ``VBox`` stays open) shows that picture
-        instead: a page reloaded from a notebook saved mid-run holds the live view's output, and fetches its widget
-        from the kernel (mid-run too: ``ipp/comm_pump.py``); after the cell's end it finds the final picture there, not
-        a closed model."""
+        instead: a page reloaded from a notebook saved mid-run holds the live view's output, and fetches its
+        widget from the kernel (mid-run too: :mod:`taco_notebook.ipp.comm_pump`); after the cell's end it finds
+        the final picture there, not a closed model."""
         if picture is not None:
             import ipywidgets as w
 
@@ -339,7 +339,7 @@ class CellDashboard:
         self.dashboard: Dashboard | None = None
         self.handles: list[Any] = []  # the live view's display handles (BokehJS loader, widget): replaced at the end
         self.started = time.monotonic()
-        # bokeh and the widget libraries take ~1.5 s to import: pay it before the cell runs, not mid-stream
+        # bokeh and the widget libraries are slow to import: pay it before the cell runs, not mid-stream
         import bokeh.plotting  # noqa: F401
 
         if mode == "widget":

@@ -23,7 +23,7 @@ FIGURE_PX = 290  # a figure's height with a one-row legend; each further legend 
 # ~1000 px notebook output; a wider page shows the same rows with room to spare.
 LEGEND_WIDTH_PX = 440
 LEGEND_ROW_PX = 22  # a 20 px glyph and the row gap
-LABEL_CHAR_PX = 6.5  # 13 px sans-serif: chromium measured 6.0 px a character; the estimate errs toward a row more
+LABEL_CHAR_PX = 6.5  # 13 px sans-serif runs about 6 px a character; the estimate errs toward a row more
 
 
 def _legend(fig: figure) -> Legend:

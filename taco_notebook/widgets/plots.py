@@ -260,11 +260,10 @@ def rank_heatmap_across(node_of_rank: Mapping[int, int], *, capacity_bps: float 
 
 
 def compression_plot(*, title: str = "Compression (raw / wire bytes)") -> Plot:
-    """The compression ratio over the smoothing window (left axis) and the bytes saved since the cell started (right
-    axis) over elapsed time; hidden until something was compressed.
+    """The compression ratio over the smoothing window (left axis) and the bytes saved since the cell started
+    (right axis) over elapsed time; hidden until something was compressed.
 
-    One source ``"compression"`` with columns ``time``, ``ratio`` (NaN for a window without communication)
-    and ``saved_bytes``.
+    One source ``"compression"``: ``time``, ``ratio`` (NaN for a window without communication), ``saved_bytes``.
     """
     source = ColumnDataSource(data={"time": [], "ratio": [], "saved_bytes": []}, name="taco-compression")
     fig = _figure(title, x_axis_label="elapsed (s)", y_axis_label="compression ratio", visible=False,

@@ -1,6 +1,5 @@
-"""Each rank's recorded history (``snapshot()["series"]``, :mod:`taco_notebook.comm.diagnostics.metrics`) and the time
-series
-the dashboard plots from it, on one grid, by one definition shared with the text summary.
+"""Each rank's recorded history (``snapshot()["series"]``, :mod:`taco_notebook.comm.diagnostics.metrics`) and the
+time series the dashboard plots from it, on one grid, by one definition shared with the text summary.
 
 Ranks record cumulative counters at a fixed cadence and send the latest records with every snapshot;
 :class:`SeriesBook` merges them by record number (a payload the notebook missed costs nothing while a later one

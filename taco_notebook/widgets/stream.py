@@ -1,9 +1,8 @@
 """Turn successive batches of per-rank metric snapshots into the dashboard's plots and its text summary.
 
-Snapshots (``taco_notebook.comm.diagnostics.metrics.snapshot()``, one dict per rank) hold cumulative counters and each
-rank's
-recorded series; :class:`MetricsStream` keeps the previous batch, detects a new run (counters that went
-backwards: history is dropped), differences batches into an :class:`~.interval.Interval` (:mod:`.interval`),
+Snapshots (:func:`taco_notebook.comm.diagnostics.metrics.snapshot`, one dict per rank) hold cumulative counters
+and each rank's recorded series; :class:`MetricsStream` keeps the previous batch, detects a new run (counters that
+went backwards: history is dropped), differences batches into an :class:`~.interval.Interval` (:mod:`.interval`),
 and updates the bokeh sources of :class:`~taco_notebook.widgets.plots.DashboardPlots`.
 
 Example::
@@ -42,8 +41,7 @@ __all__ = [
 ]
 
 # A step part (overlapped communication, waiting) below this share of the tallest bar is a hairline of 1-3 px on
-# the page: until some rank's reaches it, the part has no bars and no legend entry (_show_step_parts). Measured
-# on 2 ranks of a small model: overlapped communication 0-1.1% of a step, waiting 1-2%.
+# the page: until some rank's reaches it, the part has no bars and no legend entry (_show_step_parts).
 STEP_PART_SEEN = 0.02
 
 

@@ -1,16 +1,15 @@
 """The hang autopsy, read from outside the ranks: every rank's stacks and collective, grouped, suspects named.
 
-Each rank serves its state on a Unix socket (:mod:`taco_notebook.comm.diagnostics.listener`, a listener thread started
-at
-engine setup), so the autopsy needs neither the ranks' main threads nor the notebook kernel's: the kernel's cell
-runner reads it when a rank raises a StallError (the ranks that waited report themselves as they were when
-their watchdog fired), ``%taco_cluster stacks`` reads it on demand, and the Jupyter server reads it for the
-sidebar while a cell holds the kernel (``GET /taco-notebook/api/clusters/{id}/stacks``). A Unix socket is
-reached only on its own host: the ranks of this host are read here, those of every other host by one ssh to
-it that runs :mod:`.autopsy_host` there (the way hydra reaches the hosts), and the answers merge into one
-report. Every rank and host is asked at once, so 16 ranks take as long as the slowest (at most ``timeout``,
-plus :data:`REMOTE_SETUP_S` for another host's ssh). A rank that does not answer is described by its host's
-OS: its ``/proc/PID/status`` state and its main thread's ``wchan``; a host that ssh cannot reach, by ssh.
+Each rank serves its state on a Unix socket (:mod:`taco_notebook.comm.diagnostics.listener`, a listener thread
+started at engine setup), so the autopsy needs neither the ranks' main threads nor the notebook kernel's: the
+kernel's cell runner reads it when a rank raises a StallError (the ranks that waited report themselves as they
+were when their watchdog fired), ``%taco_cluster stacks`` reads it on demand, and the Jupyter server reads it for
+the sidebar while a cell holds the kernel (``GET /taco-notebook/api/clusters/{id}/stacks``). A Unix socket is
+reached only on its own host: the ranks of this host are read here, those of every other host by one ssh to it
+that runs :mod:`taco_notebook.remote.autopsy_reader` there (the way hydra reaches the hosts), and the answers
+merge into one report. Every rank and host is asked at once, so all ranks take as long as the slowest (at most
+``timeout``, plus :data:`REMOTE_SETUP_S` for another host's ssh). A rank that does not answer is described by its
+host's OS: its ``/proc/PID/status`` state and its main thread's ``wchan``; a host that ssh cannot reach, by ssh.
 
     >>> print(collect(cluster.ranks).text())  # doctest: +SKIP
     stacks of 4 ranks, read in 0.05 s
@@ -62,9 +61,8 @@ class RankAddress:
 
 @dataclass
 class RankStacks:
-    """One rank's answer (``snapshot``, from :func:`taco_notebook.comm.diagnostics.listener.snapshot`) or why there is
-    none
-    (``missing``: what the OS says of the process)."""
+    """One rank's answer (``snapshot``, from :func:`taco_notebook.comm.diagnostics.listener.snapshot`) or why
+    there is none (``missing``: what the OS says of the process)."""
 
     rank: int
     pid: int
@@ -151,7 +149,7 @@ def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | Non
 
     Ranks of this host are read here; those of each other host by one ssh to it (``launcher_exec``: the
     program that stands in for ssh, as a cluster's profile names it; None: the one emulated hosts publish, else
-    ``ssh``) running :mod:`.autopsy_host` there. Every host is asked at once."""
+    ``ssh``) running :mod:`taco_notebook.remote.autopsy_reader` there. Every host is asked at once."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     began = time.monotonic()
     directory = socket_dir()
@@ -175,7 +173,7 @@ def after_stall(cluster: Any, targets: Sequence[int], sink: Any, since: float) -
     """The cell runner's autopsy when a rank raised a StallError (while its peers still run): the ranks that
     gave up as their watchdog saw them (if it fired after ``since``, a ``time.time()``), the others as they are
     now, shown as a warning under the cell. Not on an elastic cluster: there a stalled rank is a lost member,
-    ended at once (cluster/elastic/recovery.py), and the run must not wait for its stacks."""
+    ended at once (:mod:`taco_notebook.cluster.elastic.recovery`), and the run must not wait for its stacks."""
     if cluster.elastic is not None:
         return
     chosen = [r for r in cluster.ranks if r.rank in targets]
@@ -207,9 +205,10 @@ def _ssh_program(hosts: Sequence[str], launcher_exec: str | None) -> tuple[str, 
 
 def read_remote(host: str, pids: Sequence[int], ssh: str, directory: Path, timeout: float,
                 refused: str | None = None) -> dict[int, dict[str, Any]]:
-    """The answers of ``pids`` on ``host``: :mod:`.autopsy_host` run there through one ``ssh`` (this
-    interpreter's path, as the engines are started), given ``timeout`` per rank plus :data:`REMOTE_SETUP_S` for
-    ssh and Python to start; past that the ssh is killed and every pid is missing, with the reason."""
+    """The answers of ``pids`` on ``host``: :mod:`taco_notebook.remote.autopsy_reader` run there through one
+    ``ssh`` (this interpreter's path, as the engines are started), given ``timeout`` per rank plus
+    :data:`REMOTE_SETUP_S` for ssh and Python to start; past that the ssh is killed and every pid is missing, with
+    the reason."""
     if refused is not None:
         return _all_missing(pids, f"host {host}: not asked over ssh: {refused}")
     remote = [sys.executable, "-m", HOST_READER, "--dir", str(directory), "--timeout", f"{timeout:g}",

@@ -1,9 +1,8 @@
 """The replica check after a cell, from the kernel's side: ask every rank (one call), warn if they differ.
 
-Every rank says whether the cell trained through taco (no collective); only when all say so do they compare their
-fingerprints in one collective (:mod:`taco_notebook.comm.diagnostics.replicas`) and return the same report. Not after a
-cell
-of an elastic cluster, whose members may change under the cell (cells/run.py).
+Every rank says whether the cell trained through taco (no collective); only when all say so do they compare
+their fingerprints in one collective (:mod:`taco_notebook.comm.diagnostics.replicas`) and return the same report.
+Not after a cell of an elastic cluster, whose members may change under the cell (:mod:`.run`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The value of a cell's last expression, brought back from the ranks (kernel side).
 
 Before sending a cell, the kernel rewrites its trailing expression into an assignment to
-:data:`~.engine.RESULT_NAME` (:func:`capture_last_expression`); after the cell, ``engine.fetch_result`` reads
+:data:`~.calls.RESULT_NAME` (:func:`capture_last_expression`); after the cell, ``calls.fetch_result`` reads
 that name on each rank, and :func:`unwrap_result` turns what came back into what ``%%taco_run`` returns.
 """
 
@@ -48,7 +48,7 @@ class UnpicklableResult:
 
 
 def unwrap_result(value: Any) -> Any:
-    """What ``engine.fetch_result`` returned, with its unpicklable mark turned into an :class:`UnpicklableResult`."""
+    """What ``calls.fetch_result`` returned, with its unpicklable mark turned into an :class:`UnpicklableResult`."""
     if isinstance(value, tuple) and len(value) == 2 and value[0] == UNPICKLABLE:
         return UnpicklableResult(value[1])
     return value

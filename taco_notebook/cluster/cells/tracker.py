@@ -1,8 +1,8 @@
-"""Which ranks of a running cell have news, without reading every rank's state on every poll (issue 27).
+"""Which ranks of a running cell have news, without reading every rank's state on every poll.
 
-The cell's wait loop (``run.py``) wakes every few tens of milliseconds. Reading every rank's metadata and asking
-every rank's AsyncResult whether it is done on each wake costs the notebook O(ranks) per wake: at 1,000 ranks,
-most of a core for a cell that does nothing. Instead the client's own IO thread tells us, as messages arrive:
+The cell's wait loop (:mod:`.run`) wakes every few tens of milliseconds. Reading every rank's metadata and asking
+every rank's AsyncResult whether it is done on each wake costs the notebook O(ranks) per wake, even for a cell
+that does nothing. Instead the client's own IO thread tells us, as messages arrive:
 
 * ipyparallel calls each request's ``MessageFuture.iopub_callbacks`` for every IOPub message of that request
   (output, a dashboard payload, the idle status), after the message is in the request's metadata; ours appends
@@ -10,9 +10,8 @@ most of a core for a cell that does nothing. Instead the client's own IO thread 
   does it; without it every rank is read on every look);
 * each rank's request has its own ``MessageFuture`` (a ``concurrent.futures.Future``, the AsyncResult's
   children, resolved with the rank's value or the exception it raised when its reply arrives): its done
-  callback appends the rank to another queue. ``ar.split()`` would wrap each in an AsyncResult of its own: six
-  more futures and events per rank per cell, a third of the notebook's CPU for an empty cell at 16 ranks; it
-  is the fallback where the children are not there (another ipyparallel).
+  callback appends the rank to another queue. ``ar.split()``, which would wrap each in an AsyncResult of its own
+  (six more futures and events per rank per cell), is the fallback where the children are not there.
 
 The wait loop then reads only the ranks that were queued since it last looked. Every rank is queued once at the
 start, for what arrived before the callbacks were in. ``collections.deque.append`` and ``popleft`` are
@@ -150,7 +149,7 @@ class RankTracker:
 
 
 def _end_silent_output(future: Any) -> None:
-    """A runner whose request sent nothing on IOPub says so in its reply (``"silent"``, ``quiet.end_silently``)
+    """A runner whose request sent nothing on IOPub says so in its reply (``"silent"``, ``quiet_kernel.end_silently``)
     and its engine sends no idle status: the reply is then the end of the request's output, so resolve the
     output future ipyparallel would have resolved at the idle status (``MessageFuture.output``), which lets
     ``wait_for_output`` return and ipyparallel drop the request's bookkeeping."""
@@ -160,7 +159,7 @@ def _end_silent_output(future: Any) -> None:
     if isinstance(reply, CellReply) and reply.silent and output is not None and not output.done():
         try:
             output.set_result(None)
-        except InvalidStateError:  # an idle status resolved it meanwhile (quiet.end_silently: sent after all)
+        except InvalidStateError:  # an idle status resolved it meanwhile (quiet_kernel.end_silently: sent after all)
             pass
 
 

@@ -2,8 +2,8 @@
 :class:`~.report.DoctorReport` that shows itself: HTML in a notebook, text in a terminal).
 
 Facts come from :func:`taco_notebook.cluster.doctor.nodefacts.node_facts`, run where each node is (an engine's
-``view.apply``: :mod:`.engines`, or ``python -m taco_notebook.cluster.doctor.nodefacts`` through a command prefix:
-``ssh HOST python3``, ``ip netns exec NS python``)::
+``view.apply``: :mod:`.engines`, or ``python -m taco_notebook.cluster.doctor.nodefacts`` through a command
+prefix: ``ssh HOST python3``, ``ip netns exec NS python``)::
 
     report = diagnose_nodes({"n0": ["ssh", "n0", "python3"], "n1": ["ssh", "n1", "python3"]},
                             addresses={"n0": "10.0.0.1", "n1": "10.0.0.2"})
@@ -23,7 +23,7 @@ from .render import ShownReport
 
 __all__ = ["report_from_facts", "local_report", "read_node_facts", "measure_links", "diagnose_nodes"]
 
-_FACTS_TIMEOUT_S = 180.0  # a loaded node imports torch slowly; 2 cores under test load took ~20 s
+_FACTS_TIMEOUT_S = 180.0  # generous: a loaded node imports torch slowly
 
 
 def report_from_facts(facts: Sequence[dict[str, Any]], links: Sequence[dict[str, Any]] = ()) -> ShownReport:
@@ -39,8 +39,7 @@ def local_report() -> ShownReport:
 
 
 def read_node_facts(name: str, runner: Sequence[str], timeout: float = _FACTS_TIMEOUT_S) -> dict[str, Any]:
-    """``python -m taco_notebook.cluster.doctor.nodefacts`` through ``runner`` (a prefix ending in a Python
-    interpreter).
+    """``python -m taco_notebook.cluster.doctor.nodefacts`` through ``runner``, a prefix ending in an interpreter.
 
     Named ``name`` in the report whatever its hostname (namespace nodes share one). A node that cannot be read
     gives ``{"node": name, "error": why}``, which :func:`diagnose` reports as an error, instead of raising.

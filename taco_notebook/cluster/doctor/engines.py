@@ -1,12 +1,11 @@
 """``%taco_doctor`` and ``--require-hugepages``: the node report read through a cluster's engines.
 
 The cluster is a running one (``--cluster``), or, for nodes where nothing runs yet (``--hosts``, ``--hostfile``,
-``--profile``), a temporary one (:mod:`.doctor_nodes`). One engine per node runs
-:func:`taco_notebook.cluster.doctor.nodefacts.node_facts` (``view.apply``), and each node in turn receives a one-second
-stream from the previous one (:func:`taco_notebook.comm.diagnostics.linkspeed.start_receiver` on the receiver's engine,
-:func:`~taco_notebook.comm.diagnostics.linkspeed.send` on the sender's), as :mod:`taco_notebook.cluster.doctor.collect`
-describes.
-With neither, the report is this machine's alone.
+``--profile``), a temporary one (:mod:`taco_notebook.plan.doctor`). One engine per node runs
+:func:`taco_notebook.cluster.doctor.nodefacts.node_facts` (``view.apply``), and each node in turn receives a
+one-second stream from the previous one (:func:`taco_notebook.comm.diagnostics.linkspeed.start_receiver` on the
+receiver's engine, :func:`~taco_notebook.comm.diagnostics.linkspeed.send` on the sender's), as
+:mod:`taco_notebook.cluster.doctor.collect` describes. With neither, the report is this machine's alone.
 """
 
 from __future__ import annotations

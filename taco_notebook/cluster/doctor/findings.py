@@ -1,4 +1,4 @@
-"""What is wrong with a node, from its facts (``cluster/doctor/nodefacts.py``), and what to do about it.
+"""What is wrong with a node, from its facts (:mod:`.nodefacts`), and what to do about it.
 
 :func:`diagnose` is pure: facts in, :class:`Finding` s out, so it applies the same to facts from an engine, from
 ssh, or saved in a file. Severities: ``error`` (a job would fail or silently run wrong: no MPI, mpi4py on

@@ -1,9 +1,9 @@
 """Everything ``%taco_doctor`` reports about one node, as a JSON-able dict: :func:`node_facts`.
 
 Runs where the node is: on an engine (``view.apply(node_facts)``), under plain Python, or as
-``python -m taco_notebook.cluster.doctor.nodefacts`` (prints the JSON) through ssh or ``ip netns exec``. No IPython, no
-CUDA initialisation (placement may still choose the GPUs), and no crash when a tool is missing: a missing
-``nvidia-smi`` or ``mpiexec`` is reported as ``"missing"``, a failing one with what it said.
+``python -m taco_notebook.cluster.doctor.nodefacts`` (prints the JSON) through ssh or ``ip netns exec``. No
+IPython, no CUDA initialisation (placement may still choose the GPUs), and no crash when a tool is missing: a
+missing ``nvidia-smi`` or ``mpiexec`` is reported as ``"missing"``, a failing one with what it said.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _mpi4py_library(env: dict[str, str] | None) -> dict[str, Any]:
 
 def mpi_facts() -> dict[str, Any]:
     """The ``mpiexec`` taco would pick (its implementation and version) and what mpi4py loads, as is and with
-    the environment taco gives its ranks (``MPI4PY_MPIABI`` and the library path, see cluster/launch/mpi.py)."""
+    the environment taco gives its ranks (``MPI4PY_MPIABI`` and the library path, see :mod:`.launch.mpi`)."""
     from ..launch import mpi
 
     facts: dict[str, Any] = {"mpiexec": "missing", "implementation": None, "version": None}

@@ -2,7 +2,7 @@
 for a terminal, HTML for a notebook. Both come from the same cells (:func:`rows`), so they say the same thing.
 
 This module imports the report (:mod:`.report`), never the reverse: :class:`ShownReport` is the report the
-doctor's entry points (:mod:`.gather`, :mod:`.engines`) hand a user, which shows itself through these functions.
+doctor's entry points (:mod:`.collect`, :mod:`.engines`) hand a user, which shows itself through these functions.
 """
 
 from __future__ import annotations

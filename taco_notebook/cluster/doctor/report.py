@@ -2,7 +2,7 @@
 what to do), the links measured between nodes, and :func:`require_hugepages`.
 
 Facts come from :func:`taco_notebook.cluster.doctor.nodefacts.node_facts`, run where each node is; gathering them
-into a report is :mod:`.gather`'s (through command prefixes) and :mod:`.engines`' (through a cluster's engines).
+into a report is :mod:`.collect`'s (through command prefixes) and :mod:`.engines`' (through a cluster's engines).
 This model knows nothing of how it is shown: :mod:`.render` draws it (text for a terminal, HTML for a notebook)
 and imports it, never the reverse.
 """

@@ -1,10 +1,11 @@
-"""An elastic cluster's membership as the client knows it: the ``--elastic MIN:MAX`` bounds, the ranks lost (read
-from the wrappers' marker lines by :class:`DeathWatch`), the engines joining, and the blacklist of hosts that
-failed repeatedly; and :meth:`Membership.rebuild`, which gives chosen engines a new group (cluster/elastic/recovery.py
+"""An elastic cluster's membership as the client knows it: the ``--elastic MIN:MAX`` bounds, the ranks lost
+(read from the wrappers' marker lines by :class:`DeathWatch`), the engines joining, and the blacklist of hosts
+that failed repeatedly; and :meth:`Membership.rebuild`, which gives chosen engines a new group (:mod:`.recovery`
 decides when; :meth:`TacoCluster.reinit` calls it after a failed cell).
 
 The cluster holds its :class:`Membership` (``cluster.elastic``) and never imports this module; a membership
-changes the cluster only through its methods (:meth:`~TacoCluster.adopt_ranks`, :meth:`~TacoCluster.launch_engines`).
+changes the cluster only through its methods (:meth:`~TacoCluster.adopt_ranks`,
+:meth:`~TacoCluster.launch_engines`).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Membership:
 
     def expect_engines(self, count: int, known: set[int]) -> None:
         """``count`` engines are being launched (:meth:`TacoCluster.launch_engines`): the ids beyond ``known``
-        that register are theirs, admitted at the next commit (cluster/elastic/recovery.py)."""
+        that register are theirs, admitted at the next commit (:mod:`.recovery`)."""
         self.launching.append((count, known))
 
     def grow(self, cluster: TacoCluster, size: int) -> None:

@@ -1,16 +1,17 @@
 """``%%taco_run --elastic MIN:MAX``: a rank dies, the survivors roll back to the last commit and go on.
 
-The client owns the membership. In an elastic cell every engine tells its wrapper (engine/rankwrap.py) to
-keep the MPI job alive if the engine dies; the wrapper still prints its marker line (rank, host, pid, signal) into
-the engine set's log, which :class:`DeathWatch` reads while the cell runs. On a death:
+The client owns the membership. In an elastic cell every engine tells its wrapper
+(:mod:`taco_notebook.engine.rankwrap`) to keep the MPI job alive if the engine dies; the wrapper still prints
+its marker line (rank, host, pid, signal) into the engine set's log, which :class:`DeathWatch` reads while the
+cell runs. On a death:
 
 1. the survivors' cell ends: those whose collective failed drop their group at once (``calls.abort``), which
    releases peers blocked on them; any still running after :data:`SETTLE_S` get SIGINT;
 2. hosts that failed :data:`BLACKLIST_AFTER` times within :data:`BLACKLIST_WINDOW_S` are blacklisted for
    :data:`COOLDOWN_S` (their live engines sit out); with fewer than MIN members left the cell fails, naming them;
-3. :meth:`Membership.rebuild`: the members get contiguous ranks in their old order, the new rank 0 opens a store, every
-   member joins it (comm/group/members.py: a new topology, hence a new 2D layout), all through ``view.apply`` of
-   functions in engine/calls.py;
+3. :meth:`Membership.rebuild`: the members get contiguous ranks in their old order, the new rank 0 opens a store,
+   every member joins it (:mod:`taco_notebook.comm.group.members`: a new topology, hence a new 2D layout), all
+   through ``view.apply`` of functions in :mod:`taco_notebook.engine.calls`;
 4. every ``taco.elastic.State`` is restored to its last commit and synced from the new rank 0, and the cell
    runs again, so ``while state.step < N`` resumes at the committed step.
 
@@ -93,7 +94,7 @@ class _ElasticCellRun(CellRun):
     def end_stalled(self, outcomes: dict[int, Any]) -> None:
         """Ranks that the others' StallErrors name as never having arrived (``--stall-timeout``) are hung members:
         SIGKILL their engines (:meth:`TacoCluster.kill_ranks`), so their wrappers' marker lines start
-        the same recovery as any death. Without --elastic a stall fails the cell instead (cluster/cells/run.py)."""
+        the same recovery as any death. Without --elastic a stall fails the cell instead (:mod:`.cells.run`)."""
         stalled = [r for r in stalled_ranks(outcomes) if r not in outcomes and r not in self.stall_killed]
         if not stalled:
             return

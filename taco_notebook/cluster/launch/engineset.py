@@ -73,17 +73,15 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
     return config, engines
 
 
-# ipyparallel's controller with a hub that reads only what it acts on (ipp/hub.py); its command line is
-# ipyparallel's (controller_args)
+# ipyparallel's controller with a hub that reads only what it acts on (ipp/hub.py); controller_args is its line
 CONTROLLER_CMD = [sys.executable, "-m", "taco_notebook.controller"]
 
 
 def registration_timeout(size: int) -> float:
     """Seconds an engine waits for the controller to answer its registration (ipyparallel's default: 5 s).
 
-    The controller answers the engines one after the other; measured here, registration went at about
-    8 engines per 100 ms of controller time on a loaded 2-core machine, so 1,000 engines registering at once
-    wait up to ~12 s for their answer: 5 s plus 20 ms per engine (25 s at 1,000).
+    The controller answers the engines one after the other, so the last of many registering at once waits for
+    all the others: 5 s plus 20 ms per engine (25 s at 1,000).
 
     >>> registration_timeout(4), registration_timeout(1000)
     (5.08, 25.0)
@@ -102,8 +100,8 @@ def controller_args(size: int) -> list[str]:
       and output in the controller's memory, up to 1 GiB, and rebuilds a rank's stdout by string concatenation
       on every write; taco never reads it back (no ``db_query``, ``get_result`` or resubmission).
     * the controller's logger at ERROR: traitlets sets the application's logger to DEBUG and filters at the
-      handler, so every message the hub forwards built two or three log records, and it wrote a line per
-      request and reply (INFO) and per dashboard payload (a WARNING: the hub does not know ipyparallel's own
+      handler, so every message the hub forwards would build log records, and it would write a line per request
+      and reply (INFO) and per dashboard payload (a WARNING: the hub does not know ipyparallel's own
       ``data_message``) to its log file, without end. Errors are still logged.
 
     >>> controller_args(16)[0], controller_args(1000)[0]
@@ -116,11 +114,10 @@ def controller_args(size: int) -> list[str]:
 
 def check_open_files(size: int) -> None:
     """Refuse, before anything starts, a cluster of ``size`` engines that this host's hard limit of open files
-    cannot hold in the controller: its busiest process holds about two descriptors per engine (2,054 at 1,000
-    engines, measured), and the controller raises its soft limit up to the hard one
-    (:func:`taco_notebook.controller.raise_open_files_limit`) but no higher. Past the limit registration would stall
-    with
-    the engines waiting and the controller unable to accept them."""
+    cannot hold in the controller: its busiest process holds about two descriptors per engine, and the
+    controller raises its soft limit up to the hard one (:func:`taco_notebook.controller.raise_open_files_limit`)
+    but no higher. Past the limit registration would stall with the engines waiting and the controller unable to
+    accept them."""
     import resource
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -184,7 +181,7 @@ def wait_for_engines(client: Any, n: int, timeout: float, failure: Callable[[], 
 
         return wait(client, launchers[0], n, timeout)
     # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
-    # stayed stuck in the notebook; the magic says "ready in … s" itself.
+    # would stay stuck in the notebook; the magic says "ready in … s" itself.
     future = client.wait_for_engines(n, block=False, timeout=timeout, interactive=False)
     while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
         why = failure()

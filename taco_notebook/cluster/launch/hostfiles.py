@@ -3,8 +3,8 @@ notebook runs in (``--profile mpijob``), read from the job's hostfile.
 
 A notebook in the launcher pod of an MPIJob (MPI Operator v2, ``kubeflow.org/v2beta1``) attaches to the job's
 worker pods the way the launcher's own ``mpirun`` would: through the hostfile the operator mounts into the
-launcher. What the operator writes (``pkg/controller/mpi_job_controller.go`` in kubeflow/mpi-operator, read
-2026-11-23): a ConfigMap ``<job>-config`` mounted at ``/etc/mpi``, its ``hostfile`` one line per worker pod,
+launcher. What the operator writes (``pkg/controller/mpi_job_controller.go`` in kubeflow/mpi-operator): a
+ConfigMap ``<job>-config`` mounted at ``/etc/mpi``, its ``hostfile`` one line per worker pod,
 
 * Open MPI (``mpiImplementation: OpenMPI``): ``<job>-worker-0.<job>-worker.<namespace>.svc slots=8``, and the
   launcher's environment sets ``OMPI_MCA_orte_default_hostfile=/etc/mpi/hostfile``;
@@ -17,10 +17,10 @@ mpich's hydra over ssh from the launcher pod reaches them: the ``mpijob`` profil
 these hosts. The launcher's environment also clears ``NVIDIA_VISIBLE_DEVICES`` (the launcher gets no GPU).
 
 The engines need no shared filesystem to find the controller: ipyparallel hands them its connection info (the
-registration address and the key that signs every message) in ``$IPP_CONNECTION_INFO`` (``Cluster.
-send_engines_connection_env``, on by default), and hydra copies mpiexec's environment to every rank, so an engine
-on a worker pod reads it from there instead of the controller's file under ``~/.ipython``. That key crosses the
-pod network inside hydra's own (unencrypted) launch connection from the launcher to each worker's proxy.
+registration address and the key that signs every message) in ``$IPP_CONNECTION_INFO``
+(``Cluster.send_engines_connection_env``, on by default), and hydra copies mpiexec's environment to every rank,
+so an engine on a worker pod reads it from there instead of the controller's file under ``~/.ipython``. That key
+crosses the pod network inside hydra's own (unencrypted) launch connection to each worker's proxy.
 ``%taco_cluster manifest --k8s`` writes the other arrangement (the notebook outside the job, the connection file
 in a Secret, the launcher running ``mpirun``); for this profile the launcher's container runs the notebook.
 """

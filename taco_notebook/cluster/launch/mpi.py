@@ -95,8 +95,8 @@ def single_host_env(info: MPIInfo) -> dict[str, str]:
 
     MPICH's default netmod (UCX) opens a listener per rank on the LAN address even when every rank is local;
     limited to ``self,sm`` it uses shared memory only and listens on nothing. Hydra's own control port is not
-    affected (it listens on 0.0.0.0 whatever it is told; see comm/group/rendezvous.py). Open MPI: not measured here,
-    nothing set.
+    affected (it listens on 0.0.0.0 whatever it is told; see :mod:`taco_notebook.comm.group.rendezvous`). For
+    Open MPI nothing is set.
     """
     if info.implementation == "mpich":
         return {"UCX_TLS": "self,sm"}
@@ -124,7 +124,7 @@ def mpi4py_environment(mpiexec: str, impl: str, base: dict[str, str] | None = No
     """``MPI4PY_MPIABI`` and ``LD_LIBRARY_PATH`` that make the ranks' mpi4py load ``mpiexec``'s MPI.
 
     Empty for an unknown implementation or when its library is not found (the ranks then check their world
-    size against the launcher's and fail clearly, see ``comm/group/mpicheck.py``).
+    size against the launcher's and fail clearly, see :mod:`taco_notebook.comm.group.mpicheck`).
     """
     libdir = library_dir(mpiexec, impl)
     if libdir is None:

@@ -3,7 +3,7 @@
 Emulated nodes (``python -m taco_notebook emulate up``) are ssh hosts ``n0``, ``n1``… that only their own ssh
 stand-in reaches, that call the controller back on a bridge address, and whose ranks must pin gloo and UCX to
 the node's interface. The ``hosts`` profile needs those three facts for ``--hosts n0:2,n1:2``; rather than import
-the emulator (a tool beside production, DESIGN.md), it reads what the emulator wrote when its nodes were up::
+the emulator (a tool beside production), it reads what the emulator wrote when its nodes were up::
 
     STATE/launch-overlay.json
     {"version": 1, "hosts": ["n0", "n1"], "launcher_exec": "STATE/ssh/ssh-launcher",

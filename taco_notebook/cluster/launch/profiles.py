@@ -3,8 +3,8 @@
 A :class:`Profile` says how the engines launch (the mpiexec arguments and environment ipyparallel's
 ``MPIEngineSetLauncher`` runs them with) and where the controller listens. No process management of its own:
 
-* ``local`` (default, today's behaviour): every rank on this machine, MPICH's gforker (or hydra) on one host,
-  the controller on loopback, MPI kept off the network (``UCX_TLS=self,sm``, gloo on ``lo``).
+* ``local`` (default): every rank on this machine, MPICH's gforker (or hydra) on one host, the controller on
+  loopback, MPI kept off the network (``UCX_TLS=self,sm``, gloo on ``lo``).
 * ``hosts``: ``--hosts n0:2,n1:2`` or ``--hostfile FILE`` (``HOST[:SLOTS]`` per line, ``#`` comments); mpich
   hydra starts the ranks over ssh (``-launcher ssh``, the user's ssh or ``launcher_exec``), ``SLOTS`` ranks per
   node in order, and ``-np`` must fit the slots. The controller listens on the address the hosts reach: the
@@ -12,9 +12,10 @@ A :class:`Profile` says how the engines launch (the mpiexec arguments and enviro
   launch overlay they publish, :mod:`.overlay`) the bridge's address, else this machine's address on the route
   to the first host. Never 0.0.0.0.
 * ``slurm``: the engines are a Slurm job (sbatch outside an allocation, an srun step inside one), through
-  :mod:`~taco_notebook.cluster.launch.slurm.launchers`; the controller listens on ``controller_ip``, else on the address
-  this machine's name resolves to (where the job's nodes reach it). The job's partition, time limit, nodes, GPUs
-  per node and queue timeout are a :class:`~.slurm.SlurmOptions` (``--partition``, ``--time``, … on the magics).
+  :mod:`~taco_notebook.cluster.launch.slurm.launchers`; the controller listens on ``controller_ip``, else on the
+  address this machine's name resolves to (where the job's nodes reach it). The job's partition, time limit,
+  nodes, GPUs per node and queue timeout are a :class:`~.slurm.options.SlurmOptions` (``--partition``,
+  ``--time``, … on the magics).
 * ``mpijob``: a notebook in the launcher pod of a Kubeflow MPIJob attaches to the job's worker pods: the
   ``hosts`` profile over the hosts of the job's hostfile (:mod:`.hostfiles`), hydra over the ssh the operator
   set up, the controller on this pod's address on the route to the first worker.

@@ -52,7 +52,7 @@ def stop_processes(cluster: Any, client: Any, tree: list[Any], shared_memory: se
         if client is not None:
             _shutdown_engines(client, cluster)
             client.close()
-        # Engines first, then the controller: stopped together (stop_cluster) they take ~5 s, not ~1.3 s.
+        # Engines first, then the controller: stopped together (stop_cluster) they take several times longer.
         cluster.stop_engines_sync()  # graceful: mpiexec forwards SIGTERM to every rank
         cluster.stop_controller_sync()
     finally:

@@ -147,8 +147,8 @@ def proven_processes(recorded: Iterable[Any], cluster_id: str) -> list[Any]:
 
 def marked_processes(cluster_id: str) -> list[Any]:
     """Live processes of this user whose environment carries ``TACO_CLUSTER_ID=<cluster_id>``: what is left of a
-    stopped cluster outside its recorded tree. Seen: a start that failed at once (sbatch refused the job) stopped
-    the controller while it was still forking its schedulers, and a child forked then was orphaned (parent 1)."""
+    stopped cluster outside its recorded tree, such as a child the controller forked while a start that failed
+    at once (sbatch refused the job) was stopping it, orphaned (parent 1)."""
     import psutil
 
     if not cluster_id:

@@ -5,8 +5,8 @@ started; see :mod:`~taco_notebook.cluster.registry.writer`), and ``{id}.request.
 asks of a kernel. The directory is ``$TACO_REGISTRY_DIR`` or ``<jupyter runtime dir>/taco-notebook/clusters``.
 
 Nothing in these files is taken on its word (see SECURITY.md): the directory must be this user's and writable by
-no one else (:func:`~taco_notebook.private.check_private_dir`), files are read only when this user owns
-them and they are small, and a process named in an entry is killed only when it proves to be that cluster's
+no one else (:func:`~taco_notebook.private.check_private_dir`), files are read only when this user owns them and
+they are small, and a process named in an entry is killed only when it proves to be that cluster's
 (:func:`~taco_notebook.cluster.processes.tree.proven_processes`).
 """
 

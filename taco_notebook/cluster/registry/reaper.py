@@ -4,14 +4,14 @@ A kernel stops its clusters at exit (one atexit hook, :mod:`~taco_notebook.clust
 is SIGKILLed (a Jupyter client's shutdown after its grace period, nbval's ``now=True``, the OOM killer) runs no
 hook, and its controller, mpiexec and ranks would go on running, orphaned, until someone pressed Stop on the
 sidebar's ``stale`` entry. So when the kernel first writes a kernel-owned cluster to the registry,
-:func:`ensure_reaper` starts ``python -m taco_notebook.cluster.registry.reaper --owner PID --registry DIR`` in a session
-of its own. It sleeps on a pidfd until that kernel ends (checking every 5 s that it is still needed), then
-discards every entry in the registry whose owner was that process
+:func:`ensure_reaper` starts ``python -m taco_notebook.cluster.registry.reaper --owner PID --registry DIR`` in a
+session of its own. It sleeps on a pidfd until that kernel ends (checking every 5 s that it is still needed),
+then discards every entry in the registry whose owner was that process
 (:func:`~taco_notebook.cluster.registry.files.discard_stale`: only processes proven to be the cluster's are
 killed, and the MPI shared-memory segments the entry lists are removed) and exits. A kernel that exits normally
 has removed its entries already, so the reaper finds nothing and just ends; it also ends a few seconds after
-the kernel has no entry left in that registry (the next cluster starts a new one). One per kernel and registry,
-about 15 MB, writing nothing (its output goes to /dev/null).
+the kernel has no entry left in that registry (the next cluster starts a new one). One small process per kernel
+and registry, writing nothing (its output goes to /dev/null).
 
 Stdlib and psutil only, imported before anything heavy: it must start fast and stay small.
 """

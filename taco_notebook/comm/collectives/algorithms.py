@@ -14,7 +14,7 @@ whole if asked. ``auto`` on a job of one node with several ranks reduces uncompr
 the node's shared memory instead (the 2D algorithm's intra-node passes with no cross-node step,
 :func:`.pipeline.reduce_node_shm`; resolved as ``node``); anything else there (CUDA tensors, compression,
 ``shm`` off, no room in ``/dev/shm``) takes ``flat``. The compressed step is the compressor's own
-:meth:`.compression.Compressor.reduce` (a dense allreduce of the cast payload, TopK's sparse allgather): this
+:meth:`.base.Compressor.reduce` (a dense allreduce of the cast payload, TopK's sparse allgather): this
 module only asks whether a compressor compresses at all (``name == "none"``: the node algorithm's question).
 All collectives of this module run on one background thread per process (``state.comm_thread``), in the
 order they were submitted, so gradient buckets can be reduced while backward still runs, and the order of
@@ -92,8 +92,8 @@ _node: dict[int, NodeSegment] = {}  # generation -> the shared segment of a one-
 
 
 # Built as soon as the process group is, while every rank is there: built lazily by the first collective, it
-# blocked the peers of a rank that failed before any collective inside new_group's rendezvous, where abort() on
-# the failed rank cannot release them (only its group's sockets, which did not exist yet).
+# would block the peers of a rank that failed before any collective inside new_group's rendezvous, where abort()
+# on the failed rank cannot release them (only its group's sockets, which did not exist yet).
 @state.on_group_start
 def world_group() -> Any:
     """Every rank, in a group of taco's own (built on the comm thread, once per generation): the flat algorithm's

@@ -12,9 +12,9 @@ takes the same :func:`decide` on them:
 * **park** the operations matched by name (Horovod's named ``*_async``, submitted inside
   :meth:`.state.CommThread.by_name`) of the ranks that disagree: each such rank sets its operation aside and
   proposes its next one;
-* otherwise the ranks really disagree: the same :class:`~.agreement.CollectiveMismatchError` on every rank,
-  as before. Two operations with one kind and name but different shapes, dtypes or roots are such a mismatch,
-  wherever they are (running or parked).
+* otherwise the ranks really disagree: the same :class:`~.agreement.CollectiveMismatchError` on every rank.
+  Two operations with one kind and name but different shapes, dtypes or roots are such a mismatch, wherever
+  they are (running or parked).
 
 Only the disagreeing slow path pays for this; the steady state is the agreement's one small allgather. A parked
 operation runs when the others reach it while this rank runs another collective of the same group, or, once

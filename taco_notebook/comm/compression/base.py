@@ -1,8 +1,8 @@
 """The compressor interface: ``compress`` / ``decompress`` / ``reduce``, and the byte counts every compressor keeps.
 
-Split out of :mod:`.compression` so that compressors living in their own module (:mod:`.powersgd`) can
-subclass :class:`Compressor` while :mod:`.compression` still maps every spec to its class without an import
-loop. Imports only torch and the standard library: this module runs on every rank.
+A module of its own so that compressors in other modules (:mod:`.powersgd`) can subclass :class:`Compressor`
+while :mod:`.compressors` maps every spec to its class without an import loop. Imports only torch and the
+standard library: this module runs on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ NOTHING_SENT = Reduced(0, 0, {})
 
 def alone(peers: tuple[int, ...]) -> bool:
     """Whether a group of ``peers`` is this rank alone: its sum is the shard itself, exactly, so every
-    compressor's :meth:`Compressor.reduce` returns at once (one rank: the step is plain torch; issue 24)."""
+    compressor's :meth:`Compressor.reduce` returns at once (on one rank the step is plain torch)."""
     return len(peers) == 1
 
 
@@ -131,9 +131,8 @@ class Compressor(ABC):
         """The dtype of this compressor's payload for a ``dtype`` tensor when that payload is the tensor cast
         (none: ``dtype`` itself; fp16/bf16: theirs), else None (TopK, PowerSGD).
 
-        A pass that produces the shard anyway (the 2D algorithm's shared-memory sum) then writes it straight
-        in this dtype and calls :meth:`start_reduce_wire`, instead of a full-size cast before and after the
-        network.
+        A pass that produces the shard anyway (the 2D algorithm's shared-memory sum) then writes it straight in
+        this dtype and calls :meth:`start_reduce_wire`: no full-size cast before and after the network.
         """
         return None
 
@@ -161,7 +160,7 @@ class Compressor(ABC):
 
         PowerSGD asks for cuts on row boundaries of the tensors the buffer packs, so that each shard is made
         of whole rows and each piece still compresses as a matrix of its own weight (see
-        :func:`.powersgd.row_cuts`). Only consulted for a shard that goes in one chunk."""
+        :func:`.layout.row_cuts`). Only consulted for a shard that goes in one chunk."""
         return None
 
     def forget(self, name: Hashable) -> None:

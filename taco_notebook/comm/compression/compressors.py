@@ -114,8 +114,8 @@ class TopKState:
         # key -> flat tensor of (corrected gradient - what was sent), same dtype and device as the gradient.
         # Local to this rank; must be reset when the fusion buckets or the membership change.
         self.residuals: dict[Hashable, torch.Tensor] = {}
-        # Scratch of the selection (|x| and |x| >= threshold), grown to the largest tensor seen and reused:
-        # a fresh 50 MB tensor costs ~20 ms of page faults here, as much as the pass that fills it.
+        # Scratch of the selection (|x| and |x| >= threshold), grown to the largest tensor seen and reused: a
+        # fresh large tensor costs as much in page faults as the pass that fills it.
         self._magnitude: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
 
@@ -158,10 +158,9 @@ class TopKCompressor(Compressor):
     given tensor, so an allgather of fixed-size buffers followed by :meth:`merge` is a sparse allreduce.
 
     The selection is exact (a threshold estimated from a sample only narrows the candidates, see
-    :func:`.selection._sampled_top`), and on the 2D algorithm it sees the whole shard: TopK does not pipeline in chunks
-    (``pipelines = False``). Its wire is ~2% of the dense bytes, so there is no network time to hide, and on
-    4 ranks sharing 2 cores chunks cost more than they overlap (16 MiB, localhost, load ~18: 272 ms in ~3 MB
-    chunks against 127 ms whole), as chunks below 512K elements also fall back to a full ``torch.topk``.
+    :func:`.selection._sampled_top`), and on the 2D algorithm it sees the whole shard: TopK does not pipeline in
+    chunks (``pipelines = False``). Its wire is a small fraction of the dense bytes, so there is little network
+    time to hide; chunks cost more than they overlap, and below 512K elements fall back to a full ``torch.topk``.
 
     >>> c = TopKCompressor(0.01, threshold=0)
     >>> payload, ctx = c.compress(grad, key="layer1.weight")
@@ -201,7 +200,7 @@ class TopKCompressor(Compressor):
         corrected = self._corrected(tensor, key)
         k = self.num_selected(numel)
         indices = top_indices(corrected, k, self.state)
-        values = corrected.index_select(0, indices)  # index_select: ~7x faster than corrected[indices] on CPU
+        values = corrected.index_select(0, indices)  # index_select: much faster than corrected[indices] on CPU
         if self.state.error_feedback:
             corrected.index_fill_(0, indices, 0)  # corrected is the residual buffer: now corrected - sent
         index_dtype = torch.int32 if numel < 2**31 else torch.int64
@@ -267,8 +266,7 @@ class TopKCompressor(Compressor):
     def merge(payloads: Sequence[Payload], ctx: TopKContext) -> torch.Tensor:
         """Sum several ranks' payloads for one tensor into a dense tensor of ``ctx.shape``.
 
-        Indices may repeat across ranks; their values add up. Dense payloads (``ctx.sparse`` False) are
-        summed.
+        Indices may repeat across ranks; their values add up. Dense payloads (``ctx.sparse`` False) are summed.
         """
         if not isinstance(ctx, TopKContext):
             raise TypeError(f"TopK merge needs a TopKContext, got {type(ctx).__name__}")

@@ -1,7 +1,7 @@
 """The linear algebra of PowerSGD on its factors: the matrix view of a tensor, the compute dtype, the
 orthonormalisation of many ``P`` at once, and the sum of many small factors in one allreduce.
 
-Split out of :mod:`.powersgd`, which keeps the compressor, its state and its reductions.
+The compressor, its state and its reductions are in :mod:`.powersgd`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def orthonormal(ps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``torch.linalg.qr(p).Q`` of each ``p``, one batched QR per distinct shape: a transformer's 98 weights
-    have 4 shapes, so 4 QRs (each several kernels on a GPU) instead of 98. On a CPU the batch runs the same
-    LAPACK call per matrix, so the result is the same to the bit."""
+    """``torch.linalg.qr(p).Q`` of each ``p``, one batched QR per distinct shape: a model's weights come in a
+    few shapes, so a few QRs (each several kernels on a GPU) instead of one per weight. On a CPU the batch runs
+    the same LAPACK call per matrix, so the result is the same to the bit."""
     by_shape: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
     for index, p in enumerate(ps):
         by_shape.setdefault((p.shape, p.dtype), []).append(index)

@@ -2,29 +2,19 @@
 
 A gradient viewed as an ``n x m`` matrix ``M`` is sent as two thin factors: ``P = M Q`` (``n x r``) is summed
 over the group, orthogonalised, then ``Q = M^T P`` (``m x r``) is summed, and every rank rebuilds
-``P Q^T``: ``(n + m) r`` numbers instead of ``n m``, in two small dense allreduces. Like PyTorch's
-``ddp_comm_hooks/powerSGD_hook.py``, with its knobs in a slotted :class:`PowerSGDState`:
+``P Q^T``: ``(n + m) r`` numbers instead of ``n m``, in two small dense allreduces. As PyTorch's
+``ddp_comm_hooks/powerSGD_hook.py`` does, it keeps error feedback (what the projection lost is added to the
+next gradient: delayed, never dropped), warm-starts each step from the previous summed ``Q`` (the first from a
+fixed seed, the same on every rank) and sends small tensors dense; the knobs are :class:`PowerSGDState`'s.
 
-- error feedback: what this rank's gradient lost to the projection (``M - P Q_local^T``) is added to its
-  next gradient, so nothing is dropped, only delayed;
-- warm start: each step's power iteration starts from the previous step's summed ``Q`` (one iteration per
-  step then tracks the top subspace as it drifts); the first ``Q`` comes from a fixed seed, so every rank
-  starts from the same one;
-- tensors below ``min_size`` elements, or whose factors would not be at least half the size of the
-  matrix, travel uncompressed (a dense allreduce), as in PyTorch's hook.
+Shapes: a flat 1-D buffer (a fusion bucket, or on ``2d`` the shard that crosses nodes) is viewed as a
+near-square matrix, as PyTorch's ``batched_powerSGD_hook`` does; a tensor of 2 or more dimensions as ``(shape[0],
+rest)``, as its per-parameter hook does, and so is each tensor of a buffer whose layout is described
+(:meth:`PowerSGDCompressor.describe_buffer`, :mod:`.layout`): with heavy momentum the square view of a fused
+bucket loses too much. Half precision computes in float32 on the gradient's device, with no host sync.
 
-Shapes: taco's allreduce hands a compressor flat 1-D buffers (a fusion bucket, or on ``2d`` the shard of it
-that crosses nodes), so a 1-D tensor is viewed as a near-square matrix (PyTorch's ``batched_powerSGD_hook``
-does the same with a DDP bucket); a tensor of 2 or more dimensions given to :meth:`compress` is viewed as
-``(shape[0], rest)``, as PyTorch's per-parameter hook does, and so is each tensor of a flat buffer whose
-layout is described (:meth:`PowerSGDCompressor.describe_buffer`, which DistributedOptimizer and the DDP hook
-call for each bucket; on ``2d`` the node's shards are then cut on row boundaries, :mod:`.layout`): much better
-with heavy momentum, where the square view of a fused bucket loses too much. Half precision is computed in
-float32 (QR, residual) on the gradient's device, with no host sync.
-
-Orthogonalisation is ``torch.linalg.qr``: on one CPU core it was 5-10x cheaper than Gram-Schmidt for
-2048 x 4 (24 us vs 233 us) up to 8192 x 16 (0.7 ms vs 2.9 ms), and a zero column (a gradient of lower rank
-than ``r``) still comes out orthonormal instead of stuck at zero.
+Orthogonalisation is ``torch.linalg.qr``: cheaper than Gram-Schmidt, and a zero column (a gradient of lower
+rank than ``r``) still comes out orthonormal instead of stuck at zero.
 
 >>> c = PowerSGDCompressor(4, warmup=0, min_size=0)
 >>> payload, ctx = c.compress(grad, key="fc.weight")   # [P, Q], the local factorisation
@@ -91,10 +81,9 @@ class PowerSGDState:
         self.qs: dict[Hashable, torch.Tensor] = {}
         # key -> calls so far, for the warm-up.
         self.steps: dict[Hashable, int] = {}
-        # allreduce name -> shapes of the tensors its flat buffer packs (describe_buyout): each is then
-        # its own matrix, as in PyTorch's per-parameter hook. A layer's gradient is low-rank as (out, in),
-        # not as a square cut of a fused bucket: with momentum 0.9 rank 4 ended +5% above dense per
-        # tensor and +220% on the square view (tests/mpi/powersgd.py's regression).
+        # allreduce name -> shapes of the tensors its flat buffer packs (describe_buffer): each is then its own
+        # matrix, as in PyTorch's per-parameter hook. A layer's gradient is low-rank as (out, in), not as a
+        # square cut of a fused bucket (tests/mpi/powersgd.py holds the regression).
         self.layouts: dict[Hashable, tuple[torch.Size, ...]] = {}
 
     def keys(self) -> list[Hashable]:
@@ -128,8 +117,8 @@ class PowerSGDCompressor(Compressor):
         for option, value in zip((POWERSGD.first, *POWERSGD.options), (rank, warmup, min_size), strict=True):
             option.check(value, f"powersgd {option.key}")
         self.state = PowerSGDState(rank, warmup, min_size, error_feedback, seed)
-        # (name, what) -> (the shapes it was derived from, the cuts or pieces): once per layout, not per call on
-        # the allreduce path (~150 us for a bucket of 160 tensors)
+        # (name, what) -> (the shapes it was derived from, the cuts or pieces): derived once per layout, not per
+        # call on the allreduce path
         self._derived: dict[tuple[Hashable, tuple[Any, ...]], tuple[tuple[torch.Size, ...], Any]] = {}
 
     @property
@@ -211,7 +200,7 @@ class PowerSGDCompressor(Compressor):
         p = matrix @ self._start_q(key, matrix)
         total(p)
         p = torch.linalg.qr(p).Q
-        # Q^T = P^T M, not M^T P: walking M by rows was 16x faster on one CPU core (1.8 vs 29 ms, 2048^2).
+        # Q^T = P^T M, not M^T P: walking M by rows is much faster on CPU.
         qt = p.t() @ matrix
         if self.state.error_feedback:
             matrix.addmm_(p, qt, alpha=-1)

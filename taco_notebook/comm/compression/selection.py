@@ -1,9 +1,10 @@
 """TopK's selection of the ``k`` largest-magnitude entries, by device: the GPU's own ``torch.topk`` on an
-accelerator (no host sync), a sampled threshold and a ranking of the few candidates on a CPU (20x faster there).
+accelerator (no host sync), a sampled threshold and a ranking of the few candidates on a CPU (where a full
+``torch.topk`` is slow).
 
-Split out of :mod:`.compressors`, which owns the compressor, its residuals and its reduction; here is only
-the choice of indices. ``scratch`` is the compressor's :class:`.compressors.TopKState` (a :class:`Scratch`), whose
-reused buffers the passes write into.
+Only the choice of indices: the compressor, its residuals and its reduction are in :mod:`.compressors`.
+``scratch`` is the compressor's :class:`.compressors.TopKState` (a :class:`Scratch`), whose reused buffers the
+passes write into.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ class Scratch(Protocol):
     def buffers(self, like: torch.Tensor, mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 # Entries sampled to estimate the top-k threshold of a large tensor (see _sampled_top): one in 64, within
-# these bounds. Ranking the sample is ~1 ms at the upper bound, a sixth of the whole selection at 2M elements.
+# these bounds. The upper bound keeps ranking the sample a small part of the selection.
 _SAMPLE_SIZE = 1 << 17
 _MIN_SAMPLE = 1 << 15
 # Candidates aimed at, in multiples of k: the first try, then a retry if the sample misjudged. A sample of
-# 2**15 estimates the fraction above the threshold within ~5% (one sigma) on gradient-like data, so 1.25·k
-# misses only on skewed data; fewer candidates make the ranking cheaper.
+# 2**15 estimates the fraction above the threshold within a few percent, so 1.25·k misses only on skewed
+# data; fewer candidates make the ranking cheaper.
 _CANDIDATE_FACTORS = (1.25, 4.0)
 
 
@@ -47,10 +48,9 @@ def selection_for(device: torch.device) -> Callable[[torch.Tensor, int, Scratch]
 def _device_top(values: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     """The GPU's own ``torch.topk`` of ``|values|``: one kernel chain on the current stream, no host sync.
 
-    Why not :func:`_sampled_top` on a GPU: its ``nonzero`` passes and ``kthvalue`` ranking each wait for the
-    device to tell the host a size (12 stream syncs per step, ~1.6 ms of host waiting, on an H200 in issue
-    24), and ``torch.topk`` of 1% of 25.2M elements took 0.60 ms there against 2.52 ms for the whole sampled
-    compress. Ties at the k-th magnitude go wherever the kernel puts them (the set is exact up to ties).
+    Why not :func:`_sampled_top` on a GPU: its ``nonzero`` passes and ranking each wait for the device to tell
+    the host a size (a stream sync each), where ``torch.topk`` stays on the device. Ties at the k-th magnitude
+    go wherever the kernel puts them (the set is exact up to ties).
     """
     magnitude, _ = scratch.buffers(values, mask=False)
     torch.abs(values, out=magnitude)
@@ -60,14 +60,12 @@ def _device_top(values: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
 def _sampled_top(values: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     """The exact top-k of a CPU tensor, in ascending index order, without ranking every entry.
 
-    Why not ``torch.topk`` alone on a CPU: on 25.2M elements it took 912 ms on one core against 45 ms for
-    this (2M: 18.6 against 3.9 ms; ``benchmarks/topk_select.py``), on the critical path.
-    A threshold estimated from a strided sample (aiming at 1.25·k survivors) leaves a few candidates, in
-    ascending order, and only those are ranked (:func:`_exact_top`): most of the time goes in the full
-    passes (``|x|`` and ``>= threshold`` into ``scratch``'s reused buffers, then :func:`_sparse_nonzero`).
-    If the sample misjudged and fewer than ``k`` survive, a lower threshold (4·k survivors) and then the full
-    topk run: the result is the exact top-k either way (among equal magnitudes at the k-th place, the
-    lowest indices).
+    Why not ``torch.topk`` alone on a CPU: it ranks every entry, many times slower on large tensors, on the critical
+    path (``benchmarks/topk_select.py``). A threshold estimated from a strided sample (aiming at 1.25·k survivors)
+    leaves a few candidates, in ascending order, and only those are ranked (:func:`_exact_top`): most of the time goes
+    in the full passes (``|x|`` and ``>= threshold`` into ``scratch``'s reused buffers, then :func:`_sparse_nonzero`).
+    If the sample misjudged and fewer than ``k`` survive, a lower threshold (4·k survivors) and then the full topk
+    run: the result is the exact top-k either way (among equal magnitudes at the k-th place, the lowest indices).
     """
     n = values.numel()
     if n < 4 * _SAMPLE_SIZE or 8 * k > n:
@@ -88,8 +86,8 @@ def _sampled_top(values: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor
 
 def _sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     """Ascending indices of the True entries of a sparse bool ``mask`` whose length is a multiple of 8:
-    ``nonzero`` over its 8-byte words, then only inside the words that hold one. At ~1% density about a
-    tenth of the words do, and this takes ~2/3 of ``mask.nonzero()``, the costliest pass of the selection."""
+    ``nonzero`` over its 8-byte words, then only inside the words that hold one: at TopK's densities few
+    words do, so this is cheaper than ``mask.nonzero()``, the costliest pass of the selection."""
     words = mask.view(torch.int64).nonzero().view(-1)
     hits = mask.view(-1, 8).index_select(0, words).nonzero()
     return words.index_select(0, hits[:, 0]).mul_(8).add_(hits[:, 1])

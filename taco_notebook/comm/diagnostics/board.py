@@ -9,12 +9,11 @@ peers that have left.
 Two boards, by where the group's store is (:mod:`.rendezvous`):
 
 - one host (FileStore): a small file in the rendezvous' private directory, mapped by every rank. Publishing is
-  a write to shared memory (about 0.3 µs) and so is the check for peers that gave up. Not the FileStore
-  itself: it is an append-only log, so a key set per collective would grow it without end (10 MB per 100,000
-  collectives) and each read would replay it.
+  a write to shared memory, and so is the check for peers that gave up. Not the FileStore itself: it is an
+  append-only log, so a key set per collective would grow it without end and each read would replay it.
 - several hosts (TCPStore): one ``set`` per collective of the rank's key on rank 0's store (it waits for no
-  reply: about 6 µs on loopback). Checking for peers that gave up would cost a round trip per collective, so
-  a late rank learns it only when its own collective stalls and it reads the board.
+  reply). Checking for peers that gave up would cost a round trip per collective, so a late rank learns it
+  only when its own collective stalls and it reads the board.
 """
 
 from __future__ import annotations

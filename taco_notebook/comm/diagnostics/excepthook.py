@@ -13,7 +13,7 @@ an exception fails the cell and the engines stay up. ``TACO_ABORT_ON_EXCEPTION=0
 
 ``threading.excepthook`` is left alone: taco's communication thread hands every exception to the future its
 caller waits on, so it reaches the main thread; other threads' errors keep Python's behaviour.
-If the failed rank never initialised MPI it cannot abort the job: it exits with code 1 as before.
+If the failed rank never initialised MPI it cannot abort the job: it exits with code 1.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def _abort_job(etype: type[BaseException]) -> None:
     print(f"[taco] rank {_rank()}: uncaught {etype.__name__}: aborting the MPI job (every rank). "
           "Set TACO_ABORT_ON_EXCEPTION=0 to let the other ranks go on.", file=sys.stderr)
     _flush()
-    # the line is in the pipe to mpiexec's proxy, which relays it; Abort has the job's processes killed, and
-    # the line was once lost that way (the traceback just before it came through): give the relay a moment
+    # the line is in the pipe to mpiexec's proxy, which relays it; Abort has the job's processes killed and can
+    # lose it: give the relay a moment
     time.sleep(ABORT_GRACE_S)
     mpi.COMM_WORLD.Abort(1)
 

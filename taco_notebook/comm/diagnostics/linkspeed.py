@@ -5,9 +5,8 @@ measurement's token, counts the bytes until the sender stops and answers with wh
 streams zeros for ``seconds``. The figure is the receiver's (bytes after the first read over the time from it to
 the end of the stream): socket buffers cannot inflate it. Run each half where its node is, by hand::
 
-    python -m taco_notebook.comm.diagnostics.linkspeed receive 10.0.0.1 --token T      # prints {"port": N}, then the
-    result
-    python -m taco_notebook.comm.diagnostics.linkspeed send 10.0.0.1 N --token T       # prints the result
+    python -m taco_notebook.comm.diagnostics.linkspeed receive 10.0.0.1 --token T  # {"port": N}, then the result
+    python -m taco_notebook.comm.diagnostics.linkspeed send 10.0.0.1 N --token T   # the result
 
 or let :func:`measure_link` run both through command prefixes (``ssh host python3``, ``ip netns exec NS python``).
 It hands each Python this file on stdin (``python - receive …``): the module needs only the standard library, so

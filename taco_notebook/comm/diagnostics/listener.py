@@ -19,8 +19,8 @@ not an abstract socket, so that ranks in network namespaces (the emulated nodes)
     >>> listen()  # on each rank (engine/calls.py does it at engine setup)  # doctest: +SKIP
     >>> ask(socket_path(pid), timeout=1.0)  # from another process of the same user  # doctest: +SKIP
 
-The reader's side (:func:`~taco_notebook.remote.autopsy_reader.ask`, and the ssh to other hosts) lives in
-``cluster/cells``: it must not import this package, which imports torch.
+The reader's side (:func:`~taco_notebook.remote.autopsy_reader.ask`, and :mod:`taco_notebook.cluster.cells.autopsy`
+with the ssh to other hosts) must not import this package, which imports torch.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ latest one is kept on its side) costs nothing as long as a later one arrives wit
 A *sender* (``set_sender``) is how snapshots leave the rank while a cell runs: ``step()`` and
 ``taco.progress`` call it at most once per interval with ``{"metrics": snapshot(), "progress": ...}``. Under
 ``%%taco_run`` the engine installs one that sends the payload to the notebook (ipyparallel's datapub, see
-``engine/calls.py``); under plain ``mpiexec`` there is none and nothing is sent. ``sender()``, ``steps()``
+:mod:`taco_notebook.engine.calls`); under plain ``mpiexec`` there is none and nothing is sent. ``sender()``, ``steps()``
 and ``progress_state()`` tell that engine side (and ``taco.progress``) what it needs without reaching in here.
 """
 

@@ -11,8 +11,8 @@ face), the DDP comm hook (the parameters of each bucket it is handed) and :class
 :func:`track`. References are weak: a model dropped by the notebook is no longer checked.
 
 Cost: the sums reduce 64 Ki-element blocks in the tensor's own dtype on its own device and add the blocks in
-float64, so no float64 copy of a parameter is made: about 40 ms for 25M parameters on one CPU core
-(benchmarks/replica_check.py); the collective moves 24 bytes per tensor per rank.
+float64, so no float64 copy of a parameter is made (benchmarks/replica_check.py times it); the collective moves
+24 bytes per tensor per rank.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 Like Horovod's stall check (``horovod/common/stall_inspector.cc``), but failing instead of only warning, so a
 notebook cell ends instead of hanging: every collective of comm/ (allreduce, broadcast, barrier, the buckets of
 ``DistributedOptimizer`` and of the DDP hook) runs through :func:`tracked` on the communication thread, which
-numbers it and publishes the number on the group's progress board (:mod:`.board`; a few µs per collective,
-benchmarks/stall_overhead.py).
-One watchdog thread per process looks at the collective in flight; when it has waited ``stall_timeout``
-seconds (``taco.configure(stall_timeout=…)``, ``%%taco_run --stall-timeout``, ``TACO_STALL_TIMEOUT``; default
-300 s, 0 = off; a warning on stderr at 60 s first), the watchdog reads the board and
+numbers it and publishes the number on the group's progress board (:mod:`.board`, cheap enough for every
+collective: benchmarks/stall_overhead.py). One watchdog thread per process looks at the collective in flight;
+when it has waited ``stall_timeout`` seconds (``taco.configure(stall_timeout=…)``, ``%%taco_run
+--stall-timeout``, ``TACO_STALL_TIMEOUT``; default 300 s, 0 = off; a warning on stderr at 60 s first), the
+watchdog reads the board and
 
 1. builds a :class:`~taco_notebook.errors.StallError` naming the ranks that have not entered the collective
    (and where they are), and marks on the board that this rank gave up;

@@ -4,9 +4,8 @@ The ranks meet through :mod:`.rendezvous` (a FileStore in a private directory on
 the job's interface across hosts; its name or address agreed over MPI), so nothing is hard-coded and two jobs on
 one machine never collide. The process group can be destroyed and built again without restarting the processes
 (after an interrupted cell, or when membership changes): the process's state is :data:`.state.state`, and
-``shutdown()`` runs the teardown callbacks that modules building on the group registered there. The collective
-timeout is ``taco.configure(collective_timeout=...)`` (default ``TACO_COLLECTIVE_TIMEOUT``, 1800 s), read at
-``init()``.
+``shutdown()`` runs the teardown callbacks that modules building on the group registered there. ``init()`` reads
+the collective timeout, ``taco.configure(collective_timeout=...)`` (default ``TACO_COLLECTIVE_TIMEOUT``, 1800 s).
 
 Works under ``%%taco_run`` and under plain ``mpiexec -n 4 python train.py`` alike; imports no IPython.
 """
@@ -47,7 +46,7 @@ def default_backend() -> str:
     return backend_for(mode, mode != "none" and torch.cuda.is_available())
 
 
-CommState = ProcessState  # the old name, kept for code that imported it
+CommState = ProcessState  # an alias kept for code that imports it
 
 
 def is_initialized() -> bool:
@@ -168,8 +167,7 @@ def abort() -> None:
     Why walk the garbage collector instead of asking torch to abort: in torch 2.13 a gloo group's
     ``ProcessGroup.abort()``, its backend's ``abort()`` and ``shutdown()``, and ``_abort_process_group()``
     (documented as NCCL only) all return at once but leave gloo's pair sockets open, so a peer blocked in a
-    collective stays blocked until this process drops its last reference to the group or exits. Measured:
-    the peer was released when the aborting rank dropped its reference, 8 s after the abort, not at it
+    collective stays blocked until this process drops its last reference to the group or exits
     (tests/mpi/gloo_abort.py; ``test_torch_abort_does_not_release_a_gloo_peer`` fails the day torch closes
     them, and this walk can then go). Only the C++ destructor closes the sockets, and the references that
     keep it alive are in frames we do not own (the traceback kept by IPython, ipyparallel or the comm

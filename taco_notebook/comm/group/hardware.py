@@ -2,7 +2,8 @@
 
 Lives in comm/ because a rank reads it about its own node: at cluster start (the registry and the sidebar show
 it per node), in placement (``--gpus auto`` counts the GPUs before CUDA is initialised), and for ``%taco_doctor``
-(huge page pools and hugetlbfs mounts, NICs, CPUs and NUMA nodes; gathered by ``cluster/doctor/nodefacts.py``).
+(huge page pools and hugetlbfs mounts, NICs, CPUs and NUMA nodes; gathered by
+:mod:`taco_notebook.cluster.doctor.nodefacts`).
 """
 
 from __future__ import annotations

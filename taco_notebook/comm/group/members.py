@@ -1,10 +1,11 @@
 """A process group over members chosen without MPI: the survivors (and joiners) of an elastic job.
 
 MPI fixes a job's ranks at launch, and a world with a dead rank can no longer run a collective, so an elastic
-group is not built from MPI: whoever owns the membership (the notebook's client, :mod:`taco_notebook.cluster.
-elastic`) numbers the live processes 0..n-1, asks the new rank 0 to :func:`open_group` a store, and tells every
-member :func:`join_group` with its new rank, every member's node name (the new topology, hence the new 2D layout)
-and the store's address. The old group is dropped without a collective (its peers may be dead).
+group is not built from MPI: whoever owns the membership (the notebook's client,
+:mod:`taco_notebook.cluster.elastic`) numbers the live processes 0..n-1, asks the new rank 0 to
+:func:`open_group` a store, and tells every member :func:`join_group` with its new rank, every member's node
+name (the new topology, hence the new 2D layout) and the store's address. The old group is dropped without a
+collective (its peers may be dead).
 
 Imports no IPython: the calls are plain functions taking plain values.
 """

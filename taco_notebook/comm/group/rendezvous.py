@@ -14,15 +14,15 @@ rendezvous keys, so the store decides who can join. Hence:
   address the hostname resolves to). torch's own TCPStore listens on every interface whatever host it is
   given; binding the socket here and handing torch its descriptor (``master_listen_fd``) keeps it on that one.
 
-What listens, after this (measured with mpich 5.0.2 and torch 2.13, see tests/comm/test_rendezvous.py):
+What listens, after this (tests/comm/test_rendezvous.py checks it):
 
 - one host: each rank's gloo pairs on 127.0.0.1 (one ephemeral port per rank, while the group lives). MPI
   ranks: nothing, with ``UCX_TLS=self,sm`` (``TacoCluster`` sets it; so does :func:`keep_mpi_local` on
   ``import taco_notebook.comm`` before MPI starts, when hydra says every rank is local). Hydra's ``mpiexec``: one
   control port on 0.0.0.0 for the job's lifetime (its ranks inherit the descriptor), which no hydra option or
-  variable moves (``-iface lo``, ``-launcher fork``, ``-localhost``, ``HYDRA_IFACE`` tried);
-  ``MPIEXEC_PORT_RANGE`` only chooses its port, for a firewall rule. ipyparallel controller and engines:
-  127.0.0.1 only.
+  variable moves (not ``-iface lo``, ``-launcher fork``, ``-localhost`` nor ``HYDRA_IFACE``);
+  ``MPIEXEC_PORT_RANGE`` only chooses its port, for a firewall rule. The ipyparallel controller and engines
+  listen on 127.0.0.1 only.
 - several hosts: rank 0's store on its job interface address; gloo pairs on ``GLOO_SOCKET_IFNAME``'s address
   (else the hostname's); hydra's control port on 0.0.0.0 of the launching host and UCX's per-rank listeners on
   the job's network. None of them authenticates: firewall the job's network to the job's hosts.
@@ -64,15 +64,13 @@ class Rendezvous:
 
         Not collective. torch's FileStore destructor checks that the file exists, then opens it (``O_CREAT``) to
         count itself out; the last rank's removes the file. If the directory goes between the check and the open,
-        that open fails with ENOENT and torch retries it every 10 ms for the store's whole timeout (the collective
-        timeout, 1800 s by default) while holding the GIL, then terminates the process: a peer released by
-        :func:`.bootstrap.abort` hung there (measured on 4 ranks, abort then reinit in a loop: it hung at the 7th
-        and at the 32nd abort; 300 in a row pass since). So the creator waits up to ``wait_s`` for the peers'
-        destructors to have removed the file (``shutdown()``: every rank is closing at the same time, milliseconds);
-        a directory left empty is removed at once. Otherwise (``abort()`` passes 0: its peers are failing) the store
-        file is unlinked now, so that a peer's destructor from then on finds no file and returns, and the directory
-        goes :data:`REAP_AFTER_S` later on a timer thread, when a destructor that had already seen the file has long
-        created its own in the directory still there.
+        that open fails with ENOENT and torch retries it for the store's whole timeout (the collective timeout)
+        while holding the GIL, then terminates the process: a peer released by :func:`.bootstrap.abort` can hang
+        there. So the creator waits up to ``wait_s`` for the peers' destructors to have removed the file
+        (``shutdown()``: every rank is closing at the same time); a directory left empty is removed at once.
+        Otherwise (``abort()`` passes 0: its peers are failing) the store file is unlinked now, so that a peer's
+        destructor from then on finds no file and returns, and the directory goes :data:`REAP_AFTER_S` later on a
+        timer thread, once a destructor that had already seen the file has long made its own in that directory.
         """
         self.store = None
         if self.directory is not None and self.kind == "file" and wait_s > 0:

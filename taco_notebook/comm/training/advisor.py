@@ -2,10 +2,9 @@
 says which one, if any, pays on this cluster's links.
 
 Each candidate (none, fp16, bf16, topk at two densities, powersgd at two ranks by default) trains ``steps``
-steps after ``warmup`` untimed ones, every trial from the ``taco.elastic.State``'s last commit (restored before
-each trial and once more at the end, so tuning leaves the model, optimizer and counters as committed). Per trial
-it measures the step time (the slowest rank's median), the wire bytes per step and the rate the bytes crossed
-node links at (:mod:`.metrics`), and the loss's slope over the timed steps against the uncompressed run's::
+steps after ``warmup`` untimed ones, each from the ``taco.elastic.State``'s last commit (restored once more at
+the end, so tuning leaves model, optimizer and counters as committed), and is judged by its step time (the
+slowest rank's median), wire bytes per step, cross-node rate (:mod:`.metrics`) and loss slope::
 
     state = taco.elastic.State(model=model, optimizer=opt, step=0)
     def step():                          # batches picked by a State counter: every trial sees the same ones
@@ -15,14 +14,11 @@ node links at (:mod:`.metrics`), and the loss's slope over the timed steps again
     result = taco.tune(step, state)      # the table; result.best is the recommended spec
     # later cells: %%taco_run --compression auto uses result.best (auto_choice() says so on the ranks)
 
-A candidate *pays* when it is at least :data:`PAYS` times faster than none, sends at most :data:`SAVES` of its bytes
-and its loss falls at least :data:`SLOPE_KEPT` as fast; the fastest that pays is recommended, else none, with why
-(fast links, small model). Every decision is made from numbers reduced over the ranks, so every rank makes the same
-one. The compression is switched on ``state.optimizer`` when it is a ``DistributedOptimizer``
-(:meth:`~.optimizer.DistributedOptimizer.set_compression`), on ``hook_state`` when given (a DDP model's
-``TacoHookState``), else on the rank's default (``configure()``: what a DDP hook registered with state None
-follows); the compression in force before is put back afterwards. Importable without IPython; the notebook draws
-:class:`TuneResult` as an HTML table (``taco_notebook.widgets.tune``).
+A candidate *pays* when it is at least :data:`PAYS` times faster than none, sends at most :data:`SAVES` of its
+bytes and its loss falls at least :data:`SLOPE_KEPT` as fast; the fastest that pays is recommended, else none,
+with why. Decisions use numbers reduced over the ranks, so every rank decides alike. The compression is switched
+where the step takes it (:class:`_Switch`) and put back afterwards. Importable without IPython; the notebook
+draws :class:`TuneResult` as an HTML table (:mod:`taco_notebook.widgets.tune`).
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ As Horovod's ``hvd.elastic.TorchState``: a :class:`State` holds a model, an opti
         if state.step % 10 == 0:
             state.commit()
 
-Under ``%%taco_run --elastic MIN:MAX`` the notebook does the rest (cluster/elastic/recovery.py): when a rank dies, every
-live :class:`State` is :meth:`~State.restore`-d to its last commit on the survivors, the group is rebuilt over
-them (:mod:`.membership`), :meth:`~State.sync` hands rank 0's copy to all, and the cell runs again, so the loop
-resumes at the committed ``step``. :func:`run` gives the same retry under plain ``mpiexec`` as far as MPI allows.
+Under ``%%taco_run --elastic MIN:MAX`` the notebook does the rest (:mod:`taco_notebook.cluster.elastic.recovery`):
+when a rank dies, every live :class:`State` is :meth:`~State.restore`-d to its last commit on the survivors, the
+group is rebuilt over them (:mod:`.membership`), :meth:`~State.sync` hands rank 0's copy to all, and the cell runs
+again, so the loop resumes at the committed ``step``. :func:`run` gives the same retry under plain ``mpiexec`` as
+far as MPI allows.
 
 Imports no IPython; torch is imported when a state is made.
 """

@@ -121,8 +121,7 @@ def _bucket_name(state: TacoHookState, bucket: dist.GradBucket) -> Any:
     Looked at on every call: neither the buffer's size nor its address proves what it holds after DDP rebuilt
     its buckets. A set is known by its parameters' ids, its first and last checked against weak references so
     that a new model whose parameters reuse a freed one's ids starts afresh (a DDP model's parameters live and
-    die together). The look costs about 0.1 µs per tensor (benchmarks/ddp_hook_describe.py), against the
-    step's milliseconds."""
+    die together). The look is cheap next to a step (benchmarks/ddp_hook_describe.py)."""
     compressor = compressor_for(state.compression)
     params = bucket.parameters()
     packed = tuple(map(id, params))

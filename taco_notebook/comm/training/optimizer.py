@@ -113,8 +113,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._skip = False
         # Through a weak reference: a parameter's hooks live where gc cannot see them, so a bound method there
-        # (optimizer -> wrapped optimizer -> parameters -> hook -> optimizer) kept every dropped optimizer, its
-        # fusion buffers and momentum alive, e.g. each time a notebook cell built a new one.
+        # (optimizer -> wrapped optimizer -> parameters -> hook -> optimizer) would keep every dropped optimizer,
+        # its fusion buffers and momentum alive (a notebook cell builds a new one each time it runs).
         self._hook = _weakly(self._on_grad)
         self._hooks: list[Any] = []
         self._detached = False  # remove_hooks() was called: stay off whatever the world does
@@ -128,7 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _follow_world(self) -> None:
         """Hooks on while there are other ranks, off while this rank is the job (checked again after each
         step: an elastic job can grow). With one rank a step is the wrapped optimizer's and nothing else: no
-        hook call per gradient, no copy into a fusion buffer, no collective (issue 24)."""
+        hook call per gradient, no copy into a fusion buffer, no collective."""
         alone = self._alone()
         if alone and self._hooks:
             for handle in self._hooks:

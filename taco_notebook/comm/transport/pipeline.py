@@ -59,10 +59,8 @@ _passes = CommThread()  # the shared-memory passes of the pipeline; left behind 
 state.on_teardown(_passes.abandon)
 
 # Bounds of the automatic chunk size. Below 2 MiB a chunk's fixed cost (a collective's latency, two thread
-# hand-offs, waking on a loaded machine) outweighs what it overlaps: 1 MiB chunks were the slowest choice at
-# 16 and 100 MiB in the sweep of benchmarks/README.md, and the measured overhead alone would have picked
-# ~0.4 MB chunks for 1 MiB buffers. Above 64 MiB the first and last passes, which nothing overlaps, cost
-# more than the per-chunk latency saved.
+# hand-offs, waking on a loaded machine) outweighs what it overlaps (benchmarks/README.md has the sweep); above
+# 64 MiB the first and last passes, which nothing overlaps, cost more than the per-chunk latency saved.
 _MIN_CHUNK = 2 * 1024 * 1024
 _MAX_CHUNK = 64 * 1024 * 1024
 
@@ -97,9 +95,8 @@ class Calibration:
 
 
 def _timed(fn: Any, repeats: int) -> float:
-    """The best of ``repeats`` runs: noise on a shared host (4 ranks on 2 cores, a peer arriving late) only
-    ever adds to these fixed costs. A median of 5 read the per-chunk cost anywhere from 0.6 to 5.3 ms on one
-    quiet machine, and above ~3 ms a 16 MiB buffer went whole, 6 ms slower (benchmarks/README.md)."""
+    """The best of ``repeats`` runs: noise on a shared host (ranks sharing cores, a peer arriving late) only
+    ever adds to these fixed costs, and a median reads them too high and sizes chunks too large."""
     best = math.inf
     for _ in range(repeats):
         began = time.perf_counter()
@@ -111,8 +108,8 @@ def _timed(fn: Any, repeats: int) -> float:
 def calibrate(cross: Any) -> Calibration:
     """Measure the pass speed, the per-chunk overhead and the cross-node rate; agree on the slowest.
 
-    Collective over ``cross`` and then the world (call it where every rank builds the 2D groups). Costs a
-    few tens of ms once per process-group generation (two 1 MiB allreduces over the cross-node link).
+    Collective over ``cross`` and then the world (call it where every rank builds the 2D groups). Runs once per
+    process-group generation: a few passes and two 1 MiB allreduces over the cross-node link.
     """
     # 16 MiB operands, more than a cache holds: a pass over a large chunk streams from memory
     a, b = torch.ones(1 << 22), torch.ones(1 << 22)

@@ -1,6 +1,6 @@
 """What a compressor's reduction returns and what it sends: the pieces every reduction shares.
 
-A compressor reduces its own payload (:meth:`.compression.Compressor.reduce`): a dense payload is summed by
+A compressor reduces its own payload (:meth:`.base.Compressor.reduce`): a dense payload is summed by
 an allreduce, a sparse one gathered and merged. Each returns a :class:`Reduced`, the raw and wire bytes of
 the part compression applies to and the bytes this rank sent to each peer, which :mod:`.metrics` records.
 The send counts follow the schedule of the collective (ring neighbour for an allreduce, every peer for an

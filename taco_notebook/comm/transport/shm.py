@@ -1,23 +1,18 @@
 """Intra-node reduce-scatter and allgather through one shared-memory segment per node, chunk by chunk.
 
-gloo's reduce-scatter and allgather move every byte through loopback TCP and cost more than the inter-node
-step they feed (measured: 370 ms and 245 ms for 100 MiB on 2 local ranks, against 78 ms for the cross-node
-allreduce of the shard). Ranks of one node share memory instead: each copies its tensor into its slot of the
-segment, each sums its shard across the slots into the output area, the inter-node step reduces that shard
-in place, and each reads the whole output area back. Only the segment's creation goes over the node's process
-group; the passes wait for each other through counters in the segment's header, so they can run on a thread
-of their own, chunk after chunk, while the communication thread is in the cross-node step of an earlier
-chunk (:mod:`.pipeline`).
-
-The same passes with no cross-node step are the whole allreduce of a one-node job
-(:func:`.pipeline.reduce_node_shm`), and the header carries the ranks' agreement on each collective there
-(:meth:`NodeSegment.exchange`).
+gloo would move every byte of a node's reduce-scatter and allgather through loopback TCP; ranks of one node
+share memory instead. Each copies its tensor into its slot of the segment, each sums its shard across the slots
+into the output area, the inter-node step reduces that shard in place, and each reads the whole output area
+back. Only the segment's creation goes over the node's process group; the passes wait for each other through
+counters in the segment's header, so they can run on their own thread, chunk after chunk, while the
+communication thread is in the cross-node step of an earlier chunk (:mod:`.pipeline`). With no cross-node step
+the same passes are a one-node job's whole allreduce (:func:`.pipeline.reduce_node_shm`), and the header also
+carries the ranks' agreement on each collective (:meth:`NodeSegment.exchange`).
 
 The segment lives in a hugetlbfs mount or in ``/dev/shm`` (:mod:`.shmfile`); with no room in either,
-:meth:`NodeSegment.prepare` says so on every local rank. Its file is unlinked as soon as every local rank has
-mapped it, so nothing is left behind even if a rank is killed. The waits sleep on futex words in the header,
-and a rank waiting for a local peer that died learns it within ``_CHECK_S`` (:mod:`.peers`), not at the
-collective timeout.
+:meth:`NodeSegment.prepare` says so on every local rank. Its file is unlinked once every local rank has mapped
+it, so a killed rank leaves nothing behind. Waits sleep on futex words in the header, and a rank waiting for a
+dead local peer learns it within ``_CHECK_S`` (:mod:`.peers`), not at the collective timeout.
 """
 
 from __future__ import annotations
@@ -58,14 +53,12 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 class NodeSegment:
-    """The node's shared buffer: a header of flags, ``local_size`` input slots of ``capacity`` bytes and one
-    output area.
+    """The node's shared buffer: a header of flags, an input slot of ``capacity`` bytes per local rank, an output area.
 
-    One allreduce goes through it in chunks (elements ``[lo, hi)``), each in three passes per rank:
-    :meth:`copy_in`, :meth:`sum_shard` (into the output area, where the cross-node step reduces it in place),
-    then :meth:`reduced` and :meth:`copy_out`. The passes wait for each other through per-rank counters in the
-    header, not through the node's process group: they run on their own thread while the communication
-    thread is in a collective, and a counter costs microseconds where a gloo barrier costs a round trip.
+    Each chunk of an allreduce (elements ``[lo, hi)``) takes three passes per rank: :meth:`copy_in`,
+    :meth:`sum_shard` (into the output area, which the cross-node step reduces in place), then :meth:`reduced`
+    and :meth:`copy_out`. The passes wait on per-rank counters in the header, not on the node's process group,
+    so they can run beside a collective on the communication thread and need no gloo barrier.
     """
 
     def __init__(self, group: Any, local_rank: int, local_size: int, tag: str, timeout_s: float = 1800.0) -> None:
@@ -160,9 +153,8 @@ class NodeSegment:
 
     def exchange(self, values: tuple[int, int]) -> tuple[list[int], list[int]] | None:
         """Every local rank's two int64 ``values``, in local-rank order, through the header: what the ranks'
-        agreement on a collective exchanges (:mod:`..agreement`), without a round over the process group
-        (gloo's allgather among L processes is L-1 loopback steps). Collective over the node. None on every
-        local rank when the node has no room for the segment.
+        agreement on a collective exchanges (:mod:`.agreement`), without gloo's allgather (L-1 loopback steps
+        among L processes). Collective over the node; None on every local rank when the node has no room for it.
 
         Two calls' values alternate between two pairs of rows: a rank overwrites call k's row only in call
         k+2, after every rank published call k+1, which each did after reading call k.
@@ -187,7 +179,7 @@ class NodeSegment:
         """Write this rank's elements ``[lo, hi)`` into its input slot and say so.
 
         ``own``: this rank's shard of the chunk, which is left out. Only this rank sums that shard, and
-        :meth:`sum_shard` reads it from ``buf`` itself (1/local_size of the copy saved: half on 2 ranks).
+        :meth:`sum_shard` reads it from ``buf`` itself, which saves 1/local_size of the copy.
         """
         if k == 0:  # every rank has read the previous call's output area: slots and area are free again
             self._wait(_DONE, self._start[_DONE])
@@ -228,8 +220,8 @@ class NodeSegment:
     def sum_slots(self, dtype: torch.dtype, lo: int, hi: int, out: torch.Tensor, k: int) -> None:
         """``out`` = the sum over every slot of elements ``[lo, hi)`` (zeros past ``hi``), in one reduction over
         a strided view of the slots, once every rank copied chunk ``k`` in whole (:meth:`copy_in` without
-        ``own``). One call where :meth:`sum_shard` makes one per slot: at 64 local ranks, 64 small adds cost
-        more than the bytes they read."""
+        ``own``). One call where :meth:`sum_shard` makes one per slot: with many local ranks, the small adds
+        cost more than the bytes they read."""
         self._wait(_COPIED, self._start[_COPIED] + k + 1)
         width = max(0, hi - lo)
         if width < out.numel():
@@ -301,12 +293,11 @@ class NodeSegment:
         """Wait until every local rank published ``row`` at least ``target`` times, asleep (ranks share cores).
 
         The sleep is on the row's gate, a futex word that the last rank to arrive moves and wakes
-        (:meth:`_publish`): a waiter costs no CPU while it waits and wakes once, when everyone is there (64
-        ranks each waking on every arrival cost more than the passes themselves). Where there is no futex (not
-        Linux) it polls, sleeping up to 0.5 ms. At least every ``_CHECK_S`` it looks at the pidfds of the
-        ranks not there yet, so a peer that died ends the wait with an error naming it; one that
-        never gets there for another reason (the job diverged) ends it after the collective timeout, and so
-        does this segment's close (the group was torn down under the wait).
+        (:meth:`_publish`): a waiter costs no CPU while it waits and wakes once, when everyone is there, not on
+        every arrival. Where there is no futex (not Linux) it polls, sleeping up to 0.5 ms. At least every
+        ``_CHECK_S`` it looks at the pidfds of the ranks not there yet, so a peer that died ends the wait with an
+        error naming it; one that never arrives for another reason (the job diverged) ends it after the
+        collective timeout, and so does this segment's close (the group was torn down under the wait).
         """
         if self.bytes is None:
             raise RuntimeError(f"the node's shared-memory segment was closed before step {_ROWS[row]} (the "

@@ -4,7 +4,7 @@ The caller records a *ready* event on its current stream when it submits a CUDA 
 thread makes its own stream wait for that event, runs the collective (and any compression kernels) there and
 records a *done* event; whoever takes the result makes its current stream wait for *done*. The host never
 blocks on the GPU (no ``torch.cuda.synchronize()``), so backward keeps computing while buckets travel.
-CPU tensors skip all of it: the CPU path is unchanged.
+CPU tensors skip all of it.
 """
 
 from __future__ import annotations

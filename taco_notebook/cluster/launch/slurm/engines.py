@@ -1,8 +1,8 @@
 """The ``slurm`` profile inside :class:`~taco_notebook.cluster.session.TacoCluster`: which ipyparallel engine
 launcher, its config, and how a start waits and a running cluster is judged alive.
 
-Everything Slurm-specific is :mod:`.slurm_launchers`' (sbatch outside an allocation, srun inside one); this module
-only wires it in, so that session.py stays one branch per place.
+Everything Slurm-specific is :mod:`.launchers`' (sbatch outside an allocation, srun inside one); this module only
+wires it in, so that the session keeps one branch per place.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ an ``sbatch`` job.
 For the batch job ipyparallel writes the script and runs ``sbatch``/``scancel``; the subclass adds
 
 * the job's shape from :class:`~taco_notebook.cluster.launch.slurm.options.SlurmOptions` (``#SBATCH --nodes``,
-``--gres=gpu:N`` when N > 0, extra lines; partition and time through ipyparallel's own ``queue`` and ``timelimit``), and
-  ``srun --mpi=pmi2`` in the script so that the engines are MPI ranks (engine id = MPI rank = Slurm task id);
+  ``--gres=gpu:N`` when N > 0, extra lines; partition and time through ipyparallel's own ``queue`` and
+  ``timelimit``), and ``srun --mpi=pmi2`` in the script so that the engines are MPI ranks (engine id = MPI rank =
+  Slurm task id);
 * Slurm's own message when sbatch rejects the job (ipyparallel's ``check_output`` loses stderr);
 * a watcher thread that reports the job id and each change of its queue state through ``progress``
   ("job 12 PENDING (Resources)", "job 12 RUNNING on n0"), cancels a job that waits longer than
@@ -242,8 +243,8 @@ def configure(config: Any, launcher: type, options: SlurmOptions, engine_cmd: li
     """Write ``options`` (and the engine command, the engines' environment, the progress callback) into the
     traitlets ``config`` section of ``launcher``; returns ``config``.
 
-    The section is the class's own, so it takes precedence over what a ``MPIEngineSetLauncher`` section
-    (today's local profile) says about ``mpi_cmd`` or ``environment``.
+    The section is the class's own, so it takes precedence over what a ``MPIEngineSetLauncher`` section (the
+    local profile's) says about ``mpi_cmd`` or ``environment``.
     """
     section = config[launcher.__name__]
     if engine_cmd is not None:

@@ -1,24 +1,12 @@
-"""Engines launched through Slurm: ``srun`` inside an allocation, an ``sbatch`` job outside one.
+"""The ``slurm`` profile's options, queue state and Slurm commands, usable anywhere (doctor, server, CLI).
 
-The ``slurm`` profile needs two ways in, both through ipyparallel's own launchers (no process management here):
-
-* **Inside an allocation** (``SLURM_JOB_ID`` set: the kernel runs under ``salloc`` or in a batch job),
-  :class:`~.slurm_launchers.SrunEngineSetLauncher` is ipyparallel's ``MPIEngineSetLauncher`` with
-  ``srun --mpi=pmi2`` in place of ``mpiexec``: the engines are a job step of that allocation, and Slurm's PMI2
-  server gives the mpich wheel its ranks (``srun -n N --mpi=pmi2 ... -m ipyparallel.engine --mpi``), so
-  engine id = MPI rank = Slurm task id.
-* **Outside** (a login node), :class:`~.slurm_launchers.SlurmBatchEngineSetLauncher` is ipyparallel's
-  ``SlurmEngineSetLauncher`` plus what a notebook needs: partition, time, nodes and GPUs per node as options
-  (``--gres=gpu:N`` only when N > 0), the sbatch error text when the job is rejected, the job id and its queue
-  state reported while waiting ("job 12 PENDING (Resources)"), a queue timeout that cancels the job, and
-  ``scancel`` on stop that waits until the job has left the queue.
-
-:func:`~.slurm_launchers.engine_launcher` picks the class, :func:`~.slurm_launchers.configure` writes its
-traitlets config. Measured on the test
-Slurm (one node, 2 CPUs, tests/support/slurm.py): a 2-task job's engines registered a few seconds after submission.
-
-The launcher classes live in ``slurm_launchers`` (they subclass ipyparallel's, which imports IPython); this
-module imports neither, so options, queue state and commands are usable anywhere (doctor, server, CLI).
+The profile has two ways in, both through ipyparallel's own launchers (:mod:`.launchers`): inside an allocation
+(``SLURM_JOB_ID`` set: the kernel runs under ``salloc`` or in a batch job) the engines are an ``srun
+--mpi=pmi2`` job step of it (:class:`~.launchers.SrunEngineSetLauncher`), so Slurm's PMI2 server gives the mpich
+wheel its ranks and engine id = MPI rank = Slurm task id; outside one (a login node) they are an ``sbatch`` job
+shaped by :class:`SlurmOptions` (:class:`~.launchers.SlurmBatchEngineSetLauncher`).
+:func:`~.launchers.engine_launcher` picks the class, :func:`~.launchers.configure` writes its traitlets config.
+The launchers subclass ipyparallel's, which imports IPython; this module imports neither.
 """
 
 from __future__ import annotations
