@@ -1,14 +1,19 @@
-"""Fixtures that start real MPI-launched clusters and prove nothing outlives a test.
+"""Fixtures that start real MPI-launched clusters and prove nothing outlives a test, and the two test tiers.
 
 Every process a test starts inherits ``TACO_TEST_SESSION`` from this process, so after each test we can find
 all of them (orphans included, whatever their parent) and fail the test if any is left that is not part of
 the session's shared cluster.
+
+Tiers: a test that starts a cluster, mpiexec, a Jupyter server or kernel, a browser or a root service carries
+that marker (from the fixtures it uses, or its own mark) and so ``slow``; ``pytest -m "not slow"`` is the fast
+tier. A test without the marker that starts such a process fails, naming it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +26,48 @@ from typing import Any
 
 import psutil
 import pytest
+
+SLOW_MARKERS = ("cluster", "mpi", "server", "browser", "services")
+FIXTURE_MARKERS = {  # a test that uses the fixture starts what the marker names
+    "shared_cluster": "cluster", "mpiexec": "mpi", "lab": "browser", "page": "browser", "jp_fetch": "server",
+    "jp_serverapp": "server", "ipykernel6": "server", "slurm": "services",
+}
+# what a test of the fast tier must not start: matched against the program of every subprocess.Popen (its
+# name, its first argument, and the module of ``python -m``)
+HEAVY = re.compile(r"mpiexec|mpirun|ipengine|ipcontroller|ipyparallel|taco_notebook\.controller|jupyter|ipykernel|"
+                   r"chrom|playwright|sshd|slurm|srun|sbatch|salloc|munge|netns|unshare")
+_started: list[str] = []
+
+
+def _program(argv: str | list[Any]) -> str:
+    words = argv.split() if isinstance(argv, str) else [str(word) for word in argv]
+    if not words:
+        return ""
+    program = [os.path.basename(words[0])]
+    if len(words) > 1 and not words[1].startswith("-"):
+        program.append(words[1])
+    if "-m" in words[1:-1]:
+        program.append(words[words.index("-m") + 1])
+    return " ".join(program)
+
+
+def _record_popen(event: str, args: tuple[Any, ...]) -> None:
+    if event == "subprocess.Popen":
+        _started.append(_program(args[1]))
+
+
+sys.addaudithook(_record_popen)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by the fixtures it uses, then ``slow`` when it carries any marker of a slow tier."""
+    for item in items:
+        for fixture, marker in FIXTURE_MARKERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+        if any(item.get_closest_marker(marker) for marker in SLOW_MARKERS):
+            item.add_marker("slow")
+
 
 SESSION_MARK = uuid.uuid4().hex
 os.environ["TACO_TEST_SESSION"] = SESSION_MARK
@@ -136,7 +183,12 @@ def no_leaked_processes(request) -> Iterator[None]:
     """After each test: stop clusters the test left behind, then fail on any surviving process or any
     /dev/shm file it left (MPI's segments outlive ranks that are killed)."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    del _started[:]
     yield
+    heavy = [command for command in _started if HEAVY.search(command)]
+    if heavy and request.node.get_closest_marker("slow") is None:
+        pytest.fail(f"{request.node.nodeid} starts {heavy[0][:200]!r} but carries none of the markers "
+                    f"{SLOW_MARKERS}: mark it, so that the fast tier (-m 'not slow') stays fast")
     from taco_notebook.cluster.registry.reaper import running_reapers
     from taco_notebook.cluster.session import clusters
 
