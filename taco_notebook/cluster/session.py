@@ -180,7 +180,7 @@ class TacoCluster:
     def start(self) -> TacoCluster:
         """Start controller and ``size`` engines, check them, and bring up the process group on every rank.
         Emits ``starting``, then ``running`` (failing: ``stopping``/``stopped``, and raises)."""
-        from .. import ipp
+        from ..ipp import upstream as ipp
         from ..ipp.client import connect
 
         self.mpi = mpi_for(self.profile, self.mpi, self.mpiexec)

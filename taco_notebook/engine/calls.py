@@ -73,7 +73,7 @@ class _Sender:
         self.sent: tuple[int, Any] | None = None
 
     def __call__(self, payload: dict[str, Any]) -> None:
-        from ..ipp import publish_data
+        from ..ipp.upstream import publish_data
 
         progress = payload.get("progress")
         self.sent = (payload["metrics"]["steps"], progress and progress.get("n"))

@@ -1,9 +1,10 @@
-"""The one door to ipyparallel and ipykernel: their public names that taco uses, re-exported here, and in
-submodules every override of their internals (the lean client, the hub, the quiet kernel, the streams, the
-comm pump), each listed with what it relies on in :mod:`.assumptions`. No other module of the package imports
-ipyparallel or ipykernel.
+"""The one door to ipyparallel and ipykernel: their public names that taco uses (:mod:`.upstream`), and every
+override of their internals (the lean client, the hub, the quiet kernel, the streams, the comm pump), each
+listed with what it relies on in :mod:`.assumptions`. No other module of the package imports ipyparallel or
+ipykernel.
 
-Importing this package checks that the installed versions are ones these overrides were written for.
+Importing this package checks that the installed versions are ones these overrides were written for; it imports
+neither (the server's manager and every rank import it without tornado).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
+
+__all__ = ["SUPPORTED", "check_versions"]
 
 SUPPORTED = {"ipyparallel": ("9", "10"), "ipykernel": ("6.29", "8")}  # [lowest, first unsupported)
 
@@ -29,18 +32,3 @@ def check_versions(found: dict[str, str] | None = None) -> None:
 
 
 check_versions()
-
-from ipyparallel import Client, Cluster  # noqa: E402 - only after the check, which names what is wrong
-from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher  # noqa: E402
-from ipyparallel.error import RemoteError  # noqa: E402
-from ipyparallel.util import shlex_join  # noqa: E402
-
-__all__ = ["SUPPORTED", "check_versions", "Client", "Cluster", "MPIEngineSetLauncher", "SlurmEngineSetLauncher",
-           "RemoteError", "shlex_join", "publish_data"]
-
-
-def publish_data(data: dict[str, object]) -> None:
-    """Send ``data`` on this engine's IOPub as ipyparallel's datapub does (engine side only)."""
-    from ipyparallel.datapub import publish_data as publish
-
-    publish(data)

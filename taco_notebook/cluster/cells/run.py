@@ -32,8 +32,8 @@ from ...engine import calls, runner
 from ...engine.script import Script
 from ...engine.wire import CellReply, CellSettings, CellSetup, Output
 from ...errors import CellInterrupted, CellTimeoutError, ClusterStartError, RankFailedError
-from ...ipp import RemoteError
 from ...ipp.comm_pump import CommPump
+from ...ipp.upstream import RemoteError
 from ..session import TacoCluster
 from .autopsy import after_stall
 from .replica_check import check_replicas

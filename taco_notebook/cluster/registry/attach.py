@@ -59,7 +59,7 @@ class AttachedCluster(TacoCluster):
     def adopt(self, started_at: float | None, timeout: float) -> None:
         """Connect to the running cluster of this id through its ipyparallel cluster file; checks that its
         engines are the MPI ranks it says."""
-        from ... import ipp
+        from ...ipp import upstream as ipp
         from ...ipp.client import connect
 
         self.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=self.cluster_id)

@@ -33,7 +33,7 @@ from typing import Any
 from traitlets import Any as AnyTrait
 from traitlets import Float, List, Unicode, default
 
-from ....ipp import MPIEngineSetLauncher, SlurmEngineSetLauncher, shlex_join
+from ....ipp.upstream import MPIEngineSetLauncher, SlurmEngineSetLauncher, shlex_join
 from .options import (
     SRUN_ARGS,
     JobState,
