@@ -37,7 +37,7 @@ def test_one_entry_point_lists_every_benchmark_and_runs_each_as_its_script():
     listed = entry("list")
     assert listed.returncode == 0, listed.stderr
     names = {line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ")}
-    helpers = {"emulated_run"}
+    helpers = {"emulated_run", "result_files"}
     assert names == {p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_")} - helpers, listed.stdout
     assert entry().stdout == listed.stdout == entry("--help").stdout
     unknown = entry("allreduce")
@@ -72,7 +72,9 @@ def test_allreduce_benchmark_measures_every_variant(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {line.split("|")[2].strip() for line in result.stdout.splitlines() if line.startswith("| 1 MiB")}
     assert {"gloo", "mpi4py", "taco flat", "taco 2d", "taco 2d+fp16", "taco 2d+topk:0.01"} <= rows, result.stdout
-    assert list(tmp_path.glob("allreduce-*.json")), "no JSON result written"
+    saved = json.loads((tmp_path / "allreduce-smoke.json").read_text())  # how it was made, to rerun it
+    assert "allreduce_bench.py --no-emulate" in saved["command"], saved["command"]
+    assert {"revision", "uncommitted_changes", "machine", "date"} <= set(saved), sorted(saved)
 
 
 def test_an_mpiexec_past_its_timeout_is_killed_with_its_ranks(mpiexec, monkeypatch, capfd):
