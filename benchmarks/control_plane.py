@@ -49,7 +49,7 @@ EMPTY = "pass"
 ALLREDUCE = ("_t = torch.ones(262144)\ntaco.allreduce(_t)\n"
              "assert _t[0].item() == taco.size(), f'allreduce gave {_t[0].item()}'")
 SPLIT_KEYS = ("client", "controller_out", "engine", "controller_back")
-PUBLISH = ("from taco_notebook.cluster.cells import engine as _e\n_e.begin_cell(True)\n"
+PUBLISH = ("from taco_notebook.engine import calls as _e\n_e.begin_cell(True)\n"
            "for _ in range(20):\n    taco.metrics.step(samples=1)\n"
            "for _ in range({n}):\n    taco.metrics.send()\n"
            "import pickle as _p\n_payload_bytes = len(_p.dumps(taco.metrics.snapshot()))")

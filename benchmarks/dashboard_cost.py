@@ -28,7 +28,7 @@ from taco_notebook.engine.calls import SEND_S as PUBLISH_S
 
 PUBLISH = """\
 import time as _t
-from taco_notebook.cluster.cells import engine as _e
+from taco_notebook.engine import calls as _e
 _e.begin_cell(True)
 for _ in range(50):
     taco.metrics.step(samples=1)            # something to report
