@@ -101,4 +101,4 @@ def report(args: argparse.Namespace, result: dict[str, Any], meta: dict[str, Any
 
 
 if __name__ == "__main__":
-    sys.exit(er.main("advisor", __file__, sys.argv[1:], parse_args, worker, report))
+    sys.exit(er.main(__file__, sys.argv[1:], parse_args, worker, report))

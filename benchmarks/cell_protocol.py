@@ -42,7 +42,6 @@ A line a + b·N is fitted to the new path's own figures and evaluated at ``--ext
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import result_files  # noqa: E402
 from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
 
 from taco_notebook.controller import raise_open_files_limit  # noqa: E402
@@ -356,7 +356,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=2.0, help="seconds the watched cell runs")
     parser.add_argument("--extrapolate", type=int, default=1000)
     parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument("--json", metavar="PATH")
+    result_files.add_json_option(parser, "cell_protocol")  # written after each N
     parser.add_argument("--controller", type=controllers, default="taco",
                         help="plain engines only, comma-separated, each size measured with each in turn: "
                              f"{', '.join(f'{k}: {v}' for k, v in CONTROLLERS.items())}")
@@ -374,7 +374,7 @@ def main() -> None:
                          "controller": settings})
             print(f"[{size} {args.engines} ranks measured, {settings} controller]", flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "cores": os.cpu_count()}, indent=1))
+            result_files.write(args.json, {"rows": rows, "cores": os.cpu_count()})
     print(f"cell protocol, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(table(rows, args.cells, args.extrapolate))
 

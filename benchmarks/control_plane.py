@@ -22,15 +22,14 @@ that a burst of load from other processes hits them all alike:
 - **registry**: one entry's write (``registry_writer.write_entry``) and its size.
 
 Every cluster is stopped (``try``/``finally``). Prints markdown tables and a line fit ``a + b·N`` of start and
-round trips, extrapolated to 1000 ranks; ``--json PATH`` writes every figure.
+round trips, extrapolated to 1000 ranks; ``--json`` writes every figure to benchmarks/results/ (``result_files``).
 
-    .venv/bin/python benchmarks/control_plane.py --ranks 2,4,8,16 --repeats 15 --json results/control_plane.json
+    .venv/bin/python -m benchmarks control_plane --ranks 2,4,8,16 --repeats 15 --json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -39,6 +38,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import result_files
 
 from taco_notebook.errors import ClusterStartError
 
@@ -374,7 +375,7 @@ def main() -> None:
     parser.add_argument("--extrapolate", type=int, default=1000, help="N the line fits are evaluated at")
     parser.add_argument("--start-timeout", type=float, default=600.0,
                         help="seconds N engines get to register (many ranks on few, loaded cores are slow)")
-    parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file (after each N)")
+    result_files.add_json_option(parser, "control_plane")  # written after each N
     args = parser.parse_args()
     sizes = args.ranks
     if args.repeats < 2:
@@ -392,7 +393,7 @@ def main() -> None:
                 continue
             print(f"[{size} ranks measured: start {rows[-1]['start_s']:.1f} s]", flush=True)
             if args.json:
-                write_json(Path(args.json), rows, failed, args)
+                write_json(args.json, rows, failed, args)
     if not rows:
         raise SystemExit("no cluster size could be measured")
     fitted = fits(rows, args.extrapolate)
@@ -401,13 +402,13 @@ def main() -> None:
     for failure in failed:
         print(f"not measured: {failure['ranks']} ranks ({failure['error'].splitlines()[0]})")
     if args.json:
-        write_json(Path(args.json), rows, failed, args, fitted)
+        write_json(args.json, rows, failed, args, fitted)
 
 
 def write_json(path: Path, rows: list[dict[str, Any]], failed: list[dict[str, Any]], args: argparse.Namespace,
                fitted: list[dict[str, Any]] | None = None) -> None:
-    path.write_text(json.dumps({"cores": os.cpu_count(), "repeats": args.repeats, "rows": rows, "failed": failed,
-                                "fits": fitted, "taken": time.time()}, indent=1))
+    result_files.write(path, {"cores": os.cpu_count(), "repeats": args.repeats, "rows": rows, "failed": failed,
+                              "fits": fitted, "taken": time.time()})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ then ``EmulatedNodes.__exit__`` kills whatever still runs in the namespaces and 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import platform
@@ -31,7 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+import result_files
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -51,7 +51,8 @@ def add_launch_args(parser: argparse.ArgumentParser, timeout_s: float) -> None:
                        "(tells CPU-bound from link-bound)")
     group.add_argument("--timeout", type=float, default=timeout_s, help=f"seconds for the whole mpiexec "
                        f"(default {timeout_s:g})")
-    group.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/...)")
+    group.add_argument("--out", type=Path, default=None,
+                       help="JSON output (default benchmarks/results/MACHINE/BENCHMARK/UTC-TIMESTAMP.json)")
     parser.add_argument("--worker", metavar="OUTDIR", default=None, help=argparse.SUPPRESS)
 
 
@@ -152,8 +153,6 @@ def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[
     outdir = Path(tempfile.mkdtemp(prefix="taco-bench-"))
     body = [sys.executable, "-u", str(Path(script).resolve()), "--worker", str(outdir), *worker_argv(argv)]
     meta: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "emulated": not args.no_emulate, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
         "world_size": nranks, "rate": None if args.no_emulate else args.rate,
@@ -192,10 +191,10 @@ def launch(script: str, args: argparse.Namespace, argv: Sequence[str]) -> tuple[
     return result, meta
 
 
-def main(name: str, script: str, argv: Sequence[str], parse_args: Any, worker: Any,
-         report: Any) -> int:
+def main(script: str, argv: Sequence[str], parse_args: Any, worker: Any, report: Any) -> int:
     """The benchmarks' shared driver: rank body (``--worker``) or launch, then a caption and table from
-    ``report(args, result, meta) -> (caption, rows, table)``, the INCOMPLETE line and the JSON file."""
+    ``report(args, result, meta) -> (caption, rows, table)``, the INCOMPLETE line and the JSON file (named
+    after the script: ``allreduce_bench.py`` writes ``results/MACHINE/allreduce_bench/…``)."""
     args = parse_args(list(argv))
     if args.worker:
         worker(args)
@@ -210,7 +209,7 @@ def main(name: str, script: str, argv: Sequence[str], parse_args: Any, worker: A
     if meta.get("error") or not result.get("complete"):
         print(f"\nINCOMPLETE: {meta.get('error', 'rank 0 did not finish')}")
     kept = {k: v for k, v in vars(args).items() if k not in ("worker", "out")}
-    path = save(name, args, {"meta": meta, "args": kept, "result": result, "rows": rows})
+    path = save(Path(script).stem, args, {"meta": meta, "args": kept, "result": result, "rows": rows})
     print(f"\nJSON: {path}")
     return 0 if result.get("complete") and not meta.get("error") else 1
 
@@ -228,15 +227,10 @@ def interrupted(exc: KeyboardInterrupt) -> int:
     return 130
 
 
-def save(name: str, args: argparse.Namespace, payload: dict[str, Any]) -> Path:
-    """Write the JSON result (default ``benchmarks/results/NAME-{emulated,localhost}-TIMESTAMP.json``)."""
-    path = args.out
-    if path is None:
-        stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-        path = RESULTS_DIR / f"{name}-{'localhost' if args.no_emulate else 'emulated'}-{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    return path
+def save(benchmark: str, args: argparse.Namespace, payload: dict[str, Any]) -> Path:
+    """Write the JSON result to ``--out``, by default ``benchmarks/results/MACHINE/BENCHMARK/UTC-TIMESTAMP.json``,
+    with the command line and git revision (``result_files.write``)."""
+    return result_files.write(args.out or result_files.result_path(benchmark), payload)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -6,7 +6,7 @@ across the slots and reads every shard back (:func:`taco_notebook.comm.transport
 ``flat`` is gloo's ring over the same ranks. Each launch is one ``mpiexec -n N``; the variants are interleaved
 iteration by iteration::
 
-    .venv/bin/python benchmarks/node_allreduce.py --ranks 4 16 64 --sizes-mib 1 16 --json out.json
+    .venv/bin/python -m benchmarks node_allreduce --ranks 4 16 64 --sizes-mib 1 16 --json
 
 Per variant and size (float32, sum, in place): the median over ``--iters`` of the slowest rank's time, each
 iteration started after a barrier; and a check that every rank holds the exact sum (the node algorithm sums each
@@ -21,9 +21,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import emulated_run as er  # mpiexec (run, and killed with its ranks on a timeout or Ctrl-C), the table
+import result_files
 
 VARIANTS = ("flat", "auto")
 
@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16], help="payload sizes (MiB)")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per variant and size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations before them")
-    parser.add_argument("--json", type=Path, help="write the results here")
+    result_files.add_json_option(parser, "node_allreduce")
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
                             [[row["ranks"], f"{row['mib']:g}", f"{row['flat_ms']:.1f}", f"{row['auto_ms']:.1f}",
                               f"{row['flat_ms'] / row['auto_ms']:.1f}x"] for row in results]))
     if args.json:
-        args.json.write_text(json.dumps({"argv": argv, "cores": os.cpu_count(), "results": results}, indent=1))
+        result_files.write(args.json, {"argv": argv, "cores": os.cpu_count(), "results": results})
     return 0
 
 

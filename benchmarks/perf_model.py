@@ -21,9 +21,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "performance-model.md"
-# runs A, B, C of benchmarks/README.md "Allreduce on the final code" (2 emulated nodes x 2 ranks, 1 Gbit/s htb)
-RUNS = ("allreduce-emulated-20261125T151038.json", "allreduce-emulated-20261125T152112.json",
-        "allreduce-emulated-20261125T153323.json")
+# three runs of `python -m benchmarks allreduce_bench --sizes-mib 1 16 100 --iters 7` (2 emulated nodes x 2 ranks,
+# 1 Gbit/s htb links, the 2-core machine)
+RUNS = tuple(Path(__file__).resolve().parent / "results" / "cpu2" / "allreduce_bench" / f"{stamp}.json"
+             for stamp in ("20261125T151038", "20261125T152112", "20261125T153323"))
 MB = 1e6
 
 # ---- measured inputs (GPU: issue 24, one H200, torch 2.11 + CUDA 13.0) ------------------------------------
@@ -103,8 +104,8 @@ def emulated_rows() -> list[dict[str, float | str]]:
     """(size, variant, measured median s per run, bytes over a node link) from runs A, B, C."""
     times: dict[tuple[float, str], list[float]] = {}
     link: dict[tuple[float, str], float] = {}
-    for name in RUNS:
-        for row in json.loads((ROOT / "benchmarks" / "results" / name).read_text())["rows"]:
+    for run in RUNS:
+        for row in json.loads(run.read_text())["rows"]:
             if row.get("bound"):
                 continue
             key = (float(row["size_mib"]), str(row["variant"]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,25 @@ def _benchmark(script: str, out: Path, *args: str, timeout: float = 110) -> tupl
                             cwd=BENCHMARKS)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.splitlines(), json.loads(out.read_text())
+
+
+def test_one_entry_point_lists_every_benchmark_and_runs_each_as_its_script():
+    """``python -m benchmarks list`` names every script of benchmarks/ (not its helper modules); an unknown name
+    exits 2 naming the known ones; a known one runs with its own arguments, imports and exit status."""
+    def entry(*args: str) -> subprocess.CompletedProcess[str]:
+        return run_in_session([sys.executable, "-m", "benchmarks", *args], timeout=60, cwd=BENCHMARKS.parent)
+
+    listed = entry("list")
+    assert listed.returncode == 0, listed.stderr
+    names = {line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ")}
+    helpers = {"emulated_run", "result_files"}
+    assert names == {p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_")} - helpers, listed.stdout
+    assert entry().stdout == listed.stdout == entry("--help").stdout
+    unknown = entry("allreduce")
+    assert unknown.returncode == 2 and "no benchmark named 'allreduce'" in unknown.stderr, unknown.stderr
+    assert all(name in unknown.stderr for name in names), unknown.stderr
+    refused = entry("node_allreduce", "--ranks", "1")  # its own argparse, after its `import emulated_run`
+    assert refused.returncode == 2 and "at least 2 ranks" in refused.stderr, refused.stderr
 
 
 def test_captured_ranks_output_is_returned_and_a_failure_carries_it(mpiexec, monkeypatch, capfd):
@@ -52,7 +72,9 @@ def test_allreduce_benchmark_measures_every_variant(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {line.split("|")[2].strip() for line in result.stdout.splitlines() if line.startswith("| 1 MiB")}
     assert {"gloo", "mpi4py", "taco flat", "taco 2d", "taco 2d+fp16", "taco 2d+topk:0.01"} <= rows, result.stdout
-    assert list(tmp_path.glob("allreduce-*.json")), "no JSON result written"
+    saved = json.loads((tmp_path / "allreduce-smoke.json").read_text())  # how it was made, to rerun it
+    assert "allreduce_bench.py --no-emulate" in saved["command"], saved["command"]
+    assert {"revision", "uncommitted_changes", "machine", "date"} <= set(saved), sorted(saved)
 
 
 def test_an_mpiexec_past_its_timeout_is_killed_with_its_ranks(mpiexec, monkeypatch, capfd):
