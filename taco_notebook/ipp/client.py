@@ -24,7 +24,8 @@ per request it does N times per cell. Per request, ipyparallel's client makes:
   (``ZMQStream.flush``);
 * the ``started`` date through ``datetime.fromisoformat``, dateutil only for what it does not read.
 
-:func:`connect` is ``ipp.Cluster.connect_client`` with this class (``benchmarks/README.md`` compares the two).
+:func:`connect` is ``ipp.Cluster.connect_client`` with this class (``benchmarks/cell_protocol.py`` measures
+ipyparallel's client beside it).
 """
 
 from __future__ import annotations

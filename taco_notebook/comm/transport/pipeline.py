@@ -59,8 +59,8 @@ _passes = CommThread()  # the shared-memory passes of the pipeline; left behind 
 state.on_teardown(_passes.abandon)
 
 # Bounds of the automatic chunk size. Below 2 MiB a chunk's fixed cost (a collective's latency, two thread
-# hand-offs, waking on a loaded machine) outweighs what it overlaps (benchmarks/README.md has the sweep); above
-# 64 MiB the first and last passes, which nothing overlaps, cost more than the per-chunk latency saved.
+# hand-offs, waking on a loaded machine) outweighs what it overlaps; above 64 MiB the first and last passes,
+# which nothing overlaps, cost more than the per-chunk latency saved.
 _MIN_CHUNK = 2 * 1024 * 1024
 _MAX_CHUNK = 64 * 1024 * 1024
 
