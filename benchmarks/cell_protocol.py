@@ -75,6 +75,7 @@ def plain_run_cell(source: str, captured: bool, silent: bool = False) -> CellRep
     sending anything on IOPub, ``quiet.end_silently``)."""
     from IPython import get_ipython
 
+    from taco_notebook.engine.wire import CellReply
     from taco_notebook.ipp.quiet_kernel import end_silently, iopub_mark
 
     mark = iopub_mark() if silent else None

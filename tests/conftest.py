@@ -62,6 +62,8 @@ sys.addaudithook(_record_popen)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by the fixtures it uses, then ``slow`` when it carries any marker of a slow tier."""
     for item in items:
+        if item.path.suffix == ".ipynb":  # an example notebook: a kernel that starts a cluster
+            item.add_marker("cluster")
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)

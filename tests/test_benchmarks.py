@@ -63,6 +63,7 @@ def test_captured_ranks_output_is_returned_and_a_failure_carries_it(mpiexec, mon
     assert "RANK" not in capfd.readouterr().out
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_allreduce_benchmark_measures_every_variant(tmp_path):
     result = run_in_session(
@@ -95,6 +96,7 @@ def test_an_mpiexec_past_its_timeout_is_killed_with_its_ranks(mpiexec, monkeypat
     assert not left, f"left running after the timeout: {left}"
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(240)
 def test_dashboard_cost_benchmark_reports_both_measurements():
     result = run_in_session(
@@ -106,6 +108,7 @@ def test_dashboard_cost_benchmark_reports_both_measurements():
     assert "| dashboard |" in result.stdout and "| --no-dashboard |" in result.stdout
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_control_plane_benchmark_measures_a_real_cluster(tmp_path):
     """Two real ranks, two repeats: every table has its columns and every figure is a positive measurement."""
@@ -156,6 +159,7 @@ def test_train_bench_says_when_each_variant_reaches_ddps_loss(monkeypatch):
         train_bench.catch_up([ddp, fast], world=4, batch=16, at_step=25)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(tmp_path):
     """Two plain engines, four cells per protocol: every figure is a positive measurement and the old protocol
@@ -170,6 +174,7 @@ def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(t
     assert set(row["watch_cpu_share"]) == {"poll all", "news only"}, row
 
 
+@pytest.mark.mpi
 def test_node_allreduce_benchmark_compares_gloo_and_the_node_algorithm(tmp_path):
     """Two ranks on one host, one size: both variants timed (each checked exact on every rank by the ranks
     themselves), and a bad argument is refused before anything starts."""

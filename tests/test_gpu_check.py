@@ -21,6 +21,7 @@ def test_gpu_check_skips_with_the_reason_without_cuda():
     assert result.stdout.startswith("skipped: no CUDA device (torch "), result.stdout
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(400)
 def test_gpu_check_self_test_on_cpu_runs_every_rank_side_check():
     result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "collectives", "training"],
@@ -45,6 +46,7 @@ def test_a_failure_is_named_by_its_last_line_even_when_its_message_is_empty(monk
     assert gpu_check.last_line(TimeoutError(), type(TimeoutError()).__name__) == "TimeoutError"
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(400)
 def test_overhead_and_synthetic_sections_run_their_workers_on_cpu():
     """The CUDA sections of issue 24, run as a self-test on a tiny model: every variant, the compressor

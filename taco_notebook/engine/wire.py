@@ -6,7 +6,7 @@ as these types from there: the ranks never parse an option's text again. Importa
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ..comm.compression.spec import CompressionSpec
@@ -34,7 +34,7 @@ class CellSettings:
 
     def configure_kwargs(self, auto: CompressionSpec | None = None) -> dict[str, Any]:
         """``taco.configure``'s keyword arguments for the settings given (``auto``: what auto chose)."""
-        given = {name: value for name, value in asdict(self).items() if name != "auto_compression"}
+        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "auto_compression"}
         if self.auto_compression:
             given["compression"] = auto
         return {name: value for name, value in given.items() if value is not None}

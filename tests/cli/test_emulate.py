@@ -190,6 +190,7 @@ def test_state_dir_below_a_world_writable_dir_is_refused(tmp_path: Path) -> None
     assert not (tmp_path / "state").exists()
 
 
+@pytest.mark.services
 @needs_sshd
 @pytest.mark.timeout(120, method="signal")
 def test_up_ssh_status_down_leaves_no_trace(cli: Cli, state_dir: Path) -> None:
@@ -243,6 +244,7 @@ def _link_bytes(veth: str) -> int:
     return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
 
 
+@pytest.mark.mpi
 @needs_hydra_ssh
 @pytest.mark.timeout(120, method="signal")
 def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -> None:
@@ -281,6 +283,7 @@ def test_hydra_runs_ranks_on_the_nodes_over_real_ssh(cli: Cli, tmp_path: Path) -
     assert all(c >= 4 << 20 for c in crossed), crossed
 
 
+@pytest.mark.services
 @needs_sshd
 @pytest.mark.timeout(120, method="signal")
 def test_failed_up_removes_what_it_made(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -316,6 +319,7 @@ def _wait_gone(pid: int, timeout: float = 60.0) -> bool:
     return True
 
 
+@pytest.mark.services
 @needs_sshd
 @pytest.mark.timeout(180, method="signal")
 def test_nodes_go_down_when_the_named_process_is_killed(cli: Cli, state_dir: Path) -> None:

@@ -222,6 +222,7 @@ def test_cpu_ranks_under_the_new_backend_selection(mpiexec):
         assert found == [("0", mode, "cpu", "gloo"), ("1", mode, "cpu", "gloo")], result.stdout
 
 
+@pytest.mark.mpi
 def test_taco_run_gpus_none_reaches_every_rank_with_mpi4py_on_mpiexecs_mpi(ip):
     """A real cluster: --gpus none hides the GPUs on every rank, and the engines got MPIInfo.environment."""
     from taco_notebook.cluster.session import clusters

@@ -42,6 +42,7 @@ def _ompi_ranks_env(ompi: OpenMPI, extra: dict[str, str] | None = None) -> dict[
     return env
 
 
+@pytest.mark.mpi
 def test_find_mpi_identifies_open_mpi_and_its_library(openmpi, monkeypatch):
     for key, value in openmpi.environment().items():
         monkeypatch.setenv(key, value)  # Open MPI's own mpiexec needs its prefix to run at all
@@ -57,6 +58,7 @@ def test_find_mpi_identifies_open_mpi_and_its_library(openmpi, monkeypatch):
     (3, "collectives.py", {}),
     (2, "placement.py", {"TACO_GPUS": "auto"}),
 ])
+@pytest.mark.mpi
 def test_rank_scripts_under_open_mpi(openmpi, n, script, extra):
     result = run_in_session([*openmpi.mpiexec_args(n), sys.executable, str(SCRIPTS / script)],
                             env=_ompi_ranks_env(openmpi, extra), timeout=300)
@@ -64,6 +66,7 @@ def test_rank_scripts_under_open_mpi(openmpi, n, script, extra):
     assert len(re.findall(r"OK \d+", result.stdout)) == n, result.stdout
 
 
+@pytest.mark.mpi
 def test_training_under_open_mpi_on_two_emulated_nodes(openmpi):
     result = run_in_session([*openmpi.mpiexec_args(4), sys.executable, str(SCRIPTS / "training.py")],
                             env=_ompi_ranks_env(openmpi, {"LIGHT_INTRA_SIZE": "2"}), timeout=420)
@@ -81,6 +84,7 @@ def test_mpich_launch_with_open_mpi_loaded_fails_at_once_saying_why(openmpi, mpi
     assert "MPI4PY_MPIABI=mpich" in result.stderr
 
 
+@pytest.mark.mpi
 def test_open_mpi_launch_with_mpich_loaded_fails_at_once(openmpi):
     """The other way round the mpich wheel refuses Open MPI's PMIx in MPI_Init, before taco's check can run:
     it still fails at once instead of training alone, and says why (with our message where MPI does init)."""
@@ -106,6 +110,7 @@ def test_mpi_environment_of_the_cluster_prevents_the_mismatch(openmpi, mpiexec):
     assert result.stdout.count("size 2") == 2, result.stdout
 
 
+@pytest.mark.mpi
 def test_cluster_start_shows_the_mismatch_not_an_engine_id_error(openmpi):
     """%%taco_run's cluster, its engines given Open MPI's library under mpich's mpiexec."""
     from taco_notebook.cluster.session import TacoCluster

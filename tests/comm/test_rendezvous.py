@@ -239,6 +239,7 @@ def test_taco_cluster_listens_on_nothing_off_loopback_and_reinit_replaces_the_st
     wait_until(lambda: not store.parent.exists(), 10, "the old store's directory removed")
 
 
+@pytest.mark.mpi
 def test_hydra_chosen_by_env_listens_only_on_its_control_port_off_loopback(monkeypatch):
     """``TACO_MPI_LAUNCHER=hydra`` keeps hydra, and with it the one documented listener on 0.0.0.0."""
     from taco_notebook.cluster.session import TacoCluster

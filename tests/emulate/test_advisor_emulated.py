@@ -18,6 +18,7 @@ from .test_emulated import needs_hydra
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.mark.services
 @needs_hydra
 @pytest.mark.timeout(600, method="signal")
 def test_the_advisor_measures_every_candidate_across_shaped_links(tmp_path: Path) -> None:

@@ -129,6 +129,7 @@ def test_start_refuses_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---- namespaces ------------------------------------------------------------------------------------------
+@pytest.mark.services
 @needs_netns
 @pytest.mark.timeout(120, method="signal")
 def test_namespaces_bridge_and_veths_exist_only_inside_the_context() -> None:
@@ -162,6 +163,7 @@ def test_namespaces_bridge_and_veths_exist_only_inside_the_context() -> None:
     cluster.stop()  # idempotent
 
 
+@pytest.mark.services
 @needs_netns
 @pytest.mark.timeout(120, method="signal")
 def test_failed_start_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -179,6 +181,7 @@ def test_failed_start_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> N
     assert cluster.prefix not in _ip_lines("netns", "list") + _ip_lines("-br", "link")
 
 
+@pytest.mark.services
 @needs_netns
 @pytest.mark.timeout(120, method="signal")
 def test_stop_ends_processes_left_in_the_namespaces() -> None:
@@ -205,6 +208,7 @@ with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
 """
 
 
+@pytest.mark.services
 @needs_hydra
 @pytest.mark.timeout(120, method="signal")
 def test_mpiexec_places_two_ranks_on_each_node(
@@ -258,6 +262,7 @@ def _allreduce_seconds(cluster: EmulatedNodes, script: Path) -> float:
     return float(result["seconds"])
 
 
+@pytest.mark.services
 @needs_hydra
 @pytest.mark.timeout(120, method="signal")
 def test_gloo_allreduce_is_bound_by_the_link(emulated: Callable[..., EmulatedNodes], tmp_path: Path) -> None:
@@ -296,6 +301,7 @@ conn.close()
 """
 
 
+@pytest.mark.services
 @needs_netns
 @pytest.mark.timeout(120, method="signal")
 def test_tcp_throughput_between_nodes_matches_the_rate(emulated: Callable[..., EmulatedNodes]) -> None:

@@ -54,6 +54,7 @@ def _fail_on(rank_pid, value):
     return value
 
 
+@pytest.mark.cluster
 def test_the_cluster_client_is_lean_and_answers_as_ipyparallel(plain):
     """Results, execute and pull, an error named by its engine, the metadata's dates, the caches emptied."""
     assert isinstance(plain.client, LeanClient) and type(plain.stock) is ipp.Client
@@ -92,6 +93,7 @@ def _metadata_dates_are_aware_and_the_caches_emptied(plain):
     assert not plain.client.outstanding
 
 
+@pytest.mark.cluster
 def test_a_tracked_send_resolves_its_tracker(plain):
     """A tracked request keeps its own "sent" future and goes through the stream's queue, as ipyparallel's does
     (a ZMQStream cannot track a send: Session.send resolves it at once), and an untracked one after it waits its
@@ -111,6 +113,7 @@ def _sum(array):
     return float(array.sum())
 
 
+@pytest.mark.cluster
 def test_many_requests_from_several_threads_all_complete(plain):
     """Batches built from four threads at once, each request answered once (the batch's lock), and no reply
     lost when it lands while a batch is being sent on the socket (the flush after a batch)."""
@@ -134,6 +137,7 @@ def test_many_requests_from_several_threads_all_complete(plain):
     assert time.monotonic() - began < 120
 
 
+@pytest.mark.cluster
 def test_a_request_that_cannot_be_sent_fails_and_the_rest_of_its_batch_goes(plain):
     """A send that raises on the IO thread (here a buffer zmq cannot send) fails its own request's futures
     instead of leaving them waiting for ever (ipyparallel's logged it and left them), and the requests batched

@@ -62,6 +62,7 @@ def _run(client: Any, code: str) -> None:
     assert reply["content"]["status"] == "ok", reply["content"]
 
 
+@pytest.mark.server
 def test_a_blocking_cell_answers_comm_messages_and_queued_cells_run_after_it_in_order(client):
     _run(client, ECHO_TARGET)
     started = time.monotonic()

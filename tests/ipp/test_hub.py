@@ -59,6 +59,7 @@ def queues(client, wanted: list) -> dict:
     return wait_until(status, 10, f"the hub's queues reaching {wanted} (now {client.queue_status()})")
 
 
+@pytest.mark.cluster
 def test_the_hub_counts_each_engines_queue_and_lets_a_shut_down_engine_go(plain_cluster):
     cluster, client = plain_cluster
     controller = psutil.Process(cluster.controller.process.pid)

@@ -214,3 +214,18 @@ def test_help_names_the_traits_and_the_environment(ip, capsys):
                  "--link-gbits", "TacoMagics.compression", "TACO_LINK_GBITS", "TACO_MPI_LAUNCHER",
                  "%config TacoMagics"):
         assert part in out, part
+
+
+def test_a_cells_settings_become_configures_arguments_as_values():
+    """What the ranks pass to ``taco.configure``: each given setting as its value (the spec stays a spec), auto
+    replaced by what auto chose, nothing for a setting not given."""
+    from taco_notebook.engine.wire import CellSettings
+
+    spec = CompressionSpec("topk", 0.01)
+    assert CellSettings(algorithm="flat", compression=spec).configure_kwargs() == {"algorithm": "flat",
+                                                                                   "compression": spec}
+    chosen = CompressionSpec("fp16")
+    assert CellSettings(auto_compression=True, fusion_mb=8.0).configure_kwargs(auto=chosen) == {
+        "compression": chosen, "fusion_mb": 8.0}
+    with pytest.raises(ValueError, match="either a spec or auto"):
+        CellSettings(compression=spec, auto_compression=True)

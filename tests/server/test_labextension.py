@@ -55,6 +55,7 @@ def test_names_and_versions_agree() -> None:
     assert shared_data in (ROOT / "pyproject.toml").read_text()
 
 
+@pytest.mark.server
 def test_labextension_is_installed_and_enabled() -> None:
     jupyter = _tool("jupyter")
     assert jupyter is not None, "the `jupyter` command is missing: install jupyterlab"

@@ -57,6 +57,7 @@ def _meminfo(key: str) -> int:
 
 
 # ---- facts against this machine ------------------------------------------------------------------------------
+@pytest.mark.mpi
 def test_facts_agree_with_other_readings_of_this_machine(facts: dict[str, Any]) -> None:
     assert json.loads(json.dumps(facts)) == facts  # JSON-able, as an engine must return it
     assert facts["hostname"] == socket.gethostname()
@@ -131,6 +132,7 @@ def restore_hugepages() -> Iterator[str]:
         yield mount
 
 
+@pytest.mark.mpi
 @needs_root
 def test_reserved_and_mounted_huge_pages_change_the_report(restore_hugepages: str) -> None:
     if hardware.hugepages() is None or hardware.hugepages()["page_kb"] != 2048:  # type: ignore[index]
@@ -211,6 +213,7 @@ def test_nodes_on_different_mpis_and_an_unmeasurable_link_are_cluster_problems(
     assert "→ ompi-node: failed" in str(report)
 
 
+@pytest.mark.mpi
 def test_mpi_versions_are_read_from_the_mpis_own_words() -> None:
     info = find_mpi()
     said = subprocess.run([info.mpiexec, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -378,6 +381,7 @@ def test_loopback_is_much_faster_than_a_1gbit_link() -> None:
     assert result["gbit_per_s"] > 3, result
 
 
+@pytest.mark.services
 @pytest.mark.skipif(NETNS_SKIP is not None, reason=NETNS_SKIP or "")
 def test_two_emulated_nodes_report_their_own_nics_and_a_1gbit_link() -> None:
     from taco_notebook.emulate.nodes import EmulatedNodes
@@ -409,6 +413,7 @@ def _ssh_skip_reason() -> str | None:
 SSH_SKIP = _ssh_skip_reason()
 
 
+@pytest.mark.services
 @pytest.mark.skipif(SSH_SKIP is not None, reason=SSH_SKIP or "")
 def test_doctor_over_real_ssh_to_emulated_hosts() -> None:
     """What ``%taco_doctor --hosts n0,n1`` does: facts and the link through ``ssh HOST python``, each node its own."""

@@ -99,6 +99,7 @@ taco.allreduce(t)
 """
 
 
+@pytest.mark.services
 @needs_hosts
 @pytest.mark.timeout(300, method="signal")
 def test_a_notebook_in_the_launcher_attaches_to_the_hostfiles_nodes(ip, emulated: EmulatedHosts,  # noqa: F811

@@ -29,6 +29,7 @@ needs_gforker = pytest.mark.skipif(not GFORKER.exists() or not (BIN / "mpiexec")
                                    reason="needs the mpich wheel's mpiexec and mpiexec.gforker beside python")
 
 
+@pytest.mark.mpi
 @needs_gforker
 def test_one_host_takes_gforker_and_says_so(monkeypatch):
     monkeypatch.delenv(LAUNCHER_ENV, raising=False)
@@ -40,6 +41,7 @@ def test_one_host_takes_gforker_and_says_so(monkeypatch):
     assert info.environment == find_mpi().environment and info.environment, info
 
 
+@pytest.mark.mpi
 @needs_gforker
 def test_overrides_hydra_by_env_and_explicit_path(monkeypatch):
     monkeypatch.setenv(LAUNCHER_ENV, "Hydra")
@@ -52,6 +54,7 @@ def test_overrides_hydra_by_env_and_explicit_path(monkeypatch):
     assert find_mpi().launcher == "hydra"  # not a one-host job: never switched
 
 
+@pytest.mark.mpi
 @needs_gforker
 def test_bad_choice_and_missing_gforker_are_clear_errors(monkeypatch, tmp_path):
     monkeypatch.setenv(LAUNCHER_ENV, "fork")
@@ -89,6 +92,7 @@ sys.stdout.write(f"rank {os.environ['PMI_RANK']} outlived its peer\\n")
 """
 
 
+@pytest.mark.mpi
 @needs_gforker
 def test_rankwrap_under_gforker_sets_local_ranks_and_stops_the_job_when_a_rank_dies(tmp_path):
     """Output goes to a log file opened for append, as ipyparallel gives mpiexec the engine set's log."""
@@ -171,6 +175,7 @@ sys.stdout.flush()
 """
 
 
+@pytest.mark.mpi
 @needs_gforker
 def test_non_ascii_output_reaches_the_log_whole_under_gforker(tmp_path):
     """gforker's own relay stops at a rank's first non-ASCII byte; rankwrap writes to the log file directly,

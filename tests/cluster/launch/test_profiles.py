@@ -165,6 +165,7 @@ def _left_on_nodes(hosts: EmulatedHosts, wait_s: float = 15.0) -> dict[str, list
         time.sleep(0.5)
 
 
+@pytest.mark.services
 @needs_hosts
 @pytest.mark.timeout(300, method="signal")
 def test_cell_runs_on_emulated_hosts_over_ssh(ip, emulated: EmulatedHosts, capsys) -> None:
