@@ -1,15 +1,17 @@
 """What the notebook sends a rank for a cell and what the rank replies, as frozen values.
 
 Values are checked once, where they enter (the option table, :mod:`taco_notebook.plan.resolve`), and carried
-as these types from there: the ranks never parse an option's text again. Importable without torch or IPython.
+as these types from there: the ranks never parse an option's text again. Imports nothing of the package at run
+time, so the notebook's modules can hold these types without importing the ranks' ``comm``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from ..comm.compression.spec import CompressionSpec
+if TYPE_CHECKING:  # not at run time: importing taco_notebook.comm sets up a rank (its excepthook, its GPU)
+    from ..comm.compression.spec import CompressionSpec
 
 __all__ = ["Output", "CellSettings", "CellSetup", "CellReply", "SEND_S"]
 

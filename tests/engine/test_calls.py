@@ -304,7 +304,7 @@ def test_the_tracker_sees_output_and_each_ranks_end(shared_cluster, view, told):
     news |= tracker.news()
     assert news == {0, 1, 2, 3}
     assert [tracker.metadata[r]["stdout"] for r in range(4)] == [f"hello from {r}\n" for r in range(4)]
-    assert all(tracker.outcome(r) == {"value": None, "replicas": False, "silent": False} for r in range(4))
+    assert all(tracker.outcome(r) == CellReply(None, replicas=False, silent=False) for r in range(4))
 
 
 def _iopub_sent() -> int:

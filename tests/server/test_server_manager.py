@@ -49,6 +49,15 @@ def test_server_package_and_manager_import_no_tornado() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_a_cluster_and_the_wire_do_not_set_up_a_rank() -> None:
+    """Importing TacoCluster or the wire's types (in the server, a kernel) imports neither torch nor the ranks'
+    ``comm``, which installs its excepthook and pins GPUs at import, nor ipyparallel."""
+    code = ("import sys, taco_notebook.cluster.session, taco_notebook.engine.wire\n"
+            "print(sorted(m for m in ('torch', 'taco_notebook.comm', 'ipyparallel') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize(("body", "words"), [
     (b"{not json", "JSON object"),
     (b"[1]", "JSON object"),

@@ -227,7 +227,7 @@ def test_slurm_profile_submits_runs_a_cell_and_stop_cancels(ip, slurm, capsys,
         ip.run_line_magic("taco_cluster", "start --profile slurm -n 2 --cluster slurm")
         started = time.monotonic() - began
         cluster = clusters["slurm"]
-        job = cluster._engine_launchers[0].job_id
+        job = cluster._sets.launchers[0].job_id
         ranks = ip.run_cell_magic("taco_run", "--profile slurm -np 2 --gather --cluster slurm --no-dashboard",
                                   SLURM_CELL)
         assert clusters["slurm"] is cluster and cluster.state == "running"

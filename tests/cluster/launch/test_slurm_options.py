@@ -113,7 +113,7 @@ def test_job_options_reach_the_job_and_a_change_restarts_it(ip, slurm, capsys,  
                                           f"--gpus-per-node 0 --cluster slurmjob")
         started = time.monotonic() - began
         cluster = clusters["slurmjob"]
-        jobs.append(cluster._engine_launchers[0].job_id)
+        jobs.append(cluster._sets.launchers[0].job_id)
         first, first_queue = _job(slurm, jobs[0])
         ranks = ip.run_cell_magic("taco_run", f"--profile slurm --partition {PARTITION} --time 5 -np 2 --gather "
                                               f"--cluster slurmjob --no-dashboard", "taco.rank()")
@@ -121,7 +121,7 @@ def test_job_options_reach_the_job_and_a_change_restarts_it(ip, slurm, capsys,  
         # the time limit as a trait (a settings file's c.TacoMagics.time): another job, so a restart
         ip.run_line_magic("config", 'TacoMagics.time = "0-00:07"')
         ip.run_line_magic("taco_cluster", f"start --profile slurm -n 2 --partition {PARTITION} --cluster slurmjob")
-        jobs.append(clusters["slurmjob"]._engine_launchers[0].job_id)
+        jobs.append(clusters["slurmjob"]._sets.launchers[0].job_id)
         second, second_queue = _job(slurm, jobs[1])
         first_after = slurm.run("squeue", "-h", "-j", jobs[0], "-o", "%T").stdout.strip()
     finally:
