@@ -42,9 +42,8 @@ def load_ipython_extension(ipython: Any) -> None:
 
     ipython.register_magics(TacoMagics)
     # taco.tune's result, returned from the ranks, drawn as a table (the formatter imports the widgets when used)
-    ipython.display_formatter.formatters["text/html"].for_type_by_name("taco_notebook.comm.training.advisor",
-    "TuneResult",
-                                                                       _tune_html)
+    html = ipython.display_formatter.formatters["text/html"]
+    html.for_type_by_name("taco_notebook.comm.training.advisor", "TuneResult", _tune_html)
     if "taco" not in ipython.user_ns:
         ipython.push({"taco": sys.modules[__name__]})
 
