@@ -397,11 +397,13 @@ def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
     from playwright.sync_api import expect
 
     truth = tmp_path / "step"
-    cell = ("%%taco_run -np 2 --cluster live\nfrom torch import nn\nimport time\nmodel = nn.Linear(8, 1)\n"
-            "for step in taco.progress(range(400), desc='train'):\n"
+    done = tmp_path / "done"  # the loop ends when the test has its samples, however slow the machine
+    cell = ("%%taco_run -np 2 --cluster live\nfrom torch import nn\nimport os, time\nmodel = nn.Linear(8, 1)\n"
+            "for step in taco.progress(range(4000), desc='train'):\n"
             "    taco.allreduce(torch.ones(1)); time.sleep(0.03)\n"
             f"    if taco.rank() == 0: open({str(truth)!r} + '.tmp', 'w').write(str(step + 1)); "
-            f"__import__('os').replace({str(truth)!r} + '.tmp', {str(truth)!r})\n")
+            f"os.replace({str(truth)!r} + '.tmp', {str(truth)!r})\n"
+            f"    if taco.allreduce(torch.tensor([float(os.path.exists({str(done)!r}))])).item() > 0: break\n")
     lab.write_notebook(LIVE_NOTEBOOK, ["%load_ext taco_notebook", cell])
     before = _ids(lab)
     try:
@@ -410,7 +412,7 @@ def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
         run_all_cells(page)
         row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="live"]')
         step = row.locator(".taco-cluster-step")
-        expect(step).to_have_text(re.compile(r"step [1-9]\d*/400"), timeout=120_000)
+        expect(step).to_have_text(re.compile(r"step [1-9]\d*/4000"), timeout=120_000)
         expect(row.locator(".taco-cluster-cell")).to_have_text("model = nn.Linear(8, 1)")
         owner = row.locator(".taco-cluster-owner")
         expect(owner).to_have_text(LIVE_NOTEBOOK)
@@ -421,8 +423,8 @@ def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
         # (time, the ranks' step, the sidebar's, the server's: what the kernel last wrote, as the dashboard has it)
         samples: list[tuple[float, int, int, int]] = []
         while len(samples) < 40:
-            shown = re.fullmatch(r"step (\d+)/400", step.inner_text(timeout=5_000).strip())
-            if shown is None or int(shown.group(1)) >= 380:
+            shown = re.fullmatch(r"step (\d+)/4000", step.inner_text(timeout=5_000).strip())
+            if shown is None or int(shown.group(1)) >= 3900:
                 break
             run = next(c for c in _clusters(lab) if c["name"] == "live")["run"] or {"step": 0}
             samples.append((time.monotonic(), int(truth.read_text() or 0), int(shown.group(1)), run["step"]))
@@ -438,6 +440,7 @@ def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
         print(f"sidebar step behind the kernel's (the dashboard's): median {behind_kernel[len(samples) // 2]:.2f} s, "
               f"max {behind_kernel[-1]:.2f} s; behind the ranks: median {behind_ranks[len(samples) // 2]:.2f} s, "
               f"max {behind_ranks[-1]:.2f} s, at {rate:.1f} steps/s")
+        done.write_text("")
         wait_for_cells_executed(page, timeout=120)
     finally:
         _stop_every_cluster(lab, before)
