@@ -34,12 +34,13 @@ def tune_html(result: Any) -> str:
              "<tr>" + "".join(f'<th style="padding:2px 8px;text-align:left">{escape(h)}</th>' for h in header)
              + "</tr>"]
     for row in result.rows():
-        best = row["candidate"] == result.best
+        best = row["candidate"] == result.best and not result.diverged
         colour = _BEST if best else _PAYS if row["pays"] else _REFUSED if row["verdict"] != "baseline" else ""
         style = f' style="background:{colour}"' if colour else ""
         cells = "".join(f'<td style="padding:2px 8px">{"<b>" if best else ""}{escape(text)}{"</b>" if best else ""}'
                         f"</td>" for text in _cells(row))
         lines.append(f"<tr{style}>{cells}</tr>")
-    lines += ["</table>", f"<p><code>--compression auto</code> uses <b>{escape(result.best)}</b> on this cluster."
-              "</p>", "</div>"]
+    footer = ("<code>--compression auto</code> is unchanged: fix the step, then tune again." if result.diverged
+              else f"<code>--compression auto</code> uses <b>{escape(result.best)}</b> on this cluster.")
+    lines += ["</table>", f"<p>{footer}</p>", "</div>"]
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from taco_notebook.comm.diagnostics.replicas import CAUSES, _blocks, compare, fingerprint
+from taco_notebook.comm.diagnostics.replicas import CAUSES, DIVERGED, _blocks, compare, fingerprint
 
 
 def test_the_fingerprint_sees_one_changed_element_and_ignores_a_copy() -> None:
@@ -33,6 +33,29 @@ def test_compare_names_the_minority_and_the_tensors() -> None:
                      r"by [\d.e-]+$", text, re.M), text
     assert text.endswith(CAUSES)
     assert compare(["fc.weight", "fc.bias"], [rows, rows]).ok
+
+
+def test_nan_everywhere_is_named_as_divergence_not_as_replicas_that_differ() -> None:
+    weight, bias = torch.randn(100), torch.randn(7)
+    weight[3] = float("nan")
+    rows = torch.stack([fingerprint(weight), fingerprint(bias)])
+    report = compare(["fc.weight", "fc.bias"], [rows.clone() for _ in range(4)])
+    assert not report.ok and report.differing == [] and report.nonfinite == [0, 1, 2, 3]
+    expected = f"non-finite values (NaN or inf) on all 4 ranks in 1 of 2 tensors, first: fc.weight; {DIVERGED}"
+    assert report.text() == expected
+    assert "apart" not in report.text() and "nan" not in report.text()
+
+
+def test_inf_on_one_rank_is_named_and_the_finite_ranks_still_compared() -> None:
+    weight, bias = torch.randn(100), torch.randn(7)
+    rows = torch.stack([fingerprint(weight), fingerprint(bias)])
+    blown = torch.stack([fingerprint(weight * float("inf")), fingerprint(bias)])
+    other = torch.stack([fingerprint(weight), fingerprint(bias * 2)])
+    report = compare(["fc.weight", "fc.bias"], [rows, blown, rows, other])
+    assert report.nonfinite == [1] and report.differing == [3] and report.reference == [0, 2]
+    first, second = report.text().split("\n")[:2]
+    assert first.startswith("non-finite values (NaN or inf) on rank 1 in 1 of 2 tensors, first: fc.weight;")
+    assert second == "replicas differ: rank 3 holds other values than ranks 0, 2 in 1 of 2 tensors; first:"
 
 
 def test_ranks_that_track_other_tensors_differ() -> None:

@@ -62,6 +62,19 @@ def test_a_loss_that_does_not_fall_is_not_judged_and_a_diverging_one_is_refused(
     assert 0 < SLOPE_KEPT < 1
 
 
+def test_a_step_that_diverges_without_compression_gets_no_recommendation() -> None:
+    nan = (-1.2e8, float("nan"), float("nan"))
+    result = advise([trial("none", 1.0, 100e6, nan), trial("fp16", 0.5, 50e6, nan),
+                     trial("topk:0.01", 0.4, 2e6, nan)], ranks=4, nodes=2, steps=3)
+    assert result.diverged and [t.verdict for t in result.trials] == ["loss not finite"] * 3
+    said = "recommends nothing: the step itself diverges: no candidate, none included, kept a finite loss"
+    assert said in str(result)
+    assert "not the bottleneck" not in str(result) and "* " not in result.table()
+    assert str(result).endswith("--compression auto is unchanged: fix the step, then tune again.")
+    rescued = advise([trial("none", 1.0, 100e6, nan), trial("fp16", 0.5, 50e6)], nodes=2)
+    assert rescued.diverged and "only fp16 kept a finite one" in rescued.reason
+
+
 @pytest.mark.parametrize("values, expected", [((3.0, 2.0, 1.0), -1.0), ((1.0,), 0.0), ((1.0, 1.5, 2.0, 2.5), 0.5)])
 def test_slope_is_least_squares(values, expected) -> None:
     assert slope(values) == pytest.approx(expected)

@@ -5,6 +5,8 @@ Ranks that drift apart train on silently: a rank-dependent seed before the model
 parameters trained through taco were reduced, every rank takes a fingerprint of them, three numbers per tensor
 (sum, sum of squares, a position-weighted strided sample of 16 elements), and one allgather of those numbers
 tells who differs, in which tensors first, and by how much. ``taco.check_replicas(model)`` does the same by hand.
+A tensor holding NaN or inf has no fingerprint to compare: the report names the ranks where it is not finite (the
+training diverged there), and compares only the ranks where it is.
 
 What is checked is registered where it is made: :class:`~.optimizer.DistributedOptimizer` (and so the Horovod
 face), the DDP comm hook (the parameters of each bucket it is handed) and :class:`~.elastic.State` call
@@ -32,6 +34,8 @@ FIELDS = ("sum", "sum of squares", "strided sample")
 _BLOCK = 1 << 16  # elements reduced in the tensor's dtype before float64 takes over
 _SAMPLES = 16
 _SHOWN = 5  # differing tensors named in the report
+DIVERGED = ("the training diverged: a lower learning rate, gradient clipping, a loss that is bounded below, or a "
+            "loss scale for fp16 usually helps")
 CAUSES = ("usual causes: a rank-dependent seed or data before the model was built (taco.broadcast_parameters("
           "model) makes the start equal); a cell run with --targets that changed some ranks only; a non-"
           "deterministic op, or parameters changed outside the optimizer on some ranks. --no-check-replicas "
@@ -119,23 +123,34 @@ class ReplicaReport:
     reference: list[int] = field(default_factory=list)
     details: list[str] = field(default_factory=list)
     count: int = 0  # tensors that differ
+    nonfinite: list[int] = field(default_factory=list)  # ranks with NaN or inf in some tensor
+    nonfinite_names: list[str] = field(default_factory=list)  # the first such tensors
+    nonfinite_count: int = 0  # tensors not finite on some rank
 
     @property
     def ok(self) -> bool:
-        return not self.differing
+        return not self.differing and not self.nonfinite
 
     def text(self) -> str:
         if self.ok:
             return f"replicas agree: {self.tensors} tensors identical on {self.ranks} ranks"
-        lines = [f"replicas differ: {_span(self.differing)} {'holds' if len(self.differing) == 1 else 'hold'} "
-                 f"other values than {_span(self.reference)} in {self.count} of {self.tensors} tensors; first:"]
-        lines.extend(f"  {line}" for line in self.details)
-        lines.append(CAUSES)
+        lines = []
+        if self.nonfinite:
+            where = f"all {self.ranks} ranks" if len(self.nonfinite) == self.ranks else _span(self.nonfinite)
+            lines.append(f"non-finite values (NaN or inf) on {where} in {self.nonfinite_count} of {self.tensors} "
+                         f"tensors, first: {', '.join(self.nonfinite_names)}; {DIVERGED}")
+        if self.differing:
+            lines.append(f"replicas differ: {_span(self.differing)} {'holds' if len(self.differing) == 1 else 'hold'}"
+                         f" other values than {_span(self.reference)} in {self.count} of {self.tensors} tensors; "
+                         "first:")
+            lines.extend(f"  {line}" for line in self.details)
+            lines.append(CAUSES)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "tensors": self.tensors, "ranks": self.ranks, "differing": self.differing,
-                "reference": self.reference, "count": self.count, "text": self.text()}
+                "reference": self.reference, "count": self.count, "nonfinite": self.nonfinite,
+                "nonfinite_count": self.nonfinite_count, "text": self.text()}
 
     def __str__(self) -> str:
         return self.text()
@@ -156,7 +171,8 @@ def _blocks(gathered: torch.Tensor) -> list[torch.Tensor]:
 def compare(names: list[str], blocks: list[torch.Tensor]) -> ReplicaReport:
     """The report for ``blocks`` (each rank's fingerprints, tensors × 3, ``names`` this rank's): each tensor's
     majority value (ties: rank 0's side) is the reference; a rank that differs from it in any number differs,
-    and so does one that tracks another number of tensors."""
+    and so does one that tracks another number of tensors. A rank whose fingerprint of a tensor is not finite is
+    named as such and left out of that tensor's comparison."""
     ranks, tensors = len(blocks), len(names)
     report = ReplicaReport(tensors, ranks)
     counts: dict[int, list[int]] = {}
@@ -171,21 +187,30 @@ def compare(names: list[str], blocks: list[torch.Tensor]) -> ReplicaReport:
         return report
     prints = torch.stack(blocks)
     differing: set[int] = set()
+    nonfinite: set[int] = set()
+    finite = torch.isfinite(prints).all(dim=2)  # ranks × tensors
     for i, name in enumerate(names):
         column = prints[:, i, :]
         groups: dict[tuple[float, ...], list[int]] = {}
         for rank in range(ranks):
-            groups.setdefault(tuple(column[rank].tolist()), []).append(rank)
-        if len(groups) == 1:
+            if finite[rank, i]:
+                groups.setdefault(tuple(column[rank].tolist()), []).append(rank)
+        if not bool(finite[:, i].all()):
+            nonfinite.update(r for r in range(ranks) if not finite[r, i])
+            report.nonfinite_count += 1
+            if len(report.nonfinite_names) < _SHOWN:
+                report.nonfinite_names.append(name)
+        if len(groups) <= 1:
             continue
         reference = max(groups.values(), key=lambda g: (len(g), 0 in g))
-        others = sorted(set(range(ranks)) - set(reference))
+        others = sorted(r for g in groups.values() if g is not reference for r in g)
         differing.update(others)
         report.count += 1
         if len(report.details) < _SHOWN:
             report.details.append(_detail(name, column, reference, others))
     report.differing = sorted(differing)
-    report.reference = [r for r in range(ranks) if r not in differing]
+    report.reference = [r for r in range(ranks) if r not in differing and r not in nonfinite]
+    report.nonfinite = sorted(nonfinite)
     return report
 
 

@@ -16,8 +16,9 @@ slowest rank's median), wire bytes per step, cross-node rate (:mod:`.metrics`) a
 
 A candidate *pays* when it is at least :data:`PAYS` times faster than none, sends at most :data:`SAVES` of its
 bytes and its loss falls at least :data:`SLOPE_KEPT` as fast; the fastest that pays is recommended, else none,
-with why. Decisions use numbers reduced over the ranks, so every rank decides alike. The compression is switched
-where the step takes it (:class:`_Switch`) and put back afterwards. Importable without IPython; the notebook
+with why. When none's own loss is not finite the step itself diverges: nothing is recommended or remembered.
+Decisions use numbers reduced over the ranks, so every rank decides alike. The compression is switched where the
+step takes it (:class:`_Switch`) and put back afterwards. Importable without IPython; the notebook
 draws :class:`TuneResult` as an HTML table (:mod:`taco_notebook.widgets.tune`).
 """
 
@@ -87,17 +88,23 @@ class TuneResult:
     def baseline(self) -> Trial:
         return self.trials[0]
 
+    @property
+    def diverged(self) -> bool:
+        """Whether the step diverged without compression (none's loss not finite): nothing is recommended."""
+        return not all(math.isfinite(v) for v in self.baseline.losses)
+
     def rows(self) -> list[dict[str, Any]]:
         """One dict per candidate (what the tables show), none first."""
         return [trial.as_dict() for trial in self.trials]
 
     def table(self) -> str:
+        chosen = None if self.diverged else self.best
         header = ("candidate", "step time", "speed-up", "bytes/step", "link rate", "loss slope vs none", "verdict")
         rows = [header] + [(t.candidate, f"{t.step_seconds * 1e3:,.1f} ms", f"{t.speedup:.2f}x",
                             format_bytes(t.wire_bytes_per_step),
                             "-" if t.link_bytes_per_s is None else f"{format_bytes(t.link_bytes_per_s)}/s",
                             "-" if t.relative_slope is None else f"{t.relative_slope:.2f}",
-                            ("* " if t.candidate == self.best else "") + t.verdict) for t in self.trials]
+                            ("* " if t.candidate == chosen else "") + t.verdict) for t in self.trials]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -105,11 +112,18 @@ class TuneResult:
 
     def summary(self) -> str:
         ranks, nodes = (f"{n} {w}{'s' if n != 1 else ''}" for n, w in ((self.ranks, "rank"), (self.nodes, "node")))
+        verdict = "recommends nothing" if self.diverged else f"recommends {self.best}"
         return (f"taco.tune: {self.steps} timed steps (after {self.warmup} untimed) per candidate on {ranks}, "
-                f"{nodes}; recommends {self.best}: {self.reason}")
+                f"{nodes}; {verdict}: {self.reason}")
+
+    def footer(self) -> str:
+        """What ``--compression auto`` does after this result."""
+        if self.diverged:
+            return "--compression auto is unchanged: fix the step, then tune again."
+        return f"--compression auto uses {self.best} on this cluster."
 
     def __str__(self) -> str:
-        return f"{self.summary()}\n\n{self.table()}\n\n--compression auto uses {self.best} on this cluster."
+        return f"{self.summary()}\n\n{self.table()}\n\n{self.footer()}"
 
     __repr__ = __str__
 
@@ -140,6 +154,8 @@ def advise(trials: Sequence[Trial], ranks: int = 1, nodes: int = 1, steps: int =
     base = trials[0]
     falling = base.slope < 0 and all(math.isfinite(v) for v in base.losses)
     judged = [_judge(t, base, falling) for t in trials]
+    if not all(math.isfinite(v) for v in base.losses):
+        return TuneResult(tuple(judged), "none", _why_diverged(judged), steps, warmup, ranks, nodes)
     paying = [t for t in judged[1:] if t.pays]
     if paying:
         best = max(paying, key=lambda t: t.speedup)
@@ -153,7 +169,8 @@ def _judge(trial: Trial, base: Trial, falling: bool) -> Trial:
     speedup = base.step_seconds / trial.step_seconds if trial.step_seconds > 0 else 1.0
     relative = trial.slope / base.slope if falling else None
     if trial is base:
-        return _with(trial, 1.0, 1.0 if falling else None, "baseline", False)
+        finite = all(math.isfinite(v) for v in trial.losses)
+        return _with(trial, 1.0, 1.0 if falling else None, "baseline" if finite else "loss not finite", False)
     if not all(math.isfinite(v) for v in trial.losses):
         return _with(trial, speedup, relative, "loss not finite", False)
     if relative is not None and relative < SLOPE_KEPT:
@@ -170,6 +187,14 @@ def _judge(trial: Trial, base: Trial, falling: bool) -> Trial:
 
 def _with(trial: Trial, speedup: float, relative: float | None, verdict: str, pays: bool) -> Trial:
     return replace(trial, speedup=speedup, relative_slope=relative, verdict=verdict, pays=pays)
+
+
+def _why_diverged(judged: Sequence[Trial]) -> str:
+    finite = [t.candidate for t in judged[1:] if all(math.isfinite(v) for v in t.losses)]
+    kept = "no candidate, none included, kept a finite loss" if not finite else \
+        f"none's loss is not finite (only {', '.join(finite)} kept a finite one)"
+    return (f"the step itself diverges: {kept}; a lower learning rate, gradient clipping or a loss that is "
+            f"bounded below comes before choosing a compression")
 
 
 def _why_none(judged: Sequence[Trial], base: Trial, nodes: int) -> str:
@@ -338,7 +363,7 @@ def tune(step: Callable[[], Any], state: Any, candidates: Iterable[CompressionSp
         trials[0] = replace(trials[0], step_seconds=min(trials[0].step_seconds, again.step_seconds))
     topo = topology()
     result = advise(trials, topo.size, topo.num_nodes, steps, warmup)
-    if remember:
+    if remember and not result.diverged:
         _remembered["result"] = result
     return result
 
