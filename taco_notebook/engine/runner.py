@@ -66,6 +66,18 @@ def _quiet_unless_failed(output: str) -> Iterator[_Held | None]:
         sys.stdout = real
 
 
+@contextmanager
+def _horovod_names(wanted: bool) -> Iterator[None]:
+    """``--horovod``: the script's ``horovod`` imports give taco's face while it runs (``horovod/shadow.py``)."""
+    if not wanted:
+        yield
+        return
+    from ..horovod.shadow import as_horovod
+
+    with as_horovod():
+        yield
+
+
 def _show_held(held: _Held | None, output: str) -> None:
     """A quiet rank failed: what it printed is context for its traceback, so it is shown after all."""
     text = held.getvalue() if held is not None else ""
@@ -135,7 +147,7 @@ def run_script(script: Script, setup: CellSetup) -> CellReply:
     held = None
     try:
         _around(setup)
-        with _quiet_unless_failed(setup.output) as held:
+        with _quiet_unless_failed(setup.output) as held, _horovod_names(script.horovod):
             exec(compile(script.source, script.path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102
     except SystemExit as exc:
         if exc.code not in (None, 0):

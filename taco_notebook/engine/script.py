@@ -32,6 +32,7 @@ class Script:
     path: str
     source: str
     args: tuple[str, ...] = ()
+    horovod: bool = False  # --horovod: its ``horovod`` imports give taco's face (:mod:`taco_notebook.horovod.shadow`)
 
     def command(self) -> str:
         """How the user would have run it, for messages and the sidebar: ``train.py --epochs 1``."""
@@ -41,7 +42,7 @@ class Script:
 
 
 def load_script(path: str | os.PathLike[str], args: list[str] | tuple[str, ...] = (),
-                cwd: str | os.PathLike[str] | None = None) -> Script:
+                cwd: str | os.PathLike[str] | None = None, horovod: bool = False) -> Script:
     """The script at ``path`` (relative to ``cwd``, else this process's working directory), read now; a
     ValueError naming the path and the fix when it is missing, a directory, unreadable or not Python text."""
     given = str(path)
@@ -62,4 +63,4 @@ def load_script(path: str | os.PathLike[str], args: list[str] | tuple[str, ...] 
                          f"{exc.start})") from None
     except OSError as exc:
         raise ValueError(f"cannot read the script {full}: {exc.strerror or exc}") from None
-    return Script(str(full), source, tuple(args))
+    return Script(str(full), source, tuple(args), horovod)

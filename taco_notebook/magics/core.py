@@ -74,6 +74,9 @@ class TacoMagics(Magics, TacoSettings):
             script = script_of(args, "%taco_run")  # read before anything starts
             plan = plan_run(self, args, say)
             return run_script(plan.cluster, script, plan.options, say)
+        if args.horovod:
+            raise UsageError("--horovod runs a Horovod script with no edit (%taco_run --horovod train.py); in a "
+                             "cell, `import taco_notebook.horovod as hvd` gives the same API")
         if args.script:
             command = shlex.join([args.script, *args.script_args])
             raise UsageError(f"%%taco_run runs the cell below it and takes no script (got {args.script!r}): to "

@@ -248,6 +248,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("elastic", (_value(("--elastic",), "MIN:MAX", "when a rank dies, the survivors roll back to the last "
                               "taco.elastic.State commit and the cell runs again on them, while at least MIN remain "
                               "(a new cluster starts MAX ranks)"),)),
+    Option("horovod", (Flag(("--horovod",), "the script is a Horovod PyTorch program, run with no edit: on its ranks "
+                            "`import horovod` and `import horovod.torch as hvd` give taco's Horovod face (a cell "
+                            "takes none: it imports taco_notebook.horovod)", action="store_true"),)),
     # the line form's script: the first word that is no option nor an option's value; every word after it is
     # the script's own, options of this magic included (`train.py --lr 0.1 -np 3` gives the script `-np 3`)
     Option("script", (Flag(("script",), "the line form's script (a cell takes none): a Python file, relative to the "

@@ -97,7 +97,7 @@ def script_of(args: Any, shown_as: str) -> Script:
         raise OptionError(f"{shown_as} needs a script to run: {shown_as} -np 4 train.py --epochs 1 runs "
                          f"train.py on every rank ({shown_as} --help lists the options)")
     with option_errors():
-        return load_script(args.script, args.script_args)
+        return load_script(args.script, args.script_args, horovod=bool(getattr(args, "horovod", False)))
 
 
 def _cell_dashboard(cluster: TacoCluster, targets: list[int] | None, mode: str, capacity: float | None) -> Any:
