@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "dashboard_cost": "what the live dashboard costs a training step, on the ranks and end to end",
     "stall_overhead": "the stall watchdog's cost per collective (run under mpiexec)",
     "agreement": "the ranks' agreement check per collective (run under mpiexec)",
+    "revisions": "allreduce speed of a git revision against the work tree, alternating on one emulated cluster",
     "replica_check": "the replica check after a cell of the 25M-parameter MLP (run under mpiexec)",
     "autopsy_ranks": "reading every rank's stack in a hang, locally or over ssh",
     "ddp_hook_describe": "the DDP hook's per-call bucket check",
