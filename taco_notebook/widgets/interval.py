@@ -1,6 +1,6 @@
 """Rates between two batches of per-rank metric snapshots: :func:`interval_between` differences them rank by rank
-(each rank over its own ``elapsed_seconds``, so clocks need not agree) into an :class:`Interval`; the step-time
-split (compute, overlapped communication, wait) and the straggler come from it."""
+(each rank over its own ``elapsed_seconds``, so clocks need not agree) into an :class:`Interval`. Step times come
+from the steps themselves, not from here (:mod:`.steps`): an interval also holds time in which no step ran."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Interval", "Snapshot", "interval_between", "is_new_run", "straggler", "int_keys", "NAN"]
+__all__ = ["Interval", "Snapshot", "interval_between", "is_new_run", "int_keys", "NAN"]
 
 Snapshot = Mapping[str, Any]
 COUNTERS = ("elapsed_seconds", "samples", "steps", "raw_bytes", "wire_bytes", "wait_seconds", "comm_seconds")
@@ -30,9 +30,6 @@ class Interval:
     raw_bytes: int  # this interval, all ranks
     wire_bytes: int
     bytes_saved: int  # since the run started, all ranks
-    compute_seconds: dict[int, float]  # per step, averaged over the interval: compute alone
-    comm_seconds: dict[int, float]  # communication that overlapped compute
-    wait_seconds: dict[int, float]  # the loop blocked on communication
 
     @property
     def total_samples_per_s(self) -> float:
@@ -53,11 +50,6 @@ class Interval:
     def total_tokens_per_s(self) -> float:
         return sum(self.tokens_per_s.values())
 
-    @property
-    def step_seconds(self) -> dict[int, float]:
-        """Per-rank seconds per step (compute + overlapped communication + wait)."""
-        return {r: self.compute_seconds[r] + self.comm_seconds[r] + self.wait_seconds[r] for r in self.compute_seconds}
-
 
 def is_new_run(previous: Snapshot, current: Snapshot) -> bool:
     """True when a cumulative counter went backwards: ``metrics.reset()`` or a new run started in between."""
@@ -67,23 +59,6 @@ def is_new_run(previous: Snapshot, current: Snapshot) -> bool:
 def int_keys(mapping: Mapping[Any, int] | None) -> dict[int, int]:
     """Peer -> bytes with int keys (a JSON round trip turns them into strings)."""
     return {int(k): int(v) for k, v in (mapping or {}).items()}
-
-
-def _step_split(prev: Snapshot, cur: Snapshot, dt: float) -> tuple[float, float, float]:
-    """(compute alone, overlapped communication, wait) seconds per step over the interval; the last step's split
-    when no step closed in it. Communication beyond the wait ran while the rank computed (background buckets)."""
-    steps = cur.get("steps", 0) - prev.get("steps", 0)
-    if steps > 0:
-        wait = (cur.get("wait_seconds", 0.0) - prev.get("wait_seconds", 0.0)) / steps
-        comm = (cur.get("comm_seconds", 0.0) - prev.get("comm_seconds", 0.0)) / steps
-        step = dt / steps
-    else:
-        last = cur.get("last_step") or {}
-        wait, comm = float(last.get("wait_seconds", 0.0)), float(last.get("comm_seconds", 0.0))
-        step = float(last.get("seconds", wait + float(last.get("compute_seconds", 0.0))))
-    busy = max(step - wait, 0.0)
-    overlapped = min(max(comm - wait, 0.0), busy)
-    return busy - overlapped, overlapped, wait
 
 
 def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Snapshot]) -> Interval | None:
@@ -97,9 +72,6 @@ def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Sna
     tokens: dict[int, float] = {}
     rank_bps: defaultdict[tuple[int, int], float] = defaultdict(float)
     node_bps: defaultdict[tuple[int, int], float] = defaultdict(float)
-    compute: dict[int, float] = {}
-    comm: dict[int, float] = {}
-    wait: dict[int, float] = {}
     raw = wire = 0
     for rank, cur in current.items():
         prev = previous.get(rank)
@@ -117,7 +89,6 @@ def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Sna
             node_bps[node_of_rank[rank], node] += (nbytes - before.get(node, 0)) / dt
         raw += cur.get("raw_bytes", 0) - prev.get("raw_bytes", 0)
         wire += cur.get("wire_bytes", 0) - prev.get("wire_bytes", 0)
-        compute[rank], comm[rank], wait[rank] = _step_split(prev, cur, dt)
     if not samples:
         return None
     return Interval(
@@ -131,15 +102,5 @@ def interval_between(previous: Mapping[int, Snapshot], current: Mapping[int, Sna
         raw_bytes=raw,
         wire_bytes=wire,
         bytes_saved=sum(s.get("raw_bytes", 0) - s.get("wire_bytes", 0) for s in current.values()),
-        compute_seconds=compute,
-        comm_seconds=comm,
-        wait_seconds=wait,
     )
 
-
-def straggler(compute_seconds: Mapping[int, float]) -> int | None:
-    """THE straggler, for the bars' outline, their "slowest" label and the text summary alike: the rank with the
-    most compute per step (its peers wait for it in every collective); the lowest rank on a tie; None before
-    any rank computed."""
-    busy = {rank: seconds for rank, seconds in compute_seconds.items() if seconds > 0}
-    return min(busy, key=lambda rank: (-busy[rank], rank)) if busy else None

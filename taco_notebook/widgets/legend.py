@@ -15,7 +15,7 @@ from bokeh.models.annotations import Legend, LegendItem
 from bokeh.plotting import figure
 
 __all__ = ["FIGURE_PX", "LEGEND_WIDTH_PX", "legend_below", "fit_legend", "legend_labels", "legend_width",
-           "show_series"]
+           "legend_items", "show_series"]
 
 FIGURE_PX = 290  # a figure's height with a one-row legend; each further legend row adds LEGEND_ROW_PX
 # A legend below a plot wraps into rows that fit LEGEND_WIDTH_PX: bokeh neither wraps nor shrinks a legend, it
@@ -34,6 +34,11 @@ def _legend(fig: figure) -> Legend:
 
 def _items(legend: Legend) -> list[LegendItem]:
     return [item for item in legend.items if isinstance(item, LegendItem)]  # figure() makes LegendItems only
+
+
+def legend_items(fig: figure) -> list[LegendItem]:
+    """Every item of the legend of ``fig``, shown or not."""
+    return _items(_legend(fig))
 
 
 def legend_below(fig: figure) -> None:

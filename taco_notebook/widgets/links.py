@@ -1,5 +1,6 @@
 """The link heatmaps' numbers: bytes/s per rank pair and per node pair, since the cell started and over each rank's
-last interval, from the ranks' latest snapshots (the summary's link rates are the same numbers)."""
+last interval, from the ranks' latest snapshots (the summary's link rates are the same numbers); the heatmaps that
+show them are :mod:`.heatmaps`'."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from .plots import Plot, format_rate
-
-__all__ = ["link_rates", "link_rates_between", "fill_heatmap"]
+__all__ = ["link_rates", "link_rates_between"]
 
 Snapshot = Mapping[str, Any]
 
@@ -62,15 +61,3 @@ def link_rates_between(
                 by_node[int(snap["node"]), node] += (nbytes - sent.get(node, 0)) / seconds
     return by_rank, dict(by_node)
 
-
-def fill_heatmap(plot: Plot, bps: Mapping[tuple[int, int], float], last: Mapping[tuple[int, int], float]) -> None:
-    """Set every cell of a link heatmap (rate since the start, the last interval's on hover); show the figure once
-    one of its links carried bytes."""
-    source = plot.sources["links"]
-    keys = [(int(src), int(dst)) for src, dst in zip(source.data["src"], source.data["dst"], strict=True)]
-    values = [bps.get(key, 0.0) for key in keys]
-    recent = [last.get(key, 0.0) for key in keys]
-    source.data.update(bps=values, label=[format_rate(v) for v in values], last=recent,
-                       last_label=[format_rate(v) for v in recent])  # fmt: skip
-    if any(v > 0 for v in values):
-        plot.figure.visible = True

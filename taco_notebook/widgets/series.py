@@ -9,7 +9,8 @@ counters linearly interpolated between its records and held after its last one, 
 - ``total``: all ranks' samples (or the slowest rank's steps, without samples) over the ``window`` before ``t``;
 - ``raw``: the same over one grid step (drawn faint behind ``total``);
 - ``average``: since training started (the first record before any rank moved: the model building and
-  data loading before the loop are not counted), ``count(t) / (t - start)``: what the summary calls the throughput;
+  data loading before the loop are not counted), ``count(t) / (t - start)`` (over one grid step at least):
+  what the summary calls the throughput;
 - ``rank_N``: rank N's own rate over the window;
 - ``ratio``: raw over wire bytes of the window (since the start where the window sent nothing; NaN before anything
   went on the wire: the compression plot starts at the first bytes); ``saved_bytes``: since the start.
@@ -138,19 +139,35 @@ class SeriesBook:
         starts = [s.moved_at for s in self.ranks.values() if s.moved_at is not None]
         return min(starts) if starts else 0.0
 
+    def moved_until(self) -> float | None:
+        """When the count the plot shows last moved: the end of the run's last step (or loop turn, or sample); None
+        while none moved. What follows (an evaluation, the cell's end) has no step to measure a rate by."""
+        field = "samples" if self.unit() == "samples" else self.position_field()
+        reached = []
+        for series in self.ranks.values():
+            values = series.columns[field]
+            if values and values[-1] > 0:
+                reached.append(series.columns["t"][values.index(values[-1])])
+        return max(reached) if reached else None
+
     def times(self, after: float, final: bool = False) -> np.ndarray:
-        """Grid times after ``after`` (and after :meth:`start`) up to :meth:`end`; with ``final`` the end itself
-        closes the grid."""
+        """Grid times after ``after`` (and after :meth:`start`) up to :meth:`end`; with ``final`` the grid closes at
+        the run's last step (:meth:`moved_until`), or at the end where nothing moved."""
         start = self.start()
         if start is None:
             return np.zeros(0)
         after = max(after, start)
-        end = self.end(final)
+        end = self.final_end() if final else self.end()
         first = (np.floor(after / self.grid + 1e-9) + 1) * self.grid
         grid = np.arange(first, end + 1e-9, self.grid)
         if final and end > after and (not len(grid) or grid[-1] < end - 1e-9):
             grid = np.append(grid, end)
         return grid
+
+    def final_end(self) -> float:
+        """Where the final picture ends: the run's last step, or the latest record where nothing moved."""
+        moved = self.moved_until()
+        return self.end(final=True) if moved is None else min(moved, self.end(final=True))
 
     def needs_coarser_grid(self, after: float) -> bool:
         """Whether the grid up to the current end passes MAX_POINTS (then the caller doubles it and redraws)."""
@@ -187,7 +204,7 @@ class SeriesBook:
 
         now = count(times)
         began = self.began()
-        safe_t = np.maximum(times - began, 1e-9)
+        safe_t = np.maximum(times - began, self.grid)  # not a spike where training just began
         columns: dict[str, Any] = {
             "time": times,
             "total": (now - count(before)) / span,
@@ -207,7 +224,8 @@ class SeriesBook:
         wire = wire_total - self.cumulative("wire_bytes", before)
         with np.errstate(divide="ignore", invalid="ignore"):
             since_start = np.where(wire_total > 0, raw_total / np.where(wire_total > 0, wire_total, 1), np.nan)
-            columns["ratio"] = np.where(wire > 0, raw / np.where(wire > 0, wire, 1), since_start)
+            # under a byte is rounding (counters of 1e9 bytes read a hair past a record), not traffic
+            columns["ratio"] = np.where(wire >= 1, raw / np.where(wire >= 1, wire, 1), since_start)
         columns["saved_bytes"] = raw_total - wire_total
         return {name: [float(v) for v in values] for name, values in columns.items()}
 

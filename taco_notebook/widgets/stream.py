@@ -16,18 +16,21 @@ Example::
 from __future__ import annotations
 
 import math
-import statistics
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from bokeh.models.annotations import Title
 
-from .interval import NAN, Interval, Snapshot, int_keys, interval_between, is_new_run, straggler
+from .figures import set_note
+from .heatmaps import fill_heatmap
+from .interval import NAN, Interval, Snapshot, interval_between, is_new_run
 from .legend import show_series
-from .links import fill_heatmap, link_rates, link_rates_between
-from .plots import STEP_PARTS, STRAGGLER_OUTLINE, build_plots, format_bytes, format_rate, plural
+from .links import link_rates, link_rates_between
+from .plots import STEP_PARTS, STRAGGLER_OUTLINE, build_plots
+from .ranks import band_points, name_extremes, rank_column, uses_band
 from .series import SeriesBook
+from .steps import step_split, straggler
+from .summary import gpu_text, summary_text
 
 __all__ = [
     "Interval",
@@ -43,18 +46,7 @@ __all__ = [
 # A step part (overlapped communication, waiting) below this share of the tallest bar is a hairline of 1-3 px on
 # the page: until some rank's reaches it, the part has no bars and no legend entry (_show_step_parts).
 STEP_PART_SEEN = 0.02
-
-
-def gpu_text(gpu: Mapping[str, Any]) -> str:
-    """``NVIDIA H100: 1.2 GB in use, peak 3.4 GB, 87% busy`` for a snapshot's ``gpu`` field (utilization in
-    percent; left out when None)."""
-    text = (
-        f"{gpu.get('name') or 'GPU'}: {format_bytes(float(gpu.get('memory_bytes') or 0))} in use, "
-        f"peak {format_bytes(float(gpu.get('peak_bytes') or 0))}"
-    )
-    if gpu.get("utilization") is not None:
-        text += f", {float(gpu['utilization']):.0f}% busy"
-    return text
+MIN_RATE_POINTS = 3  # fewer points draw no line worth the name: the plot says "not enough steps" instead
 
 
 def _gpu_label(gpu: Mapping[str, Any]) -> str:
@@ -68,7 +60,8 @@ class MetricsStream:
 
     ``rollover`` caps the points the time-series sources keep (the grid also coarsens past ``series.MAX_POINTS``).
     A plot shows once it has something to say: compression once something was compressed, the link heatmaps
-    once their links carried bytes, the step-time bars once a rank communicated, GPU memory once a rank used CUDA.
+    once their links carried bytes, the step-time bars once a rank communicated, GPU memory once a rank used CUDA;
+    the throughput plot and the bars say "not enough steps" until they have a line or a bar to draw.
     """
 
     def __init__(self, node_of_rank: Mapping[int, int], *, capacity_bps: float | None = None, rollover: int = 600):
@@ -89,6 +82,7 @@ class MetricsStream:
         self.tokens_shown = False
         self.step_parts_shown: set[str] = set()  # the step-time parts above zero on some rank at some point
         self.step_split: dict[int, tuple[float, float, float]] = {}  # rank -> what its bar shows (compute, comm, wait)
+        self.finished = False  # finish() was called: the series end at the run's last step
 
     @classmethod
     def from_snapshots(cls, snapshots: Iterable[Snapshot], **kwargs: Any) -> MetricsStream:
@@ -99,8 +93,9 @@ class MetricsStream:
         return stream
 
     def push(self, snapshots: Iterable[Snapshot]) -> Interval | None:
-        """Add one batch (one snapshot per reporting rank); returns the interval it closed for the step-time bars,
-        if any. The time series grow by the records the batch brought, up to the time every rank has reached."""
+        """Add one batch (one snapshot per reporting rank); returns the interval (rates) it closed, if any. The time
+        series grow by the records the batch brought, up to the time every rank has reached; each reporting
+        rank's bar is its recent steps' median (:func:`.steps.step_split`)."""
         current = {int(s["rank"]): s for s in snapshots if s.get("rank") is not None}
         if any(is_new_run(self.latest[r], s) for r, s in current.items() if r in self.latest):
             self.clear()
@@ -110,20 +105,26 @@ class MetricsStream:
             if before is not None and snap["elapsed_seconds"] > before["elapsed_seconds"]:
                 self.previous[rank] = before
             self.book.add(rank, snap.get("series"))
+            split = step_split(snap.get("recent_steps"))
+            if split is not None:
+                self.step_split[rank] = split
         interval = interval_between(self.latest, current)
         self.latest.update(current)
         self._render_gpu()
         self._render_series()
         self._render_links()
+        self._render_steps()
         if interval is not None:
             self.last_interval = interval
-            self._render_steps(interval)
         return interval
 
     def finish(self) -> None:
-        """The run ended: draw the series up to the last record of every rank (the final picture's last point), list
-        the step parts the final bars show."""
+        """The run ended: draw the series up to the run's last step (the final picture's last point; what follows,
+        an evaluation or the cell's end, has no step to measure a rate by), list the step parts the final bars
+        show."""
+        self.finished = True
         self._render_series(final=True)
+        self._render_steps()
         self._show_step_parts(final=True)
 
     def clear(self) -> None:
@@ -134,6 +135,7 @@ class MetricsStream:
         self.last_interval = None
         self.last_point = {}
         self.drawn_until = 0.0
+        self.finished = False
         for plot in (self.plots.throughput, self.plots.compression):
             for source in plot.sources.values():
                 source.data = {name: [] for name in source.data}
@@ -165,11 +167,12 @@ class MetricsStream:
 
     def _render_series(self, final: bool = False) -> None:
         """Draw the grid points the records now cover (:meth:`SeriesBook.points`); all of them again when the unit
-        changed or the grid coarsened."""
+        changed, the grid coarsened, or the final picture ends before what was drawn live."""
         redraw = self._use_units()
         while self.book.needs_coarser_grid(self.drawn_until):
             self.book.grid *= 2
             redraw = True
+        redraw = redraw or (final and self.drawn_until > self.book.final_end() + 1e-9)
         after = 0.0 if redraw else self.drawn_until
         times = self.book.times(after, final)
         throughput = self.plots.throughput.sources["throughput"]
@@ -177,17 +180,33 @@ class MetricsStream:
         if redraw:
             for source in (throughput, compression):
                 source.data = {name: [] for name in source.data}
-        if len(times) == 0:
-            return
-        points = self.book.points(times, sorted(self.node_of_rank))
+        if len(times) > 0:
+            self._stream_points(self.book.points(times, sorted(self.node_of_rank)))
+            self.drawn_until = float(times[-1])
+        self.plots.compression.figure.visible = self.plots.compression.figure.visible or self.book.compressed()
+        # a finished run shorter than the smoothing window never had a full window of steps to measure a rate by
+        short = final and self.drawn_until - self.book.began() < self.book.window
+        enough = len(throughput.data["time"]) >= MIN_RATE_POINTS and not short
+        set_note(self.plots.throughput.figure, None if enough else self._not_enough())
+
+    def _stream_points(self, points: dict[str, list[float]]) -> None:
+        """Append ``points`` to the throughput and compression sources; many ranks as a band named by its ends."""
+        ranks = sorted(self.node_of_rank)
+        if uses_band(len(ranks)):
+            per_rank = {rank: points.pop(rank_column(rank)) for rank in ranks}
+            points.update(band_points(per_rank))
+            name_extremes(self.plots.throughput.figure, {r: values[-1] for r, values in per_rank.items()})
         keep = self.rollover
+        throughput = self.plots.throughput.sources["throughput"]
+        compression = self.plots.compression.sources["compression"]
         throughput.stream({name: points[name][-keep:] for name in throughput.data}, rollover=keep)
         sent = [i for i, ratio in enumerate(points["ratio"]) if not math.isnan(ratio)][-keep:]  # no gap, no NaN
         if sent:
             compression.stream({name: [points[name][i] for i in sent] for name in compression.data}, rollover=keep)
-        self.drawn_until = float(times[-1])
         self.last_point = {name: values[-1] for name, values in points.items()}  # what the summary quotes
-        self.plots.compression.figure.visible = self.plots.compression.figure.visible or self.book.compressed()
+
+    def _not_enough(self) -> str:
+        return "not enough steps" if self.finished else "not enough steps yet"
 
     def _render_links(self) -> None:
         by_rank, by_node = link_rates(self.latest)
@@ -198,21 +217,21 @@ class MetricsStream:
         if any(s.get("raw_bytes", 0) > 0 for s in self.latest.values()):
             self.plots.step_time.figure.visible = True
 
-    def _render_steps(self, interval: Interval) -> None:
-        """Update the bars of ranks that reported (the others keep their last values) and mark the straggler
-        (:func:`straggler` over what the bars show) with an outline and "slowest"."""
-        for rank in interval.compute_seconds:
-            self.step_split[rank] = (interval.compute_seconds[rank], interval.comm_seconds[rank],
-                                     interval.wait_seconds[rank])  # fmt: skip
+    def _render_steps(self) -> None:
+        """Draw every rank's bar (:attr:`step_split`: a rank that did not report keeps its last) and mark the
+        straggler (:func:`straggler`: the tallest bar) with an outline and "slowest"; a note while no rank has a
+        timed step."""
         bars = self.plots.step_time.sources["step_time"]
         ranks = [int(name) for name in bars.data["rank"]]
         split = [self.step_split.get(rank, (0.0, 0.0, 0.0)) for rank in ranks]
-        slowest = straggler({rank: s[0] for rank, s in self.step_split.items()})
+        splits = self.step_split
+        slowest = straggler({r: sum(s) for r, s in splits.items()}, {r: s[0] for r, s in splits.items()})
         bars.data.update(
             compute=[s[0] for s in split], comm=[s[1] for s in split], wait=[s[2] for s in split],
             total=[sum(s) for s in split], note=["slowest" if rank == slowest else "" for rank in ranks],
             outline=[STRAGGLER_OUTLINE if rank == slowest else None for rank in ranks],
         )  # fmt: skip
+        set_note(self.plots.step_time.figure, None if slowest is not None else self._not_enough())
         self._show_step_parts()
 
     def _show_step_parts(self, final: bool = False) -> None:
@@ -247,77 +266,5 @@ class MetricsStream:
         plot.figure.visible = True
 
     def summary(self) -> str:
-        """A few lines for a notebook without widgets: throughput, bytes per node link, compression, straggler. The
-        figures are the plotted series' last values (:attr:`last_point`) and the heatmaps' rates, so the text and
-        the picture say the same."""
-        if not self.latest:
-            return "taco metrics: no snapshot yet"
-        snaps = self.latest.values()
-        elapsed = max(s["elapsed_seconds"] for s in snaps)
-        nodes = {s.get("node") for s in snaps}
-        point = self.last_point
-        window = f"{self.book.window:g} s"
-        if not point:
-            throughput = "throughput: no record yet"
-        elif self.unit == "samples":
-            throughput = (
-                f"throughput: {point['average']:,.1f} samples/s total since training began, "
-                f"{point['total']:,.1f} over the last {window}"
-            )
-        else:  # no batch size given: steps/s of the slowest rank
-            throughput = (
-                f"step rate: {point['average']:,.2f} steps/s since training began, {point['total']:,.2f} over "
-                f"the last {window} (give the optimizer samples_per_step for samples/s)"
-            )
-        if point and self.tokens_shown:
-            throughput += f", {point['tokens']:,.0f} tokens/s over the last {window}"
-        steps = min(s.get("steps", 0) for s in snaps)
-        lines = [
-            f"taco metrics: {plural(len(self.latest), 'rank')} on {plural(len(nodes), 'node')}, {elapsed:.1f} s, "
-            f"{plural(steps, 'optimizer step')}",  # the slowest rank's
-            throughput,
-        ]
-        links = self._link_totals()
-        if links:
-            lines.append("links: " + ", ".join(links))
-        if self.book.compressed():
-            lines.append(self._compression_line())
-        rank = straggler({r: split[0] for r, split in self.step_split.items()})
-        if rank is not None and self.plots.step_time.figure.visible:
-            compute, comm, wait = self.step_split[rank]
-            median = statistics.median(sum(split) for split in self.step_split.values())
-            lines.append(
-                f"slowest rank: {rank} ({compute + comm + wait:.3f} s/step: compute {compute:.3f} s,"
-                f" overlapped communication {comm:.3f} s, wait {wait:.3f} s; median {median:.3f} s)"
-            )
-        gpus = [f"rank {r} {gpu_text(s['gpu'])}" for r, s in sorted(self.latest.items()) if s.get("gpu")]
-        if gpus:
-            lines.append("gpu: " + "; ".join(gpus))
-        return "\n".join(lines)
-
-    def _link_totals(self) -> list[str]:
-        """``node 0->1 1.0 MB (2.0 MB/s)`` for every node link that carried bytes: since the run started, at the
-        rate the node heatmap shows (:func:`link_rates`)."""
-        totals: defaultdict[tuple[int, int], int] = defaultdict(int)
-        for snap in self.latest.values():
-            if snap.get("node") is None:
-                continue
-            for dst, nbytes in int_keys(snap.get("sent_by_node")).items():
-                totals[int(snap["node"]), dst] += nbytes
-        rates = link_rates(self.latest)[1]
-        return [
-            f"node {s}->{d}{' (intra)' if s == d else ''} {format_bytes(n)} ({format_rate(rates.get((s, d), 0.0))})"
-            for (s, d), n in sorted(totals.items())
-            if n > 0
-        ]
-
-    def _compression_line(self) -> str:
-        raw = sum(s.get("raw_bytes", 0) for s in self.latest.values())
-        wire = sum(s.get("wire_bytes", 0) for s in self.latest.values())
-        ratio = self.last_point.get("ratio", math.nan)
-        saved = self.last_point.get("saved_bytes", float(raw - wire))
-        overall = raw / wire if wire else math.nan
-        return (
-            f"compression: {ratio:.2f}x over the last {self.book.window:g} s ({overall:.2f}x since the start), "
-            f"{format_bytes(saved)} saved ({format_bytes(wire)} on the wire)"
-        )
+        """A few lines for a notebook without widgets (:func:`.summary.summary_text`): the plots' last values."""
+        return summary_text(self)

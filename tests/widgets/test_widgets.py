@@ -18,7 +18,7 @@ from bokeh.core.validation import check_integrity
 from bokeh.embed import json_item
 from bokeh.models import GlyphRenderer
 
-from taco_notebook.comm.diagnostics.metrics import RECORD_S, SERIES_FIELDS, SERIES_SENT
+from taco_notebook.comm.diagnostics.metrics import RECORD_S, SERIES_FIELDS, SERIES_SENT, STEPS_SENT
 from taco_notebook.model import cell_progress, slowest_rank
 from taco_notebook.widgets import MetricsStream, build_plots, interval_between
 from taco_notebook.widgets.dashboard import (
@@ -71,6 +71,8 @@ def snapshot(rank: int, elapsed: float) -> dict[str, Any]:
         "sent_by_rank": sent,
         "sent_by_node": dict(by_node),
         "last_step": {"seconds": 0.25, "compute_seconds": 0.25 - WAIT_PER_STEP[rank], "wait_seconds": 0.05},
+        # every step but the first (it also timed the setup): 0.25 s, 0.025 s in collectives, the rank's wait
+        "recent_steps": [[0.25, 0.025, WAIT_PER_STEP[rank]]] * min(max(steps - 1, 0), STEPS_SENT),
         "series": {"fields": list(SERIES_FIELDS), "first": first, "records": records[first:]},
     }
 
@@ -250,7 +252,9 @@ def test_counters_going_backwards_start_a_new_run(stream: MetricsStream) -> None
     assert stream.push(batch(0.5)) is None  # the new run's first snapshot
     assert stream.new_runs == 1
     assert stream.plots.throughput.sources["throughput"].data["time"] == pytest.approx([0.4, 0.45, 0.5])
-    assert stream.plots.step_time.sources["step_time"].data["note"] == ["", "", "", ""]
+    bars = stream.plots.step_time.sources["step_time"].data  # the new run's own steps, none of the old run's
+    assert bars["note"] == ["", "", "", "slowest"] and bars["total"] == pytest.approx([0.25] * 4)
+    assert stream.step_split.keys() == {0, 1, 2, 3}
     assert cell(stream.plots.rank_links_across, 0, 2) == pytest.approx(2e6)
 
 
@@ -429,10 +433,11 @@ def test_a_step_part_that_stays_zero_is_neither_drawn_nor_listed() -> None:
     its bars show."""
     stream = MetricsStream(NODE_OF_RANK, capacity_bps=CAPACITY)
 
-    def overlapped(elapsed: float, comm_seconds: float) -> list[dict[str, Any]]:
+    def overlapped(elapsed: float, overlap: float) -> list[dict[str, Any]]:
         snaps = batch(elapsed)
-        for snap in snaps:
-            snap["comm_seconds"] = comm_seconds  # a counter: what overlapped since the start
+        for snap in snaps:  # the recent steps: in collectives for the wait and, besides, `overlap` seconds
+            wait = WAIT_PER_STEP[snap["rank"]]
+            snap["recent_steps"] = [[0.25, wait + overlap, wait]] * len(snap["recent_steps"])
         return snaps
 
     stream.push(overlapped(1.0, 0.0))
@@ -443,14 +448,14 @@ def test_a_step_part_that_stays_zero_is_neither_drawn_nor_listed() -> None:
     assert legend_labels(fig) == ["compute", "waiting for communication"] and not comm_bars.visible
     _assert_legends_fit_below(stream.plots)
 
-    stream.push(overlapped(2.0, 1e-5))  # overlapped, but a sliver no one sees next to a 0.25 s step
+    stream.push(overlapped(2.0, 5e-6))  # overlapped, but a sliver no one sees next to a 0.25 s step
     assert 0 < max(stream.plots.step_time.sources["step_time"].data["comm"]) < 1e-4
     assert legend_labels(fig) == ["compute", "waiting for communication"] and not comm_bars.visible
 
-    stream.push(overlapped(2.5, 0.05))
+    stream.push(overlapped(2.5, 0.025))
     every = ["compute", "communication (overlapped)", "waiting for communication"]
     assert legend_labels(fig) == every and comm_bars.visible
-    stream.push(overlapped(3.0, 0.05))  # no overlap in this interval: the part is zero again, its entry stays
+    stream.push(overlapped(3.0, 0.0))  # no overlap in the recent steps: the part is zero again, its entry stays
     assert max(stream.plots.step_time.sources["step_time"].data["comm"]) == 0
     assert legend_labels(fig) == every and comm_bars.visible
     _assert_legends_fit_below(stream.plots)
@@ -458,9 +463,12 @@ def test_a_step_part_that_stays_zero_is_neither_drawn_nor_listed() -> None:
     assert legend_labels(fig) == ["compute", "waiting for communication"] and not comm_bars.visible
 
 
-def test_a_legend_of_many_ranks_wraps_into_rows_and_the_figure_grows_by_them() -> None:
+def test_a_legend_of_many_ranks_names_a_band_wraps_into_rows_and_the_figure_grows_by_them() -> None:
+    """16 ranks: a band (median, min to max) and its two edges in the legend, not 16 lines of repeating colours."""
     plots = build_plots({rank: rank // 8 for rank in range(16)})
-    assert len(legend_labels(plots.throughput.figure)) == 3 + 16
+    assert legend_labels(plots.throughput.figure) == ["raw", "total (smoothed)", "average since training began",
+                                                      "16 ranks: median, min-max", "slowest rank",
+                                                      "fastest rank"]  # fmt: skip
     _assert_legends_fit_below(plots)
     assert plots.throughput.figure.height > FIGURE_PX
 

@@ -3,7 +3,8 @@
 Every collective adds its wall time, its raw and wire bytes, and the bytes this rank sent to each peer (from
 the algorithm's schedule: ring neighbour, node peers, cross-node peer). ``step(samples=…)`` closes a training
 step; ``DistributedOptimizer`` calls it for you. ``snapshot()`` returns a dict the dashboard (and anyone)
-can read: totals since ``reset()``, the last step, and per-link bytes by rank and by node.
+can read: totals since ``reset()``, the last step, the durations of the recent steps, and per-link bytes by rank
+and by node.
 
 Recording is a few dict updates per collective (never per element), so it stays on in the hot path.
 
@@ -49,12 +50,18 @@ __all__ = [
     "SERIES_FIELDS",
     "RECORD_S",
     "SERIES_SENT",
+    "STEP_FIELDS",
+    "STEPS_SENT",
 ]
 
 # One series record, in this order: cumulative since reset() (``t`` is the rank's elapsed seconds).
 SERIES_FIELDS = ("t", "steps", "iterations", "samples", "tokens", "raw_bytes", "wire_bytes")
 RECORD_S = 0.05  # 20 records a second at most: a 5 s, 120-step cell gets ~100, a slower loop one per step
 SERIES_SENT = 64  # records each snapshot carries: 3 s at full cadence, 8 sends' worth at the default interval
+# A recent step: wall seconds since the previous step's end; of those, inside collectives, and blocked on them.
+# The dashboard's step time is their median: an evaluation between two steps does not make the rank look slow.
+STEP_FIELDS = ("seconds", "comm_seconds", "wait_seconds")
+STEPS_SENT = 32  # the latest steps each snapshot carries
 
 
 class _Counters:
@@ -89,6 +96,8 @@ class _Metrics:
         self.steps = 0
         self.iterations = 0  # taco.progress turns, all loops together: a position that never goes back
         self.started = self.step_started = time.perf_counter()
+        self.step_timed = False  # step_started is a step's start (a step's end, or a loop's start): not the cell's
+        self.recent_steps: deque[list[float]] = deque(maxlen=STEPS_SENT)
         self.series: deque[list[float]] = deque(maxlen=SERIES_SENT)
         self.records = 0  # records made since reset (the number of the next one)
         self.recorded_at = self.started
@@ -114,6 +123,11 @@ class _Metrics:
         )
         self.records += 1
         self.recorded_at = now
+
+    def record_last_step(self) -> None:
+        """A record at the last step's end where none holds it yet: what follows is no step's time in the series."""
+        if self.series and self.series[-1][1] != self.steps and self.step_started > self.recorded_at:
+            self.append_record(self.step_started, with_current=False)
 
     def maybe_record(self, now: float) -> None:
         if now - self.recorded_at >= RECORD_S:
@@ -182,10 +196,13 @@ def step(samples: int = 0, tokens: int = 0) -> None:
             "compression_ratio": current.raw / current.wire if current.wire else 1.0,
             "sent": dict(current.sent),
         }
+        if _metrics.step_timed:  # the first step after reset() without a loop's mark() also timed the setup
+            _metrics.recent_steps.append([round(seconds, 6), round(current.comm_s, 6), round(current.wait_s, 6)])
         _metrics.total.add(current)
         _metrics.current = _Counters()
         _metrics.steps += 1
         _metrics.step_started = now
+        _metrics.step_timed = True
         _metrics.maybe_record(now)
     if _sending.sender is not None and now - _sending.last >= _sending.interval:
         send()
@@ -197,7 +214,9 @@ def mark(now: float | None = None) -> None:
     now = now or time.perf_counter()
     with _metrics.lock:
         _metrics.maybe_record(now)
-        _metrics.step_started = max(_metrics.step_started, now) if _metrics.steps == 0 else _metrics.step_started
+        if _metrics.steps == 0:
+            _metrics.step_started = max(_metrics.step_started, now)
+            _metrics.step_timed = True
 
 
 def iteration(now: float | None = None) -> None:
@@ -214,12 +233,15 @@ def snapshot() -> dict[str, Any]:
     """Everything recorded since ``reset()``, as plain data (JSON-serialisable but for int dict keys).
 
     ``series`` holds the latest records (``{"fields": SERIES_FIELDS, "first": number of the first record,
-    "records": [[t, steps, ...], ...]}``); the end of a loop or a cell adds one for the state at that moment.
+    "records": [[t, steps, ...], ...]}``); the end of a loop or a cell adds one for the state at that moment, after
+    one for the last step's end if no record holds it yet (the time after the last step is no step's).
+    ``recent_steps``: the latest steps, ``[[seconds, comm_seconds, wait_seconds], ...]`` (``STEP_FIELDS``).
     """
     from ..state import state
 
     with _metrics.lock:
         now = time.perf_counter()
+        _metrics.record_last_step()
         if _metrics.series and _record_changed(_metrics):
             _metrics.append_record(now)
         total = _Counters()
@@ -231,6 +253,7 @@ def snapshot() -> dict[str, Any]:
         iterations = _metrics.iterations
         series = {"fields": SERIES_FIELDS, "first": _metrics.records - len(_metrics.series),
                   "records": [list(r) for r in _metrics.series]}  # fmt: skip
+        recent_steps = [list(r) for r in _metrics.recent_steps]
     topology = state.topology
     by_node: defaultdict[int, int] = defaultdict(int)
     if topology is not None:
@@ -256,6 +279,7 @@ def snapshot() -> dict[str, Any]:
         "sent_by_node": dict(by_node),
         "tokens": total.tokens,
         "last_step": last,
+        "recent_steps": recent_steps,
         "gpu": gpu_snapshot(state.device),
         "series": series,
     }
