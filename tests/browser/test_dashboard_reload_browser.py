@@ -48,10 +48,10 @@ for step in taco.progress(range({STEPS})):
 """
 
 
-def _progress(page) -> int:
+def _progress(page, total: int = STEPS) -> int:
     """The step the dashboard's progress line shows under the training cell (0 before it shows)."""
     texts = cell_output(page, 1).locator(".taco-progress-text").all_inner_texts()
-    found = [int(m.group(1)) for t in texts if (m := re.search(rf"(\d+)/{STEPS}", t))]
+    found = [int(m.group(1)) for t in texts if (m := re.search(rf"(\d+)/{total}", t))]
     return max(found, default=0)
 
 
@@ -91,15 +91,15 @@ def _live_canvases(page, timeout: float = 30.0) -> list[dict[str, int]]:
     pytest.fail(f"the reloaded page's live bokeh canvases stayed blank: {canvases}")
 
 
-def _wait_for_progress(page, at_least: int, timeout: float) -> int:
+def _wait_for_progress(page, at_least: int, timeout: float, total: int = STEPS) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        n = _progress(page)
+        n = _progress(page, total)
         if n >= at_least:
             return n
-        time.sleep(0.5)
+        time.sleep(0.25)
     text = cell_output(page, 1).inner_text(timeout=5_000)
-    pytest.fail(f"the dashboard's progress did not reach {at_least}/{STEPS} within {timeout:.0f} s:\n{text[-3000:]}")
+    pytest.fail(f"the dashboard's progress did not reach {at_least}/{total} within {timeout:.0f} s:\n{text[-3000:]}")
 
 
 def _save_now(page, path: Path, holds: str, timeout: float = 60.0) -> dict:
@@ -204,3 +204,44 @@ def test_a_loop_that_sends_nothing_shows_its_progress_and_step_rate_only(lab, pa
     shown = frame.evaluate(VISIBLE_FIGURES_JS)
     assert len(shown) == 1 and shown[0].startswith("Step rate (steps/s"), f"figures shown: {shown}"
     _picture(page, 1, DOCS / "dashboard-no-communication.png")
+
+
+LATE_STEPS = 150
+LATE_TRAIN = f"""%%taco_run -np 2
+import time
+model = torch.nn.Linear(64, 1)
+opt = taco.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                samples_per_step=32)
+for step in taco.progress(range({LATE_STEPS})):
+    x = torch.randn(32, 64)
+    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.xfail(strict=False, reason="known defect: the reloaded page restores its widgets through ipywidgets' "
+                   "control comm (4 s to answer, 1.7 MB of bokeh state here); when that fails around the cell's end "
+                   "the page gives up ('model not found'), 1 of 3 runs on 2 loaded cores")
+def test_a_reload_in_the_last_seconds_of_a_cell_shows_the_final_picture(lab, page):
+    """Saved mid-run (as autosave does), reloaded with about 3 s of the cell left: the cell ends while the page is
+    away or fetching its widgets, and the reloaded page shows the final picture, not "Loading widget..."."""
+    from playwright.sync_api import expect
+
+    path = lab.write_notebook("late.ipynb", ["%load_ext taco_notebook", LATE_TRAIN])
+    open_notebook(page, lab, "late.ipynb")
+    run_all_cells(page)
+    _wait_for_progress(page, 20, timeout=180, total=LATE_STEPS)
+    _save_now(page, path, "application/vnd.jupyter.widget-view+json")
+    reloaded_at = _wait_for_progress(page, LATE_STEPS - 30, timeout=120, total=LATE_STEPS)  # ~3 s left
+    assert reloaded_at < LATE_STEPS, "the page saw the cell's end before the reload: not the case under test"
+    page.reload()
+    page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
+    wait_for_kernel_idle(page, timeout=240)
+    final = cell_output(page, 1).locator(STATIC).first
+    expect(final).to_be_visible(timeout=90_000)
+    expect(final.locator(".taco-progress-text")).to_contain_text(f"{LATE_STEPS}/{LATE_STEPS}")
+    expect(final.locator(".taco-status")).to_contain_text("finished")
+    assert "Loading widget" not in cell_output(page, 1).inner_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    code_cells(page).nth(1).screenshot(path=str(ARTIFACTS / "dashboard-reloaded-at-the-end.png"))
+    print(f"reloaded at step {reloaded_at}/{LATE_STEPS}; the final picture shows after the reload")
