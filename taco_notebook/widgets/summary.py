@@ -11,15 +11,15 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .figures import format_bytes, format_rate, plural
 from .interval import int_keys
 from .links import link_rates
 from .steps import straggler
 
-if TYPE_CHECKING:
-    from .stream import MetricsStream
+# what the lines are read from: a .stream.MetricsStream (not imported: the stream imports this module)
+MetricsStream = Any
 
 __all__ = ["summary_text", "gpu_text"]
 
