@@ -13,8 +13,9 @@ from the one frame that carries it:
   output, dashboard payloads) would only have been written to the database that ``NoDB`` discards.
 
 Anything these readers do not recognise (a message without identities or with a bad signature, an unknown
-engine) goes to ipyparallel's own handler, which logs it. The controller process that runs it is
-:mod:`taco_notebook.controller`.
+engine) goes to ipyparallel's own handler, which logs it, except an engine's ``iopub_welcome`` (ipykernel's
+greeting of each new IOPub subscriber, sent without identities), which is dropped unlogged. The controller process
+that runs it is :mod:`taco_notebook.controller`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ipyparallel.controller.app import IPController
+from jupyter_client.session import DELIM
 
-__all__ = ["TacoController", "lean_monitor", "drain_monitor"]
+__all__ = ["TacoController", "lean_monitor", "drain_monitor", "is_iopub_welcome"]
 
 Handler = Callable[[list[bytes], list[bytes]], None]
 BATCH = 1000  # monitor messages read in one turn of the event loop at most
@@ -81,7 +83,11 @@ def drain_monitor(hub: Any, batch: int = BATCH) -> None:
     asks the socket for its events after each, which would cost more than the lean handlers themselves."""
     import zmq
 
-    stream, dispatch = hub.monitor, hub.dispatch_monitor_traffic
+    stream, full_dispatch = hub.monitor, hub.dispatch_monitor_traffic
+
+    def dispatch(msg: list[bytes]) -> None:
+        if not is_iopub_welcome(hub.session, msg):
+            full_dispatch(msg)
 
     def read(msg: list[bytes]) -> None:
         dispatch(msg)
@@ -94,6 +100,19 @@ def drain_monitor(hub: Any, batch: int = BATCH) -> None:
 
     stream.stop_on_recv()
     stream.on_recv(read)
+
+
+def is_iopub_welcome(session: Any, msg: list[bytes]) -> bool:
+    """True for a monitored ``iopub_welcome`` ([b"iopub", DELIM, signature, header, ...], no identities): an
+    engine's IOPub thread greets each new subscriber with one, and ipyparallel's hub would log it as an error
+    ("Monitor message without topic"). Only messages without identities are unpacked, so others cost a compare."""
+    if len(msg) < 4 or msg[0] != b"iopub" or bytes(msg[1]) != DELIM:
+        return False
+    try:
+        header = session.unpack(msg[3])
+    except Exception:
+        return False
+    return isinstance(header, dict) and header.get("msg_type") == "iopub_welcome"
 
 
 def _signed_frame(session: Any, msg: list[bytes], index: int) -> dict[str, Any] | None:

@@ -1,8 +1,8 @@
 """taco's controller (ipp/hub.py): ipyparallel's, with a hub that reads only the frame each
 monitor message needs. What users can ask the hub must stay right: the queue of every engine while a request
 runs and after it, and an engine that shuts down leaving the cluster at once (its ``shutdown_reply`` is the one
-IOPub message the hub acts on). Real controller and engines (plain ipyparallel engines, no MPI), started as
-``benchmarks/cell_protocol.py`` starts them."""
+IOPub message the hub acts on); and a normal start logs no error. Real controller and engines (plain ipyparallel
+engines, no MPI, started as ``benchmarks/cell_protocol.py`` starts them; a taco cluster for the log)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,21 @@ def test_a_size_the_hard_open_files_limit_cannot_hold_is_refused_before_anything
     assert "hard limit is 300: raise it (`ulimit -Hn 656`" in done.stdout and "nothing was started" in done.stdout
     assert "children: 0" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.cluster
+def test_a_normal_start_leaves_no_error_in_the_controllers_log():
+    """Each engine's IOPub thread greets the controller's subscription with an ``iopub_welcome`` that carries no
+    identities; the hub drops it instead of logging "Monitor message without topic" once per rank."""
+    from taco_notebook.cluster.session import TacoCluster
+
+    cluster = TacoCluster(name="hub-log", size=2).start()
+    try:
+        assert cluster.view.apply_sync(_nap, 0.0)
+        log_path = Path(cluster.ipp_cluster.controller.output_file)
+        time.sleep(1.0)  # the welcomes arrive as each engine's IOPub connects, before or just after registration
+        log = log_path.read_text(errors="replace")
+    finally:
+        cluster.stop()
+    errors = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert not errors, "\n".join(errors)
