@@ -12,7 +12,7 @@ import pytest
 from ipyparallel.error import RemoteError
 from IPython.core.error import UsageError
 
-from taco_notebook.cluster.cells.reporting import error_kinds, error_line, ranks_phrase
+from taco_notebook.cluster.cells.reporting import SUMMARY_ERROR_CHARS, error_kinds, error_line, ranks_phrase
 from taco_notebook.cluster.launch.limits import MAX_RANKS_ENV, max_ranks
 from taco_notebook.cluster.session import clusters
 from taco_notebook.errors import RankFailedError
@@ -155,7 +155,7 @@ def test_summary_plurals_and_distinct_errors():
     assert error_kinds({k: errors[k] for k in (1, 2)}) == "RuntimeError: Connection closed by peer"
     both = error_kinds(errors)
     assert both.startswith("ranks 1, 2: RuntimeError: Connection closed by peer; rank 3: DistBackendError: x")
-    assert both.endswith("…") and len(error_line(errors[3])) == 100
+    assert both.endswith("…") and len(error_line(errors[3])) == SUMMARY_ERROR_CHARS
     assert error_line(RemoteError("KeyboardInterrupt", "", "")) == "KeyboardInterrupt"
 
 

@@ -28,16 +28,22 @@ def engine_pids() -> list[int]:
     return [r.pid for r in clusters["default"].ranks]
 
 
-def test_a_sleeping_rank_is_named_and_the_next_cell_runs(ip, shared_cluster):
+def test_a_sleeping_rank_is_named_and_the_next_cell_runs(ip, shared_cluster, capsys):
     pids = engine_pids()
-    cell = ("import time\nt = torch.ones(2)\ntaco.allreduce(t)\nif taco.rank() == 3:\n    time.sleep(6)\n"
-            "taco.allreduce(t, name='step')")
+    cell = ("import time\nt = torch.ones(2)\ntaco.allreduce(t, name=('ddp-bucket', 2))\nif taco.rank() == 3:\n"
+            "    time.sleep(6)\ntaco.allreduce(t, name='step')")
     began = time.monotonic()
     with pytest.raises(RankFailedError) as info:
         ip.run_cell_magic("taco_run", "--stall-timeout 3", cell)
     elapsed = time.monotonic() - began
     message = str(info.value)
     assert re.search(r" raised StallError: allreduce #(\d+) 'step' stalled 3 s: rank 3 \(host ", message), message
+    # where the late rank is, named whole in the summary and in the line shown while the others are waited for
+    where = re.compile(r"StallError: allreduce #\d+ 'step' stalled 3 s: rank 3 \(host \S+\) has not arrived; "
+                       r"rank 3 is at allreduce #\d+ \('ddp-bucket', 2\)(…|;)")
+    assert where.search(message), message
+    waiting = [line for line in capsys.readouterr().err.splitlines() if "; waiting for the other ranks" in line]
+    assert waiting and where.search(waiting[0]), waiting
     assert "; rank 3 stalled (never entered the collective the others waited in)" in message, message
     # rank 3 entered 6 s in, found its peers gone and raised itself: not interrupted by the failure ladder
     assert re.search(r"rank 3: StallError: allreduce #(\d+) 'step': ranks 0, 1, 2 gave up waiting at collective "

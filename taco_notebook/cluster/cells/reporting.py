@@ -69,7 +69,9 @@ class RegistryRun:
         self.cluster.set_run(None)
 
 
-SUMMARY_ERROR_CHARS = 100  # an error's message in a one-line failure summary is cut to this
+# an error in a one-line failure summary: whole clauses up to this many characters (a StallError's "rank 3 is at
+# allreduce #55 ('ddp-bucket', 2)" needs about 140), else cut at a word
+SUMMARY_ERROR_CHARS = 160
 
 
 def ranks_phrase(ranks: Sequence[int]) -> str:
@@ -89,14 +91,36 @@ def were(ranks: Sequence[int]) -> str:
 
 
 def error_line(error: Any) -> str:
-    """``ValueError: bad shard``: a remote error's name and the first line of its message, cut to a line."""
+    """``ValueError: bad shard``: a remote error's name and the first line of its message, shortened to a line:
+    to its whole ``; ``-separated clauses that fit, else at a word; ``…`` marks what was left out."""
     name = getattr(error, "ename", None) or type(error).__name__
     lines = str(getattr(error, "evalue", "") or "").strip().splitlines()
     text = f"{name}: {lines[0].strip()}" if lines else name
     more = len(lines) > 1
     if len(text) > SUMMARY_ERROR_CHARS:
-        text, more = text[: SUMMARY_ERROR_CHARS - 1], True
+        text, more = shorten(text, SUMMARY_ERROR_CHARS - 1), True
     return text + "…" if more else text
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text``'s longest run of whole ``; ``-separated clauses within ``limit`` characters; if the first clause
+    is longer, its words that fit (cut inside a word only when the words that fit would not fill half the line).
+
+    >>> shorten("allreduce #5 stalled 3 s: rank 3 has not arrived; rank 3 is at allreduce #4; the fix", 75)
+    'allreduce #5 stalled 3 s: rank 3 has not arrived; rank 3 is at allreduce #4'
+    >>> shorten("allreduce #5 stalled 3 s: rank 3 has not arrived", 29)
+    'allreduce #5 stalled 3 s:'
+    """
+    clauses = text.split("; ")
+    kept = clauses[0]
+    for clause in clauses[1:]:
+        if len(kept) + 2 + len(clause) > limit:
+            break
+        kept += "; " + clause
+    if len(kept) <= limit:
+        return kept
+    words = kept[: limit + 1].rsplit(" ", 1)[0]
+    return words if len(words) >= limit // 2 else kept[:limit]
 
 
 def error_kinds(errors: Mapping[int, Any]) -> str:
