@@ -96,9 +96,11 @@ class Autopsy:
     suspects: list[int] = field(default_factory=list)
     why: str = ""
 
-    def text(self, stacks: bool = True) -> str:
-        """The report: one line per group of ranks in the same place, the suspects, then (``stacks``) every
-        distinct thread stack with the ranks that share it."""
+    def text(self, stacks: bool = True, full: bool = False) -> str:
+        """The report: one line per group of ranks in the same place, the suspects, then (``stacks``) the thread
+        stacks that matter, each with the ranks that share it: threads running user code (the suspects' first),
+        then those inside a collective, then every other thread (the kernel's, zmq's, taco's idle ones) folded
+        into one line where it waits. ``full``: every thread with every frame instead."""
         lines = [f"stacks of {len(self.ranks)} rank{'s' if len(self.ranks) != 1 else ''}, read in "
                  f"{self.seconds:.2f} s" + (" (ranks marked * as their stall watchdog fired)"
                                             if any(r.at_stall for r in self.ranks) else "")]
@@ -113,19 +115,29 @@ class Autopsy:
         lines.append(f"suspect: {rank_span(self.suspects)} ({self.why})" if self.suspects else
                      f"no suspect: {self.why}")
         if stacks:
-            lines.extend(self._stacks())
+            lines.extend(self._stacks(full))
         return "\n".join(lines)
 
-    def _stacks(self) -> list[str]:
-        threads: list[tuple[int, str, tuple[tuple[Any, ...], ...]]] = []
-        for rank in self.ranks:
+    def _stacks(self, full: bool) -> list[str]:
+        threads: list[tuple[int, str, str, tuple[tuple[Any, ...], ...]]] = []  # rank, kind, name, frames
+        for rank in sorted(self.ranks, key=lambda r: (r.rank not in self.suspects, r.rank)):
             for thread in (rank.snapshot or {}).get("threads", []):
-                frames = tuple((_short(f[0]), f[1], f[2], f[3]) for f in _shown(thread["frames"]))
-                threads.append((rank.rank, thread["name"], frames))
+                raw = thread["frames"] if full else _shown(thread["frames"])
+                frames = tuple((_short(f[0]), f[1], f[2], f[3]) for f in raw)
+                threads.append((rank.rank, "all" if full else _kind(thread["frames"]), thread["name"], frames))
+        threads.sort(key=lambda t: _KINDS.index(t[1]) if t[1] in _KINDS else 0)  # stable: suspects first within
         lines = []
-        for (name, frames), group in _grouped(threads, lambda t: (t[1], t[2])):
+        for (kind, name, frames), group in _grouped(threads, lambda t: t[1:]):
+            if kind == "idle":
+                continue
             lines.append(f"--- {rank_span([t[0] for t in group])}, thread {name}:")
             lines.extend(f"    {f[0]}:{f[1]} in {f[2]}" + (f": {f[3]}" if f[3] else "") for f in frames)
+        idle = [t for t in threads if t[1] == "idle"]
+        if idle:
+            lines.append("--- other threads, one line each: where it waits")
+        for (name, where), group in _grouped(idle, lambda t: (t[2], t[3][-1][:3] if t[3] else ())):
+            place = f"{where[0]}:{where[1]} in {where[2]}" if where else "no frames"
+            lines.append(f"    {rank_span([t[0] for t in group])}, thread {name}: {place}")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -293,6 +305,23 @@ def _suspects(ranks: Sequence[RankStacks]) -> tuple[list[int], str]:
     if silent:
         reasons.append(f"{rank_span(silent)} did not answer")
     return sorted(idle + other + silent), "; ".join(reasons)
+
+
+_KINDS = ("user", "collective", "idle")
+_COLLECTIVE_FILES = (f"{os.sep}taco_notebook{os.sep}comm{os.sep}collectives{os.sep}",
+                     f"{os.sep}taco_notebook{os.sep}comm{os.sep}transport{os.sep}",
+                     f"{os.sep}torch{os.sep}distributed{os.sep}")
+
+
+def _kind(frames: list[list[Any]]) -> str:
+    """``user``: the thread runs user code (a frame outside the libraries); ``collective``: it is inside one of
+    taco's collectives or torch.distributed (a communication thread at work); ``idle``: anything else (the
+    kernel's and zmq's threads, taco's waiting for work)."""
+    if any(not library_file(f[0]) for f in frames):
+        return "user"
+    if any(part in f[0] for f in frames for part in _COLLECTIVE_FILES):
+        return "collective"
+    return "idle"
 
 
 def _shown(frames: list[list[Any]]) -> list[list[Any]]:

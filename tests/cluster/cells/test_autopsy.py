@@ -96,7 +96,15 @@ def test_a_rank_hung_in_python_is_named_with_its_place(shared_cluster, released:
     assert re.search(rf"^rank 3: cell:{line} in {where}, no collective$", text, re.M), text
     assert re.search(r"^suspect: rank 3 \(in no collective while ranks 0-2 wait in allreduce #\d+ 'step'\)$",
                      text, re.M), text
-    assert f"--- rank 3, thread MainThread:\n    cell:12 in <module>: {where}(" in text, text
+    # the suspect's own frames come first, right under the summary; the kernel's and zmq's threads one line each
+    lines = text.splitlines()
+    assert lines[4:6] == ["--- rank 3, thread MainThread:", f"    cell:12 in <module>: {where}({str(released)!r})"], \
+        text
+    assert re.search(r"^    ranks 0-3, thread Control: \S+:\d+ in \w+$", text, re.M), text
+    assert re.search(r"^    ranks 0-3, thread IOPub: \S+:\d+ in \w+$", text, re.M), text
+    assert len(lines) <= 30, text
+    full = report.text(full=True)
+    assert "--- ranks 0-3, thread Control:\n" in full and len(full.splitlines()) > len(lines), full
     # the communication thread blocked in C, in the ranks' agreement on the allreduce (comm/collectives/agreement.py),
     # which
     # comes first and waits for rank 3: on one node, asleep on the node segment's gate (the header exchange,
