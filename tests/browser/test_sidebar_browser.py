@@ -493,3 +493,59 @@ def test_sidebar_stacks_button_shows_where_a_hung_cells_ranks_are(lab, page, tmp
     finally:
         flag.touch()
         _stop_every_cluster(lab, before)
+
+
+def buttons_at(page, row, width: int) -> list[dict]:
+    """The row's buttons (first class, top, right, whether the label is whole) with the panel ``width`` px wide."""
+    page.locator(SIDEBAR).evaluate(f"el => {{ el.style.width = '{width}px'; }}")
+    return row.evaluate("""row => [...row.querySelectorAll('.taco-cluster-actions button')].map(b => {
+        const r = b.getBoundingClientRect();
+        return {cls: b.className.split(' ')[0], top: r.top, right: r.right, whole: b.scrollWidth <= b.clientWidth};
+    })""")
+
+
+def test_a_16_rank_rows_buttons_stay_on_one_line_at_the_narrowest_panel(lab, page):
+    """A running 16-rank cluster on 4 nodes with a cell under way shows Insert cell, Scale, Stacks and Stop: whole
+    in a roomy panel; in the panel at its narrowest (240 px, ``.taco-sidebar``'s min-width) still on one line, the
+    others' labels cut, Stop whole at the row's end. The row is a registry entry of this process's (a kernel-owned
+    cluster as a kernel writes it): no MPI job is needed to show it."""
+    import os
+    from pathlib import Path
+
+    import psutil
+    from playwright.sync_api import expect
+
+    from taco_notebook.cluster.registry import files as registry
+
+    me = psutil.Process()
+    cluster_id = f"wide-{uuid.uuid4().hex[:6]}"
+    now = time.time()
+    nodes = [{"node": n, "host": f"node{n}", "ranks": list(range(4 * n, 4 * n + 4)), "gpus": 0, "gpu_names": []}
+             for n in range(4)]
+    model = {"id": cluster_id, "name": "wide", "profile": "hosts", "state": "running", "size": 16, "engines_up": 16,
+             "owner": {"kind": "kernel", "pid": me.pid, "notebook": "train-16.ipynb", "server_pid": lab.proc.pid},
+             "mpi": "mpich 5.0.2 (hydra)", "nodes": nodes, "gpus": 0, "hugepages": None, "started_at": now,
+             "updated_at": now, "pending": None, "error": None, "membership": None,
+             "run": {"cell": "train(model)", "started_at": now, "step": 3, "total": 100, "samples_per_s": 512.0}}
+    entry_path = Path(os.environ[registry.ENV_VAR]) / f"{cluster_id}.json"
+    registry.write_atomic(entry_path, {"model": model, "owner_create_time": me.create_time(), "processes": [],
+                                       "rank_pids": []})
+    try:
+        lab.write_notebook("buttons.ipynb", ["1"])
+        open_notebook(page, lab, "buttons.ipynb")
+        _open_sidebar(page)
+        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-id="{cluster_id}"]')
+        expect(row.locator(".taco-cluster-stacks")).to_be_visible(timeout=30_000)
+        wide = buttons_at(page, row, 340)  # a roomy panel: every label whole
+        assert all(b["whole"] for b in wide) and len({round(b["top"]) for b in wide}) == 1, wide
+        boxes = buttons_at(page, row, 240)
+        right = row.evaluate("row => row.querySelector('.taco-cluster-actions').getBoundingClientRect().right")
+        ARTIFACTS.mkdir(exist_ok=True)
+        row.screenshot(path=str(ARTIFACTS / "sidebar-16-ranks-buttons.png"))
+        assert [b["cls"] for b in boxes] == ["taco-cluster-insert", "taco-cluster-scale", "taco-cluster-stacks",
+                                              "taco-cluster-stop"], boxes
+        assert max(b["top"] for b in boxes) - min(b["top"] for b in boxes) < 1, f"the buttons wrap: {boxes}"
+        stop = boxes[-1]
+        assert stop["whole"] and stop["right"] <= right + 0.5, f"Stop is cut or outside its row: {boxes}, {right}"
+    finally:
+        entry_path.unlink(missing_ok=True)
