@@ -61,17 +61,15 @@ def tighten_own_dir(path: str | os.PathLike[str]) -> None:
         os.chmod(path, stat.S_IMODE(info.st_mode) & ~0o077, follow_symlinks=False)
 
 
-def private_ipython_profile(name: str) -> str:
-    """IPython's dir and the profile ``name`` with its subdirs, made 0700 before IPython or ipyparallel would make
-    them under the umask (``get_ipython_dir()`` itself creates a missing ``~/.ipython`` so: it is not called first).
+def private_ipython_profile(profile: str | os.PathLike[str]) -> str:
+    """The IPython profile directory ``profile`` (in the IPython dir) and its subdirs, made 0700 before IPython or
+    ipyparallel would make them under the umask, the IPython dir itself too; returns the profile's path.
 
     The engines' log files (their output and tracebacks) are opened by ipyparallel itself, under the umask (often
     0644): the 0700 profile and log directories are what keeps other users from reaching them.
     """
-    from IPython.paths import get_ipython_dir
-
-    tighten_own_dir(os.environ.get("IPYTHONDIR") or os.path.join(os.path.expanduser("~"), ".ipython"))
-    profile = os.path.join(get_ipython_dir(), f"profile_{name}")
+    profile = os.path.abspath(profile)
+    tighten_own_dir(os.path.dirname(profile))
     for directory in (profile, *(os.path.join(profile, sub) for sub in ("log", "security", "pid", "startup"))):
         tighten_own_dir(directory)
     return profile

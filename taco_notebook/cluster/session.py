@@ -11,15 +11,14 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
 
 from ..engine import calls
 from ..errors import ClusterStartError, RankDiedError
 from ..model import ClusterModel, MembershipModel, OwnerKind, PendingModel, RunModel, State
-from ..private import private_ipython_profile
 from .describe import RankInfo, hugepages_of, new_cluster_id, nodes_of, owner_of
-from .launch import engineset
+from .launch import engineset, ippfiles
 from .launch.ipplog import IPP_LOG
 from .launch.mpi import MPIInfo
 from .launch.profiles import LOCAL, Profile, mpi_for
@@ -30,8 +29,6 @@ from .processes.tree import descendants, kill, marked_processes, process_tree, s
 __all__ = ["RankInfo", "Event", "Subscriber", "HeldMembership", "TacoCluster", "clusters", "stop_all", "exiting"]
 
 log = logging.getLogger("taco_notebook")
-
-PROFILE = "taco"  # the IPython profile (directory) ipyparallel keeps its files in; not the launch profile
 
 Event = Literal["starting", "running", "stopping", "stopped", "broken", "run"]
 Subscriber = Callable[["TacoCluster", Event], None]
@@ -190,11 +187,12 @@ class TacoCluster:
         _live[cluster_id] = self
         self._emit("starting")
         try:
-            private_ipython_profile(PROFILE)  # 0700 before ipyparallel makes it (and its logs) under the umask
+            profile_dir = ippfiles.prepare(cluster_id)  # private, dead owners' files swept, this one's recorded
             config, self._engines = engineset.ipp_config(self.name, self.size, self.profile, self.mpi, self.env,
                                                          cluster_id, self.progress)
-            self.ipp_cluster = ipp.Cluster(engines=self._engines, n=self.size, profile=PROFILE, config=config,
-                                           controller_ip=self.profile.controller_ip, log=IPP_LOG, cluster_id=cluster_id,
+            self.ipp_cluster = ipp.Cluster(engines=self._engines, n=self.size, profile_dir=str(profile_dir),
+                                           config=config, controller_ip=self.profile.controller_ip, log=IPP_LOG,
+                                           cluster_id=cluster_id,
                                            controller_args=engineset.controller_args(self.size), shutdown_atexit=False)
             self.ipp_cluster.start_cluster_sync()
             self._sets.refresh(self.ipp_cluster)
@@ -246,6 +244,8 @@ class TacoCluster:
             self._phase = None if final else "starting"  # a restart follows: never shown stopped in between
             if final:
                 _live.pop(self.cluster_id or "", None)
+                if self.cluster_id:
+                    ippfiles.remove_cluster_files(self.cluster_id)
                 self._emit("stopped")
 
     def scale(self, size: int) -> TacoCluster:
@@ -361,9 +361,10 @@ class TacoCluster:
             return None
         return death_report(self.engine_output)[0]
 
-    def died_error(self, finished: list[int]) -> RankDiedError:
-        """The error of a cell whose rank died: which, where, how, and the others MPI stopped."""
-        return died_error(self.name, [r.rank for r in self.ranks if r.rank not in finished], self.engine_output)
+    def died_error(self, ended: Mapping[int, str]) -> RankDiedError:
+        """The error of a cell whose rank died: which, where, how, and every other rank's fate (``ended``: how the
+        cells that had ended did, by rank; the rest MPI stopped)."""
+        return died_error(self.name, [r.rank for r in self.ranks], ended, self.engine_output)
 
 
 clusters: dict[str, TacoCluster] = {}

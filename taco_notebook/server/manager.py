@@ -38,6 +38,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .._version import __version__
 from ..cluster.describe import new_cluster_id
+from ..cluster.launch import ippfiles
 from ..cluster.launch.limits import SizeLimitError, max_ranks
 from ..cluster.registry import files as registry_files
 from ..cluster.registry.writer import track
@@ -128,7 +129,9 @@ class ClusterManager:
             raise UnsafeRegistry(str(exc)) from None
 
     def list(self) -> ClusterList:
-        """Every cluster: this server's, and the registry's (stale entries that left nothing running removed)."""
+        """Every cluster: this server's, and the registry's (stale entries that left nothing running removed).
+        ipyparallel's files of clusters whose owner died are swept on the way (:func:`ippfiles.sweep`)."""
+        ippfiles.sweep()
         with self._lock:
             owned = [self._owned_model(c) for c in self._clusters.values()]
         theirs = self._read(registry_files.read_models, exclude={m["id"] for m in owned}, prune=True)

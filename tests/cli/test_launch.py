@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from taco_notebook.cli import main
+from taco_notebook.cluster.processes.tree import marked_processes
 from taco_notebook.cluster.session import clusters
 
 from ..conftest import session_processes
 from ..support.mpirun import kill_session, mpi_env, run_in_session
+from ..support.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -107,6 +109,43 @@ def test_ctrl_c_stops_the_ranks_and_the_cluster(script, sigint_as_in_a_kernel):
     finally:
         if proc.returncode is None:  # not seen to end: kill it and every process it started
             kill_session(proc)
+
+
+def test_a_killed_launch_leaves_no_process_and_no_ipyparallel_file(script, tmp_path):
+    """``kill -9`` of the command mid-run: its reaper kills the cluster's processes and removes ipyparallel's
+    files (cluster file, connection files, logs) with the registry entry, within seconds."""
+    ipython_dir = tmp_path / "ipython"  # a profile of its own: exactly this cluster's files are watched
+    proc = subprocess.Popen([sys.executable, "-m", "taco_notebook", "launch", "-np", "2", "--no-dashboard",
+                             str(script), "--sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=mpi_env({"IPYTHONDIR": str(ipython_dir)}))
+    profile = ipython_dir / "taco-ipyparallel"
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "sleeping" in line:
+                break
+        else:
+            pytest.fail("the script never started: " + "".join(seen))
+        security = sorted(p.name for p in (profile / "security").iterdir())
+        assert any(name.startswith("cluster-launch-") for name in security), security
+        assert sum(name.startswith("ipcontroller-") for name in security) == 2, security
+        cluster_id = next(name for name in security if name.startswith("cluster-"))[len("cluster-"):-len(".json")]
+        proc.kill()
+        proc.wait(timeout=10)
+
+        def left() -> list[str]:
+            files = [str(p.relative_to(profile)) for sub in ("security", "log") for p in (profile / sub).iterdir()]
+            return files + [f"pid {p.pid}" for p in marked_processes(cluster_id)]
+
+        wait_until(lambda: not left(), 30, f"every file and process of {cluster_id} gone (left: {left()})", 0.1)
+        assert not any(name.startswith("launch-") for name in registry_names() if name)
+    finally:
+        if proc.returncode is None:
+            kill_session(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @pytest.mark.parametrize("args, message", [

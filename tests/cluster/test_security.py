@@ -108,15 +108,15 @@ def test_everything_written_on_a_fresh_home_is_private(tmp_path: Path) -> None:
     found = json.loads(out.stdout.strip().splitlines()[-1])
     paths = {Path(f["path"]).relative_to(home).as_posix(): f for f in found}
     runtime = ".local/share/jupyter/runtime"
-    for expected in (runtime, f"{runtime}/taco-notebook/clusters", ".ipython/profile_taco",
-                     ".ipython/profile_taco/log"):
+    for expected in (runtime, f"{runtime}/taco-notebook/clusters", ".ipython/taco-ipyparallel",
+                     ".ipython/taco-ipyparallel/log"):
         assert expected in paths, f"{expected} was not created: {sorted(paths)}"
     assert any(p.startswith(f"{runtime}/taco-notebook/clusters/modes-") for p in paths)
-    assert any(p.startswith(".ipython/profile_taco/log/") and not f["dir"] for p, f in paths.items()), \
+    assert any(p.startswith(".ipython/taco-ipyparallel/log/") and not f["dir"] for p, f in paths.items()), \
         "no engine log was written"
     # what taco or ipyparallel makes for it (IPython itself adds profile_default inside the private .ipython)
     ours_dirs = [p for p, f in paths.items() if f["dir"] and (p.startswith(".local") or p == ".ipython"
-                                                                or p.startswith(".ipython/profile_taco"))]
+                                                                or p.startswith(".ipython/taco-ipyparallel"))]
     loose_dirs = {p: oct(stat.S_IMODE(paths[p]["mode"])) for p in ours_dirs if paths[p]["mode"] & 0o077}
     assert not loose_dirs, f"directories others can open: {loose_dirs}"
     # ipyparallel opens its log files itself (0644 under the usual umask): the 0700 directories above keep them;

@@ -265,9 +265,28 @@ def test_dead_rank_is_reported_and_the_next_cell_gets_a_fresh_cluster(ip, how, s
     error = info.value
     assert (error.rank, error.signal_name) == (1, signame)
     assert error.host and f"rank 1 (host {error.host}, pid {old[1]})" in str(error)
-    assert "MPI stopped the other ranks (0, 2)" in str(error)
+    assert "ranks 0, 2 stopped by MPI with it." in str(error)
     assert not any(pid in session_processes() for pid in old)
     assert ip.run_cell_magic("taco_run", "--cluster doomed --gather", "taco.rank()") == [0, 1, 2]
+
+
+def test_a_dead_ranks_error_names_every_ranks_fate(ip, tmp_path):
+    """4 ranks, rank 2 killed with SIGKILL once rank 1 has finished the cell; ranks 0 and 3 wait for a gate nobody
+    opens, so MPI stops them with the job."""
+    ip.run_cell_magic("taco_run", "-np 4 --cluster fates", "pass")
+    pids = engine_pids("fates")
+    cell = (gate_code(tmp_path / "never", "nobody reported rank 2's death") + started(tmp_path) +
+            f"import os, signal, time\nif taco.rank() == 2:\n{WAIT_FOR_3}\n"
+            f"    while not os.path.exists('{tmp_path}/finished-1'):\n        time.sleep(0.02)\n"
+            "    time.sleep(1.0)  # rank 1's reply on its way to the notebook\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"if taco.rank() in (0, 3):\n    wait_for_gate()\n"
+            f"if taco.rank() == 1:\n    open('{tmp_path}/finished-1', 'w').close()\n")
+    with pytest.raises(RankDiedError) as info:
+        ip.run_cell_magic("taco_run", "--cluster fates", cell.replace("{MARKERS}", str(tmp_path)))
+    message = str(info.value)
+    assert message.startswith(f"rank 2 (host {info.value.host}, pid {pids[2]}) killed by SIGKILL"), message
+    assert "; ranks 0, 3 stopped by MPI with it; rank 1 finished. Cluster 'fates' was shut down" in message
 
 
 def test_timeout_names_the_ranks_still_running(ip, shared_cluster, tmp_path):

@@ -219,13 +219,15 @@ class CellRun:
             time.sleep(POLL_S)
         self.drain()
         self.sink.flush()
-        error = self.cluster.died_error(finished=self.completed())
+        error = self.cluster.died_error(ended=self.ended())
         self.cluster.stop()
         raise error
 
-    def completed(self) -> list[int]:
-        """Ranks whose cell ended on its own (the hub fails a dead engine's task with EngineError)."""
-        return [rank for rank, result in self.outcomes().items() if getattr(result, "ename", None) != "EngineError"]
+    def ended(self) -> dict[int, str]:
+        """How each rank whose cell ended on its own ended: ``finished`` or ``raised …`` (the hub fails a dead
+        engine's task with EngineError: not an end of its own)."""
+        return {rank: f"raised {error_line(result)}" if isinstance(result, RemoteError) else "finished"
+                for rank, result in self.outcomes().items() if getattr(result, "ename", None) != "EngineError"}
 
     # ---------------------------------------------------------------- main
     def wait_until(self, deadline: float | None) -> bool:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ...engine.rankwrap import MARKER
 from ...errors import RankDiedError
 
-__all__ = ["MARKER_LINE", "engine_output", "death_report", "died_error", "signal_name", "ranks_text"]
+__all__ = ["MARKER_LINE", "STOPPED_BY_MPI", "engine_output", "death_report", "died_error", "signal_name",
+           "ranks_text"]
 
 # rankwrap's line: rank, host, pid, then signal=N or exitcode=N; " elastic" when an elastic cell survived it
 MARKER_LINE = re.compile(MARKER + r" rank=(\S+) host=(\S+) pid=(\d+) (signal|exitcode)=(-?\d+)( elastic)?")
@@ -72,12 +73,23 @@ def death_report(read_output: Callable[[], str],
             signal_name(int(value)) if kind == "signal" else None)
 
 
-def died_error(cluster: str, unfinished: Sequence[int], read_output: Callable[[], str]) -> RankDiedError:
-    """The error of a cell on ``cluster`` whose rank died (:func:`death_report`), naming the ``unfinished`` ranks
-    that MPI stopped with it."""
+STOPPED_BY_MPI = "stopped by MPI with it"  # the fate of a rank whose cell had not ended when the job ended
+
+
+def died_error(cluster: str, ranks: Sequence[int], ended: Mapping[int, str],
+               read_output: Callable[[], str]) -> RankDiedError:
+    """The error of a cell on ``cluster`` whose rank died (:func:`death_report`), with the fate of every other of
+    ``ranks``: how its cell had ended (``ended``: ``"finished"``, ``"raised ValueError: bad shard"``), else
+    stopped by MPI with the job. Ranks of one fate are named together.
+
+    ``rank 2 (host vm, pid 41) killed by SIGKILL; rank 1 finished; ranks 0, 3 stopped by MPI with it. …``
+    """
     sentence, rank, host, sig = death_report(read_output)
-    others = [r for r in unfinished if r != rank]
-    detail = f"; MPI stopped the other ranks ({ranks_text(others)})" if others else ""
+    by_fate: dict[str, list[int]] = {}
+    for other in sorted(ranks):
+        if other != rank:
+            by_fate.setdefault(ended.get(other, STOPPED_BY_MPI), []).append(other)
+    fates = "".join(f"; {'rank' if len(rs) == 1 else 'ranks'} {ranks_text(rs)} {fate}" for fate, rs in by_fate.items())
     return RankDiedError(
-        f"{sentence}{detail}. Cluster {cluster!r} was shut down; the next %%taco_run starts a fresh one.",
+        f"{sentence}{fates}. Cluster {cluster!r} was shut down; the next %%taco_run starts a fresh one.",
         rank, host, sig)

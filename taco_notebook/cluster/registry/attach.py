@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import ClusterStartError
-from ..session import PROFILE, TacoCluster
+from ..launch.ippfiles import profile_dir
+from ..session import TacoCluster
 
 __all__ = ["AttachedCluster", "find_shared", "attach"]
 
@@ -62,7 +63,7 @@ class AttachedCluster(TacoCluster):
         from ...ipp import upstream as ipp
         from ...ipp.client import connect
 
-        self.ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=self.cluster_id)
+        self.ipp_cluster = ipp.Cluster.from_file(profile_dir=str(profile_dir()), cluster_id=self.cluster_id)
         self.client = connect(self.ipp_cluster)
         self.client.wait_for_engines(self.size, timeout=timeout, interactive=False)  # no stray tqdm bar
         self.check_ranks()

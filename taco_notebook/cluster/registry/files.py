@@ -20,7 +20,8 @@ from typing import Any, NotRequired, TypedDict
 
 from ...model import Action, ClusterModel, PendingModel
 from ...private import check_private_dir, read_private_json, write_private_json
-from ..processes.tree import proven_processes
+from ..launch.ippfiles import remove_cluster_files
+from ..processes.tree import mapped_shared_memory, proven_processes
 
 __all__ = [
     "ENV_VAR", "ENTRY_MAX_BYTES", "REQUEST_MAX_BYTES", "RegistryEntry", "registry_dir", "checked_dir",
@@ -193,6 +194,7 @@ def _prune(directory: Path, model: ClusterModel) -> None:
     log.info("removed the registry entry of cluster %s: %s", model["id"], model["error"])
     _unlink(entry_path(directory, model["id"]))
     _unlink(request_path(directory, model["id"]))
+    remove_cluster_files(model["id"])
 
 
 def read_model(directory: Path, cluster_id: str, prune: bool = False) -> ClusterModel | None:
@@ -241,7 +243,8 @@ def write_request(directory: Path, cluster_id: str, action: Action, size: int | 
 
 
 def discard_stale(directory: Path, cluster_id: str) -> list[int]:
-    """Remove a stale entry and kill what its dead owner left running; returns the pids killed.
+    """Remove a stale entry and kill what its dead owner left running; returns the pids killed. ipyparallel's
+    files of the cluster go too (:func:`~taco_notebook.cluster.launch.ippfiles.remove_cluster_files`).
 
     Only the processes that prove to be this cluster's are killed (this user's, started at the recorded time,
     carrying ``TACO_CLUSTER_ID=<cluster_id>``): never a process merely named in the file.
@@ -250,17 +253,20 @@ def discard_stale(directory: Path, cluster_id: str) -> list[int]:
 
     checked_dir(directory)
     entry = read_entry(directory, cluster_id)
+    left = leftovers(entry) if entry else []
+    mapped = sorted(mapped_shared_memory(left))  # the segments MPI made after the entry was written too
     killed = []
-    for process in leftovers(entry) if entry else []:
+    for process in left:
         try:
             process.kill()
             killed.append(process.pid)
         except psutil.Error:
             pass
     if entry is not None:
-        _unlink_own_shared_memory(entry.get("shared_memory", []))
+        _unlink_own_shared_memory([*entry.get("shared_memory", []), *mapped])
     _unlink(entry_path(directory, cluster_id))
     _unlink(request_path(directory, cluster_id))
+    remove_cluster_files(cluster_id)
     return killed
 
 

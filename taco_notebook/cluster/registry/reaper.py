@@ -8,7 +8,8 @@ sidebar's ``stale`` entry. So when the kernel first writes a kernel-owned cluste
 session of its own. It sleeps on a pidfd until that kernel ends (checking every 5 s that it is still needed),
 then discards every entry in the registry whose owner was that process
 (:func:`~taco_notebook.cluster.registry.files.discard_stale`: only processes proven to be the cluster's are
-killed, and the MPI shared-memory segments the entry lists are removed) and exits. A kernel that exits normally
+killed, and the MPI shared-memory segments they map or the entry lists and ipyparallel's files of the cluster are
+removed) and exits. A kernel that exits normally
 has removed its entries already, so the reaper finds nothing and just ends; it also ends a few seconds after
 the kernel has no entry left in that registry (the next cluster starts a new one). One small process per kernel
 and registry, writing nothing (its output goes to /dev/null).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taco_notebook.cluster.processes.deaths import MARKER_LINE, death_report
+from taco_notebook.cluster.processes.deaths import MARKER_LINE, death_report, died_error
 from taco_notebook.engine.rankwrap import MARKER
 
 LOG = (f"2026-11-26 05:00:00.000 [IPEngine] Registering\n"
@@ -27,3 +27,12 @@ def test_a_signal_death_names_the_signal_and_no_marker_says_so() -> None:
     assert (rank, sig) == (3, "SIGKILL") and "killed by SIGKILL (killed from outside, or out of memory)" in sentence
     assert death_report(lambda: "mpiexec: exited\n", wait=0) == ("the engines' mpiexec exited unexpectedly",
                                                                 None, None, None)
+
+
+def test_a_death_names_every_other_ranks_fate() -> None:
+    error = died_error("c", [0, 1, 2, 3, 4], {1: "finished", 4: "raised RuntimeError: Connection closed by peer"},
+                       lambda: f"{MARKER} rank=2 host=vm pid=7 signal=9\n")
+    assert str(error) == ("rank 2 (host vm, pid 7) killed by SIGKILL (killed from outside, or out of memory); "
+                          "ranks 0, 3 stopped by MPI with it; rank 1 finished; "
+                          "rank 4 raised RuntimeError: Connection closed by peer. "
+                          "Cluster 'c' was shut down; the next %%taco_run starts a fresh one.")
