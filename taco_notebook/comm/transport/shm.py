@@ -10,9 +10,11 @@ the same passes are a one-node job's whole allreduce (:func:`.pipeline.reduce_no
 carries the ranks' agreement on each collective (:meth:`NodeSegment.exchange`).
 
 The segment lives in a hugetlbfs mount or in ``/dev/shm`` (:mod:`.shmfile`); with no room in either,
-:meth:`NodeSegment.prepare` says so on every local rank. Its file is unlinked once every local rank has mapped
-it, so a killed rank leaves nothing behind. Waits sleep on futex words in the header, and a rank waiting for a
-dead local peer learns it within ``_CHECK_S`` (:mod:`.peers`), not at the collective timeout.
+:meth:`NodeSegment.prepare` says so on every local rank. Its file has no name: local rank 0 makes it unnamed and
+the others open it through rank 0's fd, so a rank killed, stopped or failing at any point leaves nothing in
+``/dev/shm`` (:meth:`NodeSegment._open`, which also covers ranks that cannot open each other's fds). Waits
+sleep on futex words in the header, and a rank waiting for a dead local peer learns it within ``_CHECK_S``
+(:mod:`.peers`), not at the collective timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .peers import LIBC, Pidfds, futex_wait, futex_wake, started, watch
-from .shmfile import create, hugetlbfs_mount, open_own
+from .shmfile import hugetlbfs_mount
+from .shmsetup import agree, let_go, make, take
 
 __all__ = ["NodeSegment", "hugetlbfs_mount", "MAX_LOCAL"]
 
@@ -84,45 +87,59 @@ class NodeSegment:
         self._pidfds = Pidfds()  # local rank -> pidfd of that peer process (where it could be opened)
         self._said = 0  # exchanges through this mapping (every local rank makes the same ones)
         self._roomless = False  # the node had no room even for the header: exchange() goes over the group
-
-    def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self.by_path = False  # the ranks open the segment by its path: some rank could not open rank 0's fd
 
     def _open(self, nbytes: int) -> bool:
         """Grow to hold tensors of ``nbytes`` (collective over the node); False on every local rank when the
-        node has no room for the segment (the old one is kept)."""
+        node has no room for the segment (the old one is kept).
+
+        Local rank 0 makes the file with no name unless :attr:`by_path`: the others open it through
+        ``/proc/<pid>/fd`` while rank 0 holds it open, so a fault at any point leaves nothing behind. By path
+        (where a rank cannot open another's fd: another pid namespace, a hardened ``/proc``), the name lives
+        until every local rank mapped it, or the setup failed; then any rank removes it, and where all were
+        killed first, the next segment made on the node does.
+        """
         capacity = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
         total = _HEADER + capacity * (self.local_size + 1)
         self.growths += 1
-        name = f"taco-{self.tag}-{self.growths}"
-        directory = hugetlbfs_mount() if self.local_rank == 0 else None
-        path = ""
-        if self.local_rank == 0:
-            path = create(directory, name, total)
-        holder = [path]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
-        path = holder[0]
-        if not path:
-            return False
-        self.close()
-        fd = open_own(path)
+        offer, fd = make(f"{self.tag}-{self.growths}", total, self.by_path) if self.local_rank == 0 else (None, -1)
+        try:
+            holder = [offer]
+            dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
+            offer = holder[0]
+            if offer is None:
+                return False
+            self.close()
+            failure = ""
+            if self.local_rank != 0:
+                fd, failure = take(offer, self.local_rank)
+            failed = agree(self.group, self.local_size, failure or self._map(fd, total))
+        finally:
+            let_go(offer, fd)
+        if failed:
+            self.close()
+            if not offer.by_path:  # a rank could not open another's fd: the same again, by name
+                self.by_path = True
+                return self._open(nbytes)
+            raise RuntimeError(f"the node's shared segment {offer.path} could not be mapped: {'; '.join(failed)}")
+        self._watch_peers()
+        self.capacity = capacity
+        self.location = os.path.dirname(offer.path)
+        self._said = 0  # a new mapping starts with zero counters
+        return True
+
+    def _map(self, fd: int, total: int) -> str:
+        """Map the segment open on ``fd`` and publish this rank's pid in it; "" or what went wrong."""
         try:
             self.mapping = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
+        except OSError as error:
+            return f"local rank {self.local_rank}: {error}"
         self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)
         self._rows = self.bytes[: _HEADER_ROWS * MAX_LOCAL * 8].view(torch.int64).view(_HEADER_ROWS, MAX_LOCAL)
         self._base = int(self.bytes.data_ptr())
         self._flags()[_PID, self.local_rank] = os.getpid()
         self._flags()[_STARTED, self.local_rank] = started(os.getpid())
-        self._barrier()
-        if self.local_rank == 0:
-            os.unlink(path)  # every rank has it mapped: the memory lives on, the name does not
-        self._watch_peers()
-        self.capacity = capacity
-        self.location = os.path.dirname(path)
-        self._said = 0  # a new mapping starts with zero counters
-        return True
+        return ""
 
     def _watch_peers(self) -> None:
         """A pidfd on each local peer that published its pid and start time (:func:`.peers.watch`)."""
