@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -89,6 +90,9 @@ def _off_loop(
     return twin
 
 
+SWEEP_S = 60.0  # list() sweeps dead owners' ipyparallel files at most this often
+
+
 class ClusterManager:
     """Lists, starts, stops and scales clusters; ``registry_dir`` defaults to
     :func:`~taco_notebook.cluster.registry.files.registry_dir`."""
@@ -102,6 +106,7 @@ class ClusterManager:
         self._request_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="taco-cluster")
         self._closed = False
+        self._swept_at: float | None = None  # when list() last swept dead owners' ipyparallel files
 
     # ---------------------------------------------------------------- reading
     def version(self) -> dict[str, Any]:
@@ -130,8 +135,12 @@ class ClusterManager:
 
     def list(self) -> ClusterList:
         """Every cluster: this server's, and the registry's (stale entries that left nothing running removed).
-        ipyparallel's files of clusters whose owner died are swept on the way (:func:`ippfiles.sweep`)."""
-        ippfiles.sweep()
+        ipyparallel's files of clusters whose owner died are swept on the way, at most every :data:`SWEEP_S`
+        (:func:`ippfiles.sweep`: the sidebar lists every second, and an owner's reaper removes them sooner)."""
+        now = time.monotonic()
+        if self._swept_at is None or now - self._swept_at >= SWEEP_S:
+            self._swept_at = now
+            ippfiles.sweep()
         with self._lock:
             owned = [self._owned_model(c) for c in self._clusters.values()]
         theirs = self._read(registry_files.read_models, exclude={m["id"] for m in owned}, prune=True)
