@@ -36,16 +36,23 @@ from .test_dashboard_browser import (
 # a minute of training: the reload lands well before the cell's last half minute, where a reload still loses
 # the live view (a known defect, not what this test is about)
 STEPS = 600
-LONG_TRAIN = f"""%%taco_run -np 2
+
+
+def train_cell(steps: int) -> str:
+    """A cell that trains ``steps`` steps of 0.1 s on 2 ranks, under the dashboard."""
+    return f"""%%taco_run -np 2
 import time
 model = torch.nn.Linear(64, 1)
 opt = taco.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                 samples_per_step=32)
-for step in taco.progress(range({STEPS})):
+for step in taco.progress(range({steps})):
     x = torch.randn(32, 64)
     opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
     time.sleep(0.1)
 """
+
+
+LONG_TRAIN = train_cell(STEPS)
 
 
 def _progress(page, total: int = STEPS) -> int:
@@ -208,16 +215,7 @@ def test_a_loop_that_sends_nothing_shows_its_progress_and_step_rate_only(lab, pa
 
 
 LATE_STEPS = 150
-LATE_TRAIN = f"""%%taco_run -np 2
-import time
-model = torch.nn.Linear(64, 1)
-opt = taco.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
-                                samples_per_step=32)
-for step in taco.progress(range({LATE_STEPS})):
-    x = torch.randn(32, 64)
-    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
-    time.sleep(0.1)
-"""
+LATE_TRAIN = train_cell(LATE_STEPS)
 
 
 @pytest.mark.xfail(strict=False, reason="known defect: the reloaded page restores its widgets through ipywidgets' "

@@ -87,19 +87,25 @@ def test_a_rank_that_raises_exits_1_naming_it(script):
     assert '[rank 0] {"argv": ["--fail"]' in result.stdout
 
 
-def test_ctrl_c_stops_the_ranks_and_the_cluster(script, sigint_as_in_a_kernel):
+def launch_sleeping(script: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], list[str]]:
+    """``launch -np 2 SCRIPT --sleep`` in a session of its own (a signal to its group reaches it alone, as a
+    kernel's interrupt), read until the ranks sleep; the process and the lines read. The caller ends it."""
     proc = subprocess.Popen([sys.executable, "-m", "taco_notebook", "launch", "-np", "2", "--no-dashboard",
                              str(script), "--sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # the SIGINT below reaches it alone, as a kernel's interrupt
+                            start_new_session=True, env=env)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "sleeping" in line:
+            return proc, seen
+    kill_session(proc)
+    pytest.fail("the script never started: " + "".join(seen))
+
+
+def test_ctrl_c_stops_the_ranks_and_the_cluster(script, sigint_as_in_a_kernel):
+    proc, seen = launch_sleeping(script)
     try:
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if "sleeping" in line:
-                break
-        else:
-            pytest.fail("the script never started: " + "".join(seen))
         interrupted = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
         rest = proc.communicate(timeout=60)[0]
@@ -115,19 +121,9 @@ def test_a_killed_launch_leaves_no_process_and_no_ipyparallel_file(script, tmp_p
     """``kill -9`` of the command mid-run: its reaper kills the cluster's processes and removes ipyparallel's
     files (cluster file, connection files, logs) with the registry entry, within seconds."""
     ipython_dir = tmp_path / "ipython"  # a profile of its own: exactly this cluster's files are watched
-    proc = subprocess.Popen([sys.executable, "-m", "taco_notebook", "launch", "-np", "2", "--no-dashboard",
-                             str(script), "--sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=mpi_env({"IPYTHONDIR": str(ipython_dir)}))
+    proc, _ = launch_sleeping(script, env=mpi_env({"IPYTHONDIR": str(ipython_dir)}))
     profile = ipython_dir / "taco-ipyparallel"
     try:
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if "sleeping" in line:
-                break
-        else:
-            pytest.fail("the script never started: " + "".join(seen))
         security = sorted(p.name for p in (profile / "security").iterdir())
         assert any(name.startswith("cluster-launch-") for name in security), security
         assert sum(name.startswith("ipcontroller-") for name in security) == 2, security
