@@ -16,7 +16,7 @@ import platform
 import sys
 from typing import Any
 
-__all__ = ["LIBC", "futex_wait", "futex_wake", "Pidfds", "started", "watch"]
+__all__ = ["LIBC", "futex_wait", "futex_wake", "Pidfds", "stat_fields", "started", "watch"]
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the word is in a mapping of several processes
@@ -66,13 +66,18 @@ class Pidfds(dict[int, int]):
                 os.close(fd)
 
 
+def stat_fields(pid: int) -> list[bytes]:
+    """Process ``pid``'s /proc/PID/stat after its name: ``[0]`` is field 3 (the state), ``[19]`` field 22 (its
+    start). OSError where it cannot be read (FileNotFoundError: no such process)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return stat.read().rsplit(b")", 1)[1].split()
+
+
 def started(pid: int) -> int:
     """When process ``pid`` started (clock ticks after boot, /proc/PID/stat field 22), or 0 if unknown: with
     the pid, it names one process, which a pid alone does not once the pid is reused."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # field 22 of the line; fields[0] is field 3, the state
+        return int(stat_fields(pid)[19])
     except (OSError, IndexError, ValueError):
         return 0
 

@@ -21,7 +21,7 @@ import re
 import stat
 from collections.abc import Iterable
 
-from .peers import started
+from .peers import started, stat_fields
 
 __all__ = ["hugetlbfs_mount", "create", "open_own", "open_held", "segment_name", "reclaim_orphans"]
 
@@ -135,8 +135,7 @@ def _ended(pid: int, began: int) -> bool:
     """Whether the process that started at ``began`` with ``pid`` is proven gone: no such pid, a later
     process under it, or a zombie. Anything unreadable is no proof."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as status:
-            fields = status.read().rsplit(b")", 1)[1].split()
+        fields = stat_fields(pid)
     except (FileNotFoundError, ProcessLookupError):
         return True
     except OSError:
