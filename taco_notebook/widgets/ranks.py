@@ -4,9 +4,9 @@
   (synchronous training gives every rank the same rate) show as nested stripes of every rank's colour rather
   than as the last rank's line alone.
 * Band: the ranks' min to max, shaded, and their median (columns :data:`BAND_COLUMNS`), on an axis of its own;
-  the min edge is labelled with the slowest rank at the plot's end, the max edge with the fastest
-  (:func:`name_extremes`). Sixteen lines in one band showed only the last one drawn, in colours that repeat
-  after ten, under a legend taller than the plot.
+  the min edge is labelled with the rank of the lowest rate at the plot's end, the max edge with the highest
+  (:func:`name_extremes`; "lowest", not "slowest": the step-time bars call the tallest bar that). Sixteen lines in
+  one band showed only the last one drawn, in colours that repeat after ten, under a legend taller than the plot.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ BAND_COLUMNS = ("ranks_min", "ranks_median", "ranks_max")
 NARROWEST_PX = 3.0  # the last rank's line: wider than the total's (2 px) drawn over it, so a rim shows
 WIDEST_PX = 12.0
 BAND_COLOUR = "#1f77b4"
-ALIKE = 0.005  # ranks within 0.5% of each other are alike: no slowest or fastest to name
+ALIKE = 0.005  # ranks within 0.5% of each other are alike: no lowest or highest to name
 
 
 def rank_column(rank: int) -> str:
@@ -75,9 +75,9 @@ def _draw_band(fig: figure, source: ColumnDataSource, count: int) -> list[GlyphR
     band = fig.varea("time", "ranks_min", "ranks_max", source=source, y_range_name="ranks", fill_color=BAND_COLOUR,
                      fill_alpha=0.18, legend_label=label, name="ranks_band")  # fmt: skip
     low = fig.line("time", "ranks_min", source=source, y_range_name="ranks", color="#d62728", line_width=1.5,
-                   legend_label="slowest rank", name="ranks_min")  # fmt: skip
+                   legend_label="lowest rank", name="ranks_min")  # fmt: skip
     high = fig.line("time", "ranks_max", source=source, y_range_name="ranks", color="#2ca02c", line_width=1.5,
-                    legend_label="fastest rank", name="ranks_max")  # fmt: skip
+                    legend_label="highest rank", name="ranks_max")  # fmt: skip
     median = fig.line("time", "ranks_median", source=source, y_range_name="ranks", color=BAND_COLOUR, line_width=2,
                       legend_label=label, name="ranks_median")  # fmt: skip
     # headroom: the band's top under the total's (the two axes would otherwise put both maxima at the top)
@@ -105,20 +105,20 @@ def band_points(per_rank: Mapping[int, Sequence[float]]) -> dict[str, list[float
 
 
 def name_extremes(fig: figure, last: Mapping[int, float]) -> tuple[int, int] | None:
-    """Label the band's edges with the slowest and fastest rank by their rates ``last`` (the plot's last point);
-    alike ranks (within :data:`ALIKE`) name none. Returns (slowest, fastest), None when alike or unknown."""
+    """Label the band's edges with the ranks of the lowest and highest rate ``last`` (the plot's last point);
+    alike ranks (within :data:`ALIKE`) name none. Returns (lowest, highest), None when alike or unknown."""
     rates = {rank: rate for rank, rate in last.items() if not math.isnan(rate)}
-    edges = {"ranks_min": "slowest", "ranks_max": "fastest"}
+    edges = {"ranks_min": "lowest", "ranks_max": "highest"}
     items = {edges[r.name]: item for item in legend_items(fig) for r in item.renderers if r.name in edges}
     if len(items) < 2:
         return None
     named: tuple[int, int] | None = None
     if rates and max(rates.values()) - min(rates.values()) > ALIKE * max(rates.values()):
         named = (min(rates, key=lambda r: (rates[r], r)), max(rates, key=lambda r: (rates[r], -r)))
-    labels = (f"slowest: rank {named[0]}", f"fastest: rank {named[1]}") if named else (
-        "slowest rank (all alike)", "fastest rank (all alike)")  # fmt: skip
+    labels = (f"lowest: rank {named[0]}", f"highest: rank {named[1]}") if named else (
+        "lowest rank (all alike)", "highest rank (all alike)")  # fmt: skip
     changed = False
-    for item, label in zip((items["slowest"], items["fastest"]), labels, strict=True):
+    for item, label in zip((items["lowest"], items["highest"]), labels, strict=True):
         if getattr(item.label, "value", item.label) != label:
             item.label = value(label)  # a plain str would name a column
             changed = True

@@ -1,5 +1,5 @@
 """The dashboard at 4, 16, 64 and 256 ranks: rank lines that coincide stay distinguishable, many ranks make a band
-with its slowest and fastest rank named, legends stay short, heatmap labels only on links that carried bytes,
+with its lowest and highest rank named, legends stay short, heatmap labels only on links that carried bytes,
 axes that name every few ranks. Synthetic runs (``synthetic.py``); what the page draws is the browser test's."""
 
 from __future__ import annotations
@@ -65,13 +65,13 @@ def test_many_ranks_make_a_band_with_the_slowest_and_fastest_rank_named(ranks: i
     assert high / low == pytest.approx(run.samples_of(0) / run.samples_of(ranks - 1), rel=1e-3)
     slowest = min(range(ranks), key=lambda r: (run.samples_of(r), r))  # the lowest of the smallest batches
     assert legend_labels(fig) == ["raw", "total (smoothed)", "average since training began",
-                                  f"{ranks} ranks: median, min-max", f"slowest: rank {slowest}",
-                                  "fastest: rank 0"]  # fmt: skip
+                                  f"{ranks} ranks: median, min-max", f"lowest: rank {slowest}",
+                                  "highest: rank 0"]  # fmt: skip
     assert legend_width(fig) <= LEGEND_WIDTH_PX and legend_rows(fig) <= 3
     assert legend_rows(fig) * LEGEND_ROW_PX < FIGURE_PX / 2  # never taller than the plot above it
 
     alike = replay(SyntheticRun(ranks=ranks, ranks_per_node=8))
-    assert legend_labels(alike.plots.throughput.figure)[-2:] == ["slowest rank (all alike)", "fastest rank (all alike)"]
+    assert legend_labels(alike.plots.throughput.figure)[-2:] == ["lowest rank (all alike)", "highest rank (all alike)"]
 
 
 def test_no_figure_aligns_its_frame_with_a_neighbour() -> None:

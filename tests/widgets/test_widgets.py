@@ -467,8 +467,8 @@ def test_a_legend_of_many_ranks_names_a_band_wraps_into_rows_and_the_figure_grow
     """16 ranks: a band (median, min to max) and its two edges in the legend, not 16 lines of repeating colours."""
     plots = build_plots({rank: rank // 8 for rank in range(16)})
     assert legend_labels(plots.throughput.figure) == ["raw", "total (smoothed)", "average since training began",
-                                                      "16 ranks: median, min-max", "slowest rank",
-                                                      "fastest rank"]  # fmt: skip
+                                                      "16 ranks: median, min-max", "lowest rank",
+                                                      "highest rank"]  # fmt: skip
     _assert_legends_fit_below(plots)
     assert plots.throughput.figure.height > FIGURE_PX
 
