@@ -93,11 +93,18 @@ def _user_place(frames: list[list[Any]]) -> list[Any] | None:
     return None
 
 
-def snapshot() -> dict[str, Any]:
-    """This process now: ``{rank, pid, host, taken_at, collective, place, threads}``; ``collective`` is
-    ``{name, seq, waited_s}`` or None; ``place`` the main thread's innermost frame of user code."""
-    from ..state import state
+_CONSISTENT_TRIES = 5
 
+
+def _same_flight(before: tuple[int, str, float] | None, after: tuple[int, str, float] | None) -> bool:
+    """Whether two reads of :func:`.stall.in_flight` are one collective (or none); its wait time grows."""
+    if before is None or after is None:
+        return before is after
+    return before[:2] == after[:2]
+
+
+def _threads() -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """Every thread's frames but the listener's, the main thread first, and the main thread's user frame."""
     names = {t.ident: t for t in threading.enumerate()}
     main = threading.main_thread().ident
     me = threading.get_ident()
@@ -113,7 +120,23 @@ def snapshot() -> dict[str, Any]:
         threads.append({"name": thread.name if thread else f"thread {ident}", "main": ident == main,
                         "frames": frames})
     threads.sort(key=lambda t: (not t["main"], t["name"]))
+    return threads, place
+
+
+def snapshot() -> dict[str, Any]:
+    """This process now: ``{rank, pid, host, taken_at, collective, place, threads}``; ``collective`` is
+    ``{name, seq, waited_s}`` or None; ``place`` the main thread's innermost frame of user code."""
+    from ..state import state
+
+    # the frames and the collective must describe one moment: read the collective on both sides of the frames
+    # and read again while the rank entered or left one in between
     flight = stall.in_flight()
+    for _ in range(_CONSISTENT_TRIES):
+        threads, place = _threads()
+        after = stall.in_flight()
+        if _same_flight(flight, after):
+            break
+        flight = after
     collective = None if flight is None else {"seq": flight[0], "name": flight[1], "waited_s": round(flight[2], 3)}
     topology = state.topology
     return {"rank": topology.rank if topology is not None else None, "pid": os.getpid(),
