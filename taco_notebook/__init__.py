@@ -34,13 +34,15 @@ def _jupyter_server_extension_points() -> list[dict[str, Any]]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext taco_notebook``: register ``%%taco_run``, ``%taco_cluster`` and ``%taco_doctor``; ``taco`` is
+    """``%load_ext taco_notebook``: register ``%%taco_run``, ``%taco_cluster``, ``%taco_doctor`` and the debugger's
+    ``%taco_debug``, ``%taco_peek``, ``%taco_diff``; ``taco`` is
     this package (``taco.dashboard()``) unless the name is already taken."""
     import sys
 
-    from .magics import TacoMagics
+    from .magics import TacoDebugMagics, TacoMagics
 
     ipython.register_magics(TacoMagics)
+    ipython.register_magics(TacoDebugMagics)
     # taco.tune's result, returned from the ranks, drawn as a table (the formatter imports the widgets when used)
     html = ipython.display_formatter.formatters["text/html"]
     html.for_type_by_name("taco_notebook.comm.training.advisor", "TuneResult", _tune_html)

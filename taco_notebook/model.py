@@ -17,8 +17,10 @@ __all__ = [
     "State", "OwnerKind", "Action", "Owner", "NodeModel", "HugePagesModel", "RunModel", "PendingModel",
     "LostRankModel", "MembershipModel",
     "ClusterModel", "ClusterList", "ErrorModel", "StartRequest", "ScaleRequest",
-    "CellProgress", "cell_progress", "slowest_rank",
+    "CellProgress", "cell_progress", "slowest_rank", "PEEK_TIMEOUT_S",
 ]
+
+PEEK_TIMEOUT_S = 5.0  # the longest a peek (REST, magic, the ranks' listener) waits for its expression on a rank
 
 State = Literal["starting", "running", "stopping", "broken", "stopped", "stale"]
 OwnerKind = Literal["kernel", "server"]

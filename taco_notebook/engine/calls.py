@@ -165,10 +165,14 @@ def setup_joiner() -> None:
 
 
 def _serve_cells(shell: Any) -> None:
-    """What every engine needs to run cells, after its namespace: the autopsy's listener, the lean streams
+    """What every engine needs to run cells, after its namespace: the autopsy's listener (and %taco_peek's
+    namespace), the lean streams
     (:mod:`.stdstreams`: no IOPub message for a stream with nothing to flush), the quiet kernel
     (:mod:`.quiet_kernel`: no busy status, no log line per request, no idle status for a silent cell) and the
     metrics' end-of-execution flush."""
+    from ..comm.diagnostics.peek import set_namespace
+
+    set_namespace(lambda: shell.user_ns)  # what %taco_peek's expressions read, beside the cell
     _listen_for_autopsy()
     lean_streams()
     quiet_kernel()

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..ipp.quiet_kernel import end_silently, iopub_mark
+from . import postmortem
 from .calls import (
     begin_cell,
     configure_cell,
@@ -89,7 +90,9 @@ def _show_held(held: _Held | None, output: str) -> None:
 
 def _around(setup: CellSetup) -> None:
     """The per-cell set-up the runners do in the same request as the code: no message of its own. Settings a
-    previous cell left in force (a Ctrl-C that landed in its reset) are reset first."""
+    previous cell left in force (a Ctrl-C that landed in its reset) are reset first. The last cell's failure,
+    kept for ``%taco_debug``, goes."""
+    postmortem.drop()
     begin_cell(setup.dashboard, setup.interval)
     if settings_in_force() and not setup.reset:
         reset_settings()
@@ -119,6 +122,7 @@ def run_cell(source: str, setup: CellSetup, captured: bool) -> CellReply:
             reset_settings()
     error = result.error_before_exec or result.error_in_exec
     if error is not None:
+        postmortem.keep(error)
         _show_held(held, setup.output)
         raise error
     # end_silently last: it reads whether anything before it in this request was sent on IOPub
@@ -154,7 +158,8 @@ def run_script(script: Script, setup: CellSetup) -> CellReply:
             _show_held(held, setup.output)
             status = f"status {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
             raise ScriptExit(f"{os.path.basename(script.path)} called sys.exit({status})") from None
-    except BaseException:
+    except BaseException as exc:
+        postmortem.keep(exc)
         _show_held(held, setup.output)
         raise
     finally:

@@ -136,8 +136,8 @@ def positive_float(value: str | None, option: str) -> float | None:
         return float(check_positive(value, option, "seconds"))
 
 
-def parse_targets(spec: str | None, size: int) -> list[int] | None:
-    """'0,2-3' -> [0, 2, 3]; every rank must be in 0..size-1.
+def parse_targets(spec: str | None, size: int, option: str = "--targets") -> list[int] | None:
+    """'0,2-3' -> [0, 2, 3]; every rank must be in 0..size-1 (``option`` names the flag in errors).
 
     >>> parse_targets("0,2-3", 4)
     [0, 2, 3]
@@ -156,11 +156,11 @@ def parse_targets(spec: str | None, size: int) -> list[int] | None:
             else:
                 chosen = range(int(part), int(part) + 1)
         except ValueError:
-            raise OptionError(f"--targets must be ranks like '0', '0,2' or '1-3', got {spec!r}") from None
+            raise OptionError(f"{option} must be ranks like '0', '0,2' or '1-3', got {spec!r}") from None
         ranks.update(chosen)
     outside = sorted(r for r in ranks if not 0 <= r < size)
     if outside:
-        raise OptionError(f"--targets {spec!r} names rank {outside[0]}, outside 0..{size - 1} for -np {size}")
+        raise OptionError(f"{option} {spec!r} names rank {outside[0]}, outside 0..{size - 1} for -np {size}")
     return sorted(ranks)
 
 

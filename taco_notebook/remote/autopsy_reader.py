@@ -26,19 +26,30 @@ from typing import Any
 
 from ..private import UnsafeDirectoryError, check_private_dir
 
-__all__ = ["MAX_REPLY_BYTES", "MODULE", "ask", "os_state", "read_pid", "read_pids", "main"]
+__all__ = ["MAX_REPLY_BYTES", "MODULE", "STACKS", "peek_request", "ask", "os_state", "read_pid",
+           "read_pids", "main"]
 
 MAX_REPLY_BYTES = 8 << 20  # a few hundred threads of deep stacks: far less; anything larger is not ours
 MODULE = "taco_notebook.remote.autopsy_reader"  # what the collector runs with ``python -m`` over ssh
 
 
-def ask(path: Path | str, timeout: float) -> dict[str, Any]:
-    """The reply of the listener at ``path``: ``{"now": snapshot, "at_stall": snapshot or None}``. Raises
-    OSError (none listens there), TimeoutError (it did not answer in ``timeout`` s) or ValueError (not JSON)."""
+STACKS = {"ask": "stacks"}  # the listener's reply: {"now": snapshot, "at_stall": snapshot or None}
+
+
+def peek_request(expression: str, timeout: float) -> dict[str, Any]:
+    """The request that evaluates ``expression`` on the rank (``%taco_peek``), waiting at most ``timeout`` s; the
+    listener's reply: ``{"peek": {"value": repr} or {"error": why}, "rank": rank}``."""
+    return {"ask": "peek", "expr": expression, "timeout": timeout}
+
+
+def ask(path: Path | str, timeout: float, request: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The reply of the listener at ``path`` to ``request`` (:data:`STACKS` by default). Raises OSError (none
+    listens there), TimeoutError (it did not answer in ``timeout`` s) or ValueError (not JSON)."""
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
         conn.connect(str(path))
+        conn.sendall(json.dumps(request or STACKS).encode() + b"\n")
         chunks, size = [], 0
         while True:
             conn.settimeout(max(0.01, deadline - time.monotonic()))
@@ -74,11 +85,11 @@ def os_state(pid: int) -> str:
     return f"process {pid} is {state} (/proc/{pid}/status), wchan {wchan if wchan != '0' else 'none (running)'}"
 
 
-def read_pid(pid: int, directory: Path, timeout: float) -> dict[str, Any]:
+def read_pid(pid: int, directory: Path, timeout: float, request: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"reply": …}`` from the listener of process ``pid`` in ``directory``, else ``{"missing": why}``."""
     path = directory / f"{pid}.sock"
     try:
-        return {"reply": ask(path, timeout)}
+        return {"reply": ask(path, timeout, request)}
     except TimeoutError as exc:
         return {"missing": f"its listener did not answer ({exc}; its main thread may hold the GIL in C); "
                            + os_state(pid)}
@@ -87,7 +98,8 @@ def read_pid(pid: int, directory: Path, timeout: float) -> dict[str, Any]:
         return {"missing": f"{reason} at {path}; " + os_state(pid)}
 
 
-def read_pids(pids: Sequence[int], directory: Path, timeout: float) -> dict[int, dict[str, Any]]:
+def read_pids(pids: Sequence[int], directory: Path, timeout: float,
+              request: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
     """:func:`read_pid` of every process at once (so the whole read takes at most ``timeout``). A stacks
     directory that another user could control is not read at all: every pid is missing, with the reason."""
     try:
@@ -100,7 +112,7 @@ def read_pids(pids: Sequence[int], directory: Path, timeout: float) -> dict[int,
     if not pids:
         return {}
     with ThreadPoolExecutor(min(64, len(pids)), thread_name_prefix="taco-autopsy") as pool:
-        answers = list(pool.map(lambda pid: read_pid(pid, directory, timeout), pids))
+        answers = list(pool.map(lambda pid: read_pid(pid, directory, timeout, request), pids))
     return dict(zip(pids, answers, strict=True))
 
 
@@ -109,9 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", required=True, type=Path, help="the ranks' stacks directory on this host")
     parser.add_argument("--timeout", type=float, default=1.5, help="seconds each rank gets to answer")
+    parser.add_argument("--request", type=json.loads, default=None, metavar="JSON",
+                        help=f"what to ask each listener (default: {json.dumps(STACKS)})")
     parser.add_argument("pids", nargs="+", type=int, metavar="PID")
     args = parser.parse_args(argv)
-    found = read_pids(args.pids, args.dir, args.timeout)
+    found = read_pids(args.pids, args.dir, args.timeout, args.request)
     print(json.dumps({"host": socket.gethostname(), "pids": {str(pid): answer for pid, answer in found.items()}},
                      default=str))
     return 0

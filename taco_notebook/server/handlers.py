@@ -6,12 +6,14 @@ stops the manager's clusters at shutdown.
 ``POST clusters`` {size,name?} → 202 ClusterModel        ``PATCH  clusters/{id}`` {size} → 202 ClusterModel
 ``GET  version``   → {"version", "max_ranks"}           ``DELETE clusters/{id}`` → 202 ClusterModel
 ``GET  clusters/{id}/stacks`` → the hang autopsy: every rank's stacks and collective, grouped, suspects named
+``POST clusters/{id}/peek`` {expr, ranks?, timeout?} → the expression's value on each rank, while a cell runs
 
 Every verb is ``async`` and awaits the manager's ``*_async`` twins, which run in worker threads: reading and
 pruning the registry, killing a stale cluster's processes or starting one never blocks the event loop.
 Every verb is ``@tornado.web.authenticated`` then ``@authorized`` on :data:`AUTH_RESOURCE`, with the action
 jupyter_server derives from the HTTP method as it does for kernels (GET "read"; POST, PATCH, DELETE "write"),
 so a deployment's ``ServerApp.authorizer_class`` decides who may start, stop and scale clusters (403 otherwise).
+A peek runs code on the ranks: it also needs ``execute`` on ``kernels``, what running code in a kernel needs.
 
 Errors are ``{"message", "reason"}`` (APIHandler.write_error) with 400, 404 or 409 from the manager's errors,
 and 413 for a body over :data:`~taco_notebook.server.requests.MAX_BODY_BYTES`: the handlers stream the body
@@ -36,8 +38,8 @@ from . import API_PATH, MANAGER_SETTING
 from .manager import ClusterManager
 from .requests import MAX_BODY_BYTES, ManagerError, TooLarge
 
-__all__ = ["AUTH_RESOURCE", "VersionHandler", "ClustersHandler", "ClusterHandler", "StacksHandler", "routes",
-           "TacoServerExtension"]
+__all__ = ["AUTH_RESOURCE", "VersionHandler", "ClustersHandler", "ClusterHandler", "StacksHandler", "PeekHandler",
+           "routes", "TacoServerExtension"]
 
 AUTH_RESOURCE = "taco_notebook.clusters"  # the resource an Authorizer is asked about, as "kernels" for kernels
 
@@ -134,6 +136,14 @@ class StacksHandler(_ManagerHandler):
         self.reply(await self.call(self.manager.stacks_async, cluster_id))
 
 
+class PeekHandler(_ManagerHandler):
+    @tornado.web.authenticated
+    @authorized
+    @authorized("execute", resource="kernels")
+    async def post(self, cluster_id: str) -> None:
+        self.reply(await self.call(self.manager.peek_async, cluster_id, self.body))
+
+
 def routes() -> list[tuple[str, type[_ManagerHandler]]]:
     """The API's routes, relative to the server's base URL (the extension app prepends it and passes each
     handler the extension's name, as :class:`ExtensionHandlerMixin` expects)."""
@@ -142,6 +152,7 @@ def routes() -> list[tuple[str, type[_ManagerHandler]]]:
         (url_path_join(API_PATH, "clusters"), ClustersHandler),
         (url_path_join(API_PATH, "clusters", "([^/]+)"), ClusterHandler),
         (url_path_join(API_PATH, "clusters", "([^/]+)", "stacks"), StacksHandler),
+        (url_path_join(API_PATH, "clusters", "([^/]+)", "peek"), PeekHandler),
     ]
 
 

@@ -52,6 +52,7 @@ from .requests import (
     ManagerError,
     NotFound,
     check_cluster_id,
+    parse_peek_request,
     parse_scale_request,
     parse_start_request,
 )
@@ -161,11 +162,33 @@ class ClusterManager:
         """The hang autopsy of a running cluster (:mod:`taco_notebook.cluster.cells.autopsy`): read from the
         ranks' own listeners, so it works while a cell holds the kernel; the ranks are the registry's (a
         kernel's cluster) or this server's. Never stops or changes a rank."""
-        from ..cluster.cells.autopsy import RankAddress, collect, launcher_of
+        from ..cluster.cells.autopsy import collect
+
+        ranks, launcher = self._rank_addresses(cluster_id, "read stacks from")
+        report: dict[str, Any] = collect(ranks, launcher_exec=launcher).to_dict()
+        return report
+
+    def peek(self, cluster_id: str, body: Body) -> dict[str, Any]:
+        """``%taco_peek`` of a running cluster: an expression evaluated in each asked rank's namespace by its
+        listener, while a cell runs there (:mod:`taco_notebook.cluster.debug.peek`). It runs code on the ranks:
+        the route asks Jupyter's ``execute`` permission."""
+        from ..cluster.debug.peek import peek
+
+        request = parse_peek_request(body)
+        ranks, launcher = self._rank_addresses(cluster_id, "peek into")
+        chosen = [r for r in ranks if request["ranks"] is None or r.rank in request["ranks"]]
+        if not chosen:
+            raise BadRequest(f"cluster {cluster_id} has no rank {request['ranks']}: its ranks are 0-{len(ranks) - 1}")
+        return peek(chosen, request["expr"], request["timeout"], launcher).to_dict()
+
+    def _rank_addresses(self, cluster_id: str, verb: str) -> tuple[builtins.list[Any], str | None]:
+        """Where a running cluster's ranks are (the registry's for a kernel's cluster, else this server's) and
+        the program that reaches their hosts."""
+        from ..cluster.cells.autopsy import RankAddress, launcher_of
 
         model = self.get(cluster_id)
         if model["state"] not in ("running", "broken"):
-            raise Conflict(f"cluster {cluster_id} is {model['state']}: it has no ranks to read stacks from")
+            raise Conflict(f"cluster {cluster_id} is {model['state']}: it has no ranks to {verb}")
         with self._lock:
             owned = self._clusters.get(cluster_id)
             ranks = [RankAddress(r.rank, r.pid, r.host) for r in owned.ranks] if owned is not None else None
@@ -176,8 +199,7 @@ class ClusterManager:
             ranks = [RankAddress(rank, pid, hosts.get(rank, "?")) for rank, pid in (entry or {}).get("rank_pids", [])]
         if not ranks:
             raise Conflict(f"cluster {cluster_id} has no ranks yet; ask again once it runs")
-        report: dict[str, Any] = collect(ranks, launcher_exec=launcher).to_dict()
-        return report
+        return ranks, launcher
 
     # ---------------------------------------------------------------- actions
     def start(self, body: Body) -> ClusterModel:
@@ -290,6 +312,7 @@ class ClusterManager:
     list_async = _off_loop(list)
     get_async = _off_loop(get)
     stacks_async = _off_loop(stacks)
+    peek_async = _off_loop(peek)
     start_async = _off_loop(start)
     stop_async = _off_loop(stop)
     scale_async = _off_loop(scale)

@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..cluster.launch.limits import SizeLimitError, check_size
-from ..model import ScaleRequest, StartRequest
+from ..model import PEEK_TIMEOUT_S, ScaleRequest, StartRequest
 
 __all__ = [
     "ManagerError", "BadRequest", "NotFound", "Conflict", "TooLarge",
-    "parse_start_request", "parse_scale_request", "check_cluster_id", "NAME_PATTERN", "MAX_BODY_BYTES", "shorten",
+    "parse_start_request", "parse_scale_request", "parse_peek_request", "check_cluster_id", "NAME_PATTERN",
+    "MAX_BODY_BYTES", "shorten",
 ]
 
 MAX_BODY_BYTES = 64 * 1024  # a request body is a few dozen bytes; larger ones are refused (413) before parsing
@@ -111,6 +112,24 @@ def parse_scale_request(body: bytes | str | Mapping[str, Any]) -> ScaleRequest:
     parsed = _json_object(body)
     _check_fields(parsed, ("size",))
     return {"size": _size(parsed)}
+
+
+def parse_peek_request(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a peek body: ``{"expr": str, "ranks"?: [int, …], "timeout"?: seconds}``; raises
+    :class:`BadRequest` naming the field. ``ranks`` None: every rank; ``timeout`` by default 1 s."""
+    parsed = _json_object(body)
+    _check_fields(parsed, ("expr", "ranks", "timeout"))
+    expr = parsed.get("expr")
+    if not isinstance(expr, str) or not expr.strip():
+        raise BadRequest(f"field 'expr' is required: a Python expression, e.g. \"loss.item()\", got {shorten(expr)}")
+    ranks = parsed.get("ranks")
+    if ranks is not None and (not isinstance(ranks, list) or not ranks or any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)):
+        raise BadRequest(f"field 'ranks' must be a non-empty list of ranks (integers >= 0), got {shorten(ranks)}")
+    timeout = parsed.get("timeout", 1.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= PEEK_TIMEOUT_S:
+        raise BadRequest(f"field 'timeout' must be seconds in (0, {PEEK_TIMEOUT_S:g}], got {shorten(timeout)}")
+    return {"expr": expr, "ranks": ranks, "timeout": float(timeout)}
 
 
 _ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a name (<= 64) plus "-<pid>-<hex>"

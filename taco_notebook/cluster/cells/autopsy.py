@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...comm.diagnostics.listener import library_file, socket_dir
+from ...comm.diagnostics.listener import socket_dir
+from ...comm.diagnostics.userframes import library_file
 from ...remote.autopsy_reader import MODULE as HOST_READER
 from ...remote.autopsy_reader import read_pids
 from ..launch.hostfiles import ProfileError
 from ..launch.overlay import overlay_for
 from ..launch.sshcheck import runs_locally, ssh_command
 
-__all__ = ["TIMEOUT_S", "REMOTE_SETUP_S", "RankAddress", "RankStacks", "Autopsy", "collect", "after_stall",
+__all__ = ["TIMEOUT_S", "REMOTE_SETUP_S", "RankAddress", "RankStacks", "Autopsy", "collect", "ask_ranks", "after_stall",
            "launcher_of", "read_remote", "host_answers", "rank_span"]
 
 AFTER_STALL_TIMEOUT_S = 5.0  # the cell has failed already: a loaded rank gets longer to answer than on demand
@@ -164,6 +165,17 @@ def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | Non
     ``ssh``) running :mod:`taco_notebook.remote.autopsy_reader` there. Every host is asked at once."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     began = time.monotonic()
+    answers = ask_ranks(ranks, timeout, launcher_exec)
+    found = [_rank_stacks(info, answers.get(info.rank), since) for info in ranks]
+    autopsy = Autopsy(found, time.monotonic() - began)
+    autopsy.suspects, autopsy.why = _suspects(found)
+    return autopsy
+
+
+def ask_ranks(ranks: Sequence[Any], timeout: float, launcher_exec: str | None = None,
+              request: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
+    """Every rank's listener's ``{"reply": …}`` to ``request`` (the stacks by default), else ``{"missing": why}``,
+    by rank: this host's here, each other host's through one ssh (see :func:`collect`), all at once."""
     directory = socket_dir()
     by_host: dict[str, list[int]] = {}
     for info in ranks:
@@ -171,14 +183,11 @@ def collect(ranks: Iterable[Any], timeout: float = TIMEOUT_S, since: float | Non
     remote = [host for host in by_host if not runs_locally(host)]
     ssh, ssh_error = _ssh_program(remote, launcher_exec)
     with ThreadPoolExecutor(max(1, min(64, len(by_host))), thread_name_prefix="taco-autopsy-host") as pool:
-        asked = {host: pool.submit(read_pids, pids, directory, timeout) if host not in remote else
-                 pool.submit(read_remote, host, pids, ssh, directory, timeout, ssh_error)
+        asked = {host: pool.submit(read_pids, pids, directory, timeout, request) if host not in remote else
+                 pool.submit(read_remote, host, pids, ssh, directory, timeout, ssh_error, request)
                  for host, pids in by_host.items()}
         answers = {host: future.result() for host, future in asked.items()}
-    found = [_rank_stacks(info, answers[info.host].get(info.pid), since) for info in ranks]
-    autopsy = Autopsy(found, time.monotonic() - began)
-    autopsy.suspects, autopsy.why = _suspects(found)
-    return autopsy
+    return {info.rank: answers[info.host].get(info.pid) or {"missing": "not asked"} for info in ranks}
 
 
 def after_stall(cluster: Any, targets: Sequence[int], sink: Any, since: float) -> None:
@@ -216,7 +225,7 @@ def _ssh_program(hosts: Sequence[str], launcher_exec: str | None) -> tuple[str, 
 
 
 def read_remote(host: str, pids: Sequence[int], ssh: str, directory: Path, timeout: float,
-                refused: str | None = None) -> dict[int, dict[str, Any]]:
+                refused: str | None = None, request: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
     """The answers of ``pids`` on ``host``: :mod:`taco_notebook.remote.autopsy_reader` run there through one
     ``ssh`` (this interpreter's path, as the engines are started), given ``timeout`` per rank plus
     :data:`REMOTE_SETUP_S` for ssh and Python to start; past that the ssh is killed and every pid is missing, with
@@ -224,7 +233,7 @@ def read_remote(host: str, pids: Sequence[int], ssh: str, directory: Path, timeo
     if refused is not None:
         return _all_missing(pids, f"host {host}: not asked over ssh: {refused}")
     remote = [sys.executable, "-m", HOST_READER, "--dir", str(directory), "--timeout", f"{timeout:g}",
-              *map(str, pids)]
+              *(["--request", json.dumps(request)] if request is not None else []), *map(str, pids)]
     budget = timeout + REMOTE_SETUP_S
     # ssh joins the words for the host's shell; its own connect timeout outlasts ours, so the kill below bounds it
     argv = ssh_command(ssh, host, [shlex.quote(word) for word in remote], budget + 1)

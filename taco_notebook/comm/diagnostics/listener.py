@@ -32,7 +32,6 @@ import socket
 import stat
 import struct
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -41,15 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import StallError
+from ...model import PEEK_TIMEOUT_S
 from . import stall
+from .userframes import library_file
 
-__all__ = ["DIR_ENV", "socket_dir", "socket_path", "snapshot", "remember_stall", "listen", "stop_listening",
-           "library_file"]
+__all__ = ["DIR_ENV", "socket_dir", "socket_path", "snapshot", "remember_stall", "listen", "stop_listening"]
 
 DIR_ENV = "TACO_AUTOPSY_DIR"
 _THREAD_NAME = "taco-autopsy"
-_LIBRARY_ROOTS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-                       | {str(Path(__file__).resolve().parents[2])})  # taco_notebook itself: never the user's place
 
 
 def socket_dir() -> Path:
@@ -74,11 +72,6 @@ def socket_dir() -> Path:
 def socket_path(pid: int, directory: Path | None = None) -> Path:
     """Where the rank with process id ``pid`` listens."""
     return (directory or socket_dir()) / f"{pid}.sock"
-
-
-def library_file(filename: str) -> bool:
-    """Whether ``filename`` is Python's, an installed package's or taco_notebook's: not where a user's code is."""
-    return filename.startswith(_LIBRARY_ROOTS) or filename.startswith("<frozen ")
 
 
 def _frames(frame: Any) -> list[list[Any]]:
@@ -112,7 +105,7 @@ def _threads() -> tuple[list[dict[str, Any]], list[Any] | None]:
     place = None
     for ident, frame in sys._current_frames().items():
         thread = names.get(ident)
-        if ident == me or (thread is not None and thread.name == _THREAD_NAME):
+        if ident == me or (thread is not None and thread.name.startswith(_THREAD_NAME)):
             continue
         frames = _frames(frame)
         if ident == main:
@@ -215,20 +208,52 @@ def _remove_dead(directory: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
+REQUEST_BYTES = 64 * 1024  # a request line: ``{"ask": "stacks"}`` or ``{"ask": "peek", "expr": …, "timeout": s}``
+
+
+def _request(conn: socket.socket) -> dict[str, Any]:
+    """The reader's one JSON line."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > REQUEST_BYTES:
+            raise ValueError(f"request over {REQUEST_BYTES} bytes")
+    request: dict[str, Any] = json.loads(data or b"{}")
+    return request
+
+
+def _answer(request: dict[str, Any]) -> dict[str, Any]:
+    if request.get("ask") == "peek":
+        from .peek import evaluate
+
+        timeout = min(float(request.get("timeout", 1.0)), PEEK_TIMEOUT_S)
+        return {"peek": evaluate(str(request.get("expr", "")), timeout), "rank": snapshot()["rank"]}
+    return {"now": snapshot(), "at_stall": _at_stall}
+
+
+def _reply(conn: socket.socket) -> None:
+    """Answer one reader of this user, then close."""
+    with conn:
+        conn.settimeout(2.0)  # a reader that stops reading must not hold the listener
+        try:
+            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))[1]
+            if uid != os.geteuid():
+                return
+            reply = _answer(_request(conn))
+            conn.sendall(json.dumps(reply, default=str).encode())
+        except Exception:  # noqa: BLE001 - one failed reply must not end the listener
+            return
+
+
 def _serve(server: socket.socket) -> None:
+    """Each reader on a thread of its own: a peek may wait for its expression, the stacks readers must not."""
     while True:
         try:
             conn, _ = server.accept()
         except OSError:  # closed by stop_listening
             return
-        with conn:
-            conn.settimeout(2.0)  # a reader that stops reading must not hold the listener
-            try:
-                uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))[1]
-                if uid != os.geteuid():
-                    continue
-                reply = {"now": snapshot(), "at_stall": _at_stall}
-                conn.sendall(json.dumps(reply, default=str).encode())
-            except Exception:  # noqa: BLE001 - one failed reply must not end the listener
-                continue
+        threading.Thread(target=_reply, args=(conn,), name=_THREAD_NAME, daemon=True).start()
