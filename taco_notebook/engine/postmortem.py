@@ -6,8 +6,9 @@ opens a pdb session here and sends it one command at a time (:func:`command`); p
 reply, so the notebook shows it under the magic and reads the next command from the kernel's stdin, as
 ``%debug`` does. The rank's engine stays free: other ranks, and this one's listener, go on as before.
 
-The session starts in the innermost frame, as ``%debug`` does; the engine's own frames above the cell are cut,
-so ``up`` stops at the cell (or the script's top level).
+The session starts in the innermost frame of the user's code (``%debug`` starts in the innermost frame of all;
+``down`` reaches the library's frames below it); the engine's own frames above the cell are cut, so ``up`` stops
+at the cell (or the script's top level).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class _Session(pdb.Pdb):
         self.prompt = "(Pdb) "
         self.reset()
         self.setup(None, tb)  # type: ignore[arg-type]  # pdb.post_mortem's own call: no frame, a traceback
+        users = [i for i, (frame, _) in enumerate(self.stack) if not library_file(frame.f_code.co_filename)]
+        if users:  # the user's innermost frame, not taco's or torch's below it (`down` still reaches those)
+            self.curindex = users[-1]
+            self.curframe = self.stack[self.curindex][0]
+            self.curframe_locals = self.curframe.f_locals
 
     def taken(self) -> str:
         text = self.out.getvalue()

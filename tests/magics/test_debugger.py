@@ -145,3 +145,14 @@ def test_peek_errors_are_said(ip, shared_cluster, capsys):
         ip.run_line_magic("taco_peek", "--ranks 7 1")
     with pytest.raises(UsageError, match="none named 'nosuch' runs in this kernel or in the registry"):
         ip.run_line_magic("taco_peek", "--cluster nosuch 1")
+
+
+def test_debug_starts_in_the_users_frame_not_the_librarys(ip, shared_cluster, capsys):
+    cell = "import json\ntext = '{' * (taco.rank() + 1)\nparsed = json.loads(text)"
+    with pytest.raises(RankFailedError):
+        ip.run_cell_magic("taco_run", "", cell)
+    capsys.readouterr()
+    ip.run_line_magic("taco_debug", "--rank 3 -c 'p text; down; p s'")
+    shown = capsys.readouterr().out
+    assert "-> parsed = json.loads(text)" in shown and "(Pdb rank 3) p text\n'{{{{'\n" in shown, shown
+    assert "json/__init__.py" in shown and "(Pdb rank 3) p s\n'{{{{'\n" in shown, shown  # json's own frame
