@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "agreement": "the ranks' agreement check per collective (run under mpiexec)",
     "revisions": "allreduce speed of a git revision against the work tree, alternating on one emulated cluster",
     "replica_check": "the replica check after a cell of the 25M-parameter MLP (run under mpiexec)",
+    "undo_snapshot": "%taco_cluster undo's snapshot before a cell: the 25M-parameter MLP with Adam, copy and check",
     "autopsy_ranks": "reading every rank's stack in a hang, locally or over ssh",
     "ddp_hook_describe": "the DDP hook's per-call bucket check",
     "topk_select": "TopK's selection: the sampled threshold against torch.topk, per device",

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..ipp.quiet_kernel import end_silently, iopub_mark
-from . import postmortem
+from . import postmortem, undo
 from .calls import (
     begin_cell,
     configure_cell,
@@ -91,7 +91,8 @@ def _show_held(held: _Held | None, output: str) -> None:
 def _around(setup: CellSetup) -> None:
     """The per-cell set-up the runners do in the same request as the code: no message of its own. Settings a
     previous cell left in force (a Ctrl-C that landed in its reset) are reset first. The last cell's failure,
-    kept for ``%taco_debug``, goes."""
+    kept for ``%taco_debug``, goes. First, the copy ``%taco_cluster undo`` restores (it never fails the cell)."""
+    undo.before_cell()
     postmortem.drop()
     begin_cell(setup.dashboard, setup.interval)
     if settings_in_force() and not setup.reset:

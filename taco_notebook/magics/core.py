@@ -40,6 +40,10 @@ class TacoMagics(Magics, TacoSettings):
     """Registered by ``%load_ext taco_notebook``. Its traits (``%config TacoMagics``) are the magics' defaults:
     see :mod:`taco_notebook.plan.settings`."""
 
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self._last_targets: dict[str, list[int] | None] = {}  # by cluster: the ranks of its last run (None: all)
+
     @magic_arguments()
     @run_args
     @line_cell_magic
@@ -73,6 +77,7 @@ class TacoMagics(Magics, TacoSettings):
                                  "cell's first line and the code below it; %taco_run --help lists the options")
             script = script_of(args, "%taco_run")  # read before anything starts
             plan = plan_run(self, args, say)
+            self._last_targets[plan.cluster.name] = plan.options.targets
             return run_script(plan.cluster, script, plan.options, say)
         if args.horovod:
             raise UsageError("--horovod runs a Horovod script with no edit (%taco_run --horovod train.py); in a "
@@ -82,6 +87,7 @@ class TacoMagics(Magics, TacoSettings):
             raise UsageError(f"%%taco_run runs the cell below it and takes no script (got {args.script!r}): to "
                              f"run a script, use the line form, %taco_run {command}")
         plan = plan_run(self, args, say)
+        self._last_targets[plan.cluster.name] = plan.options.targets  # what %taco_cluster undo restores
         return run_cell(plan.cluster, cell, plan.options, say)
 
     def _new_size(self) -> int:
@@ -95,10 +101,12 @@ class TacoMagics(Magics, TacoSettings):
         return link_capacity(self, option)
 
     @magic_arguments()
-    @argument("action", choices=["start", "stop", "restart", "scale", "status", "list", "manifest", "stacks"],
+    @argument("action", choices=["start", "stop", "restart", "scale", "status", "list", "manifest", "stacks", "undo"],
               help="what to do (manifest: a Kubernetes MPIJob; %%taco_cluster manifest --help; scale N: on a "
                    "cluster that ran an --elastic cell, add engines that join at the next commit; stacks: every "
-                   "rank's stacks and collective, read without stopping them)")
+                   "rank's stacks and collective, read without stopping them; undo: put the parameters and "
+                   "optimizer state taco trains, on every rank the last %%taco_run cell ran on, back to what they "
+                   "were before that cell, from a copy in host memory (docs/undo.md))")
     @argument("count", nargs="?", default=None, metavar="N", help="scale: the new number of ranks")
     @argument("-n", "-np", dest="np", default=None, metavar="N", help="ranks for start/restart")
     @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
@@ -108,6 +116,7 @@ class TacoMagics(Magics, TacoSettings):
     def taco_cluster(self, line: str) -> None:
         """Manage clusters: ``%taco_cluster start -n 4 | stop | restart | scale N | status | list [--cluster NAME]``;
         ``%taco_cluster stacks [--cluster NAME]``: the hang autopsy (also of another kernel's cluster);
+        ``%taco_cluster undo [--cluster NAME]``: back to the state before the last ``%%taco_run`` cell;
         ``%taco_cluster manifest --k8s -np 16 --gpus-per-node 8 …`` prints a Kubernetes MPIJob."""
         words = line.split(None, 1)
         if words and words[0] == "manifest":  # its own options: see magics/manifest.py
@@ -160,6 +169,18 @@ class TacoMagics(Magics, TacoSettings):
             raise UsageError(f"%taco_cluster stacks: {exc}") from None
         finally:
             manager.shutdown()
+
+    def _cluster_undo(self, name: str, size: int | None, args: Any) -> None:
+        from ..cluster.cells.undo import UndoRefused, undo
+
+        cluster = clusters.get(name)
+        if cluster is None or not cluster.running:
+            raise UsageError(f"%taco_cluster undo needs a running cluster; no cluster named {name!r} runs in this "
+                             f"kernel (running: {sorted(clusters) or 'none'}; --cluster NAME picks another)")
+        try:
+            NotebookOutput().notice(undo(cluster, self._last_targets.get(name)))
+        except UndoRefused as exc:
+            raise UsageError(str(exc)) from None
 
     def _cluster_stop(self, name: str, size: int | None, args: Any) -> None:
         names = list(clusters) if args.all else [name]
