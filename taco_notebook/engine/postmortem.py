@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import io
 import pdb
+import re
 import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from ..comm.diagnostics.userframes import library_file
+from .calls import RESULT_NAME
 
 __all__ = ["Failure", "keep", "drop", "failure", "start", "command", "end", "NoFailureError"]
 
+# the kernel's rewrite of a cell's last expression (cluster/cells/result.py), shown as the user wrote it
+_RESULT_LINE = re.compile(rf"{RESULT_NAME} = \((.*)\)$", re.M)
 _OUTPUT_CHARS = 64 * 1024  # one command's output at most: a `p` of a huge tensor is cut, the session goes on
 
 
@@ -36,6 +40,7 @@ class Failure:
     """The exception of this rank's last cell, when it raised."""
 
     error: BaseException
+    traceback: TracebackType | None  # as it was kept: raising the error again prepends the runner's frames
     at: float  # time.time() when it was kept: the first failed rank is the earliest
 
     def describe(self) -> dict[str, Any]:
@@ -49,7 +54,7 @@ _session: list[_Session] = []
 def keep(error: BaseException) -> None:
     """The cell's runner: this rank's cell raised ``error``."""
     drop()
-    _kept.append(Failure(error, time.time()))
+    _kept.append(Failure(error, error.__traceback__, time.time()))
 
 
 def drop() -> None:
@@ -88,7 +93,7 @@ class _Session(pdb.Pdb):
             self.curframe_locals = self.curframe.f_locals
 
     def taken(self) -> str:
-        text = self.out.getvalue()
+        text = _RESULT_LINE.sub(r"\1", self.out.getvalue())
         self.out.seek(0)
         self.out.truncate()
         if len(text) > _OUTPUT_CHARS:
@@ -102,7 +107,7 @@ def start() -> str:
         raise NoFailureError("this rank holds no failed cell: its last cell did not raise, or another cell ran "
                              "since")
     error = _kept[0].error
-    tb = _user_traceback(error.__traceback__)
+    tb = _user_traceback(_kept[0].traceback)
     if tb is None:
         raise NoFailureError(f"this rank's {type(error).__name__} carries no traceback to debug")
     session = _Session(tb)

@@ -148,11 +148,13 @@ def test_peek_errors_are_said(ip, shared_cluster, capsys):
 
 
 def test_debug_starts_in_the_users_frame_not_the_librarys(ip, shared_cluster, capsys):
-    cell = "import json\ntext = '{' * (taco.rank() + 1)\nparsed = json.loads(text)"
+    cell = "import json\ntext = '{' * (taco.rank() + 1)\njson.loads(text)"  # a last expression: the kernel rewrites it
     with pytest.raises(RankFailedError):
         ip.run_cell_magic("taco_run", "", cell)
     capsys.readouterr()
-    ip.run_line_magic("taco_debug", "--rank 3 -c 'p text; down; p s'")
+    ip.run_line_magic("taco_debug", "--rank 3 -c 'up; p text; down; p s'")
     shown = capsys.readouterr().out
-    assert "-> parsed = json.loads(text)" in shown and "(Pdb rank 3) p text\n'{{{{'\n" in shown, shown
+    assert "-> json.loads(text)\n" in shown and "__taco_result__" not in shown, shown  # as the user wrote it
+    assert "(Pdb rank 3) up\n*** Oldest frame\n" in shown, shown  # the engine's frames above the cell are cut
+    assert "(Pdb rank 3) p text\n'{{{{'\n" in shown, shown
     assert "json/__init__.py" in shown and "(Pdb rank 3) p s\n'{{{{'\n" in shown, shown  # json's own frame
