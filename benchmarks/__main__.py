@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "replica_check": "the replica check after a cell of the 25M-parameter MLP (run under mpiexec)",
     "undo_snapshot": "%taco_cluster undo's snapshot before a cell: the 25M-parameter MLP with Adam, copy and check",
     "autopsy_ranks": "reading every rank's stack in a hang, locally or over ssh",
+    "peek_latency": "%taco_peek into a training cell on N ranks: latency, and the loop's steps/s with and without",
     "ddp_hook_describe": "the DDP hook's per-call bucket check",
     "topk_select": "TopK's selection: the sampled threshold against torch.topk, per device",
     "horovod_vs_ddp": "loss per epoch of the Horovod MNIST program on taco against plain DDP",
