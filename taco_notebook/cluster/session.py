@@ -26,7 +26,8 @@ from .processes.deaths import death_report, died_error, engine_output
 from .processes.teardown import stop_processes
 from .processes.tree import descendants, kill, marked_processes, process_tree, shared_memory_files
 
-__all__ = ["RankInfo", "Event", "Subscriber", "HeldMembership", "TacoCluster", "clusters", "stop_all", "exiting"]
+__all__ = ["RankInfo", "Event", "Subscriber", "HeldMembership", "TacoCluster", "clusters", "kept", "stop_all",
+           "exiting"]
 
 log = logging.getLogger("taco_notebook")
 
@@ -218,8 +219,9 @@ class TacoCluster:
 
     def _start_failure(self) -> str | None:
         """Once mpiexec exited: why the start failed, with the engines' last lines; None while it runs."""
-        death = self.death()
-        return None if death is None else self._failed(death, self.engine_output())
+        if self.ipp_cluster is None or self.engines_alive():
+            return None
+        return self._failed(death_report(self.engine_output)[0], self.engine_output())
 
     def _failed(self, why: object, output: str) -> str:
         return f"cluster {self.name!r} failed to start: {why}\n" + "\n".join(output.strip().splitlines()[-15:])
@@ -355,12 +357,6 @@ class TacoCluster:
         """What mpiexec and the engines printed (the engine set's log)."""
         return engine_output(self.engine_log_paths(), self._sets.launchers)
 
-    def death(self) -> str | None:
-        """None while the engines run; otherwise a sentence saying which rank died, where and how."""
-        if self.ipp_cluster is None or self.engines_alive():
-            return None
-        return death_report(self.engine_output)[0]
-
     def died_error(self, ended: Mapping[int, str]) -> RankDiedError:
         """The error of a cell whose rank died: which, where, how, and every other rank's fate (``ended``: how the
         cells that had ended did, by rank; the rest MPI stopped)."""
@@ -369,6 +365,7 @@ class TacoCluster:
 
 clusters: dict[str, TacoCluster] = {}
 _live: dict[str, TacoCluster] = {}  # every cluster this process started and has not stopped, by id
+kept: set[str] = set()  # ids of clusters kept for another process to adopt (registry/keep.py): not stopped at exit
 exiting = threading.Event()  # set first thing at exit: the registry's watcher takes no more requests
 
 
@@ -379,11 +376,11 @@ def stop_all(fast: bool = False) -> None:
 
 
 def _stop_at_exit() -> None:
-    """The process's one exit hook: stop every cluster it started, fast. ipyparallel's own hook is off for them
-    (``shutdown_atexit=False``): its slower stop would outlast a kernel's grace at shutdown. Each stops under its
-    ``busy`` lock, so a stop or scale in progress finishes first (up to :data:`EXIT_WAIT_S`)."""
+    """The process's one exit hook: stop every cluster it started but the :data:`kept`, fast. ipyparallel's own
+    hook is off for them (``shutdown_atexit=False``): its slower stop would outlast a kernel's grace at shutdown.
+    Each stops under its ``busy`` lock, so a stop or scale in progress finishes first (up to :data:`EXIT_WAIT_S`)."""
     exiting.set()
-    owned = {id(c): c for c in [*clusters.values(), *_live.values()]}
+    owned = {id(c): c for c in [*clusters.values(), *_live.values()] if c.cluster_id not in kept}
     clusters.clear()
     for cluster in owned.values():
         taken = cluster.busy.acquire(timeout=EXIT_WAIT_S)

@@ -101,13 +101,17 @@ class TacoMagics(Magics, TacoSettings):
         return link_capacity(self, option)
 
     @magic_arguments()
-    @argument("action", choices=["start", "stop", "restart", "scale", "status", "list", "manifest", "stacks", "undo"],
+    @argument("action", choices=["start", "stop", "restart", "scale", "status", "list", "manifest", "stacks", "undo",
+                                 "keep", "adopt"],
               help="what to do (manifest: a Kubernetes MPIJob; %%taco_cluster manifest --help; scale N: on a "
                    "cluster that ran an --elastic cell, add engines that join at the next commit; stacks: every "
                    "rank's stacks and collective, read without stopping them; undo: put the parameters and "
                    "optimizer state taco trains, on every rank the last %%taco_run cell ran on, back to what they "
-                   "were before that cell, from a copy in host memory (docs/undo.md))")
-    @argument("count", nargs="?", default=None, metavar="N", help="scale: the new number of ranks")
+                   "were before that cell, from a copy in host memory (docs/undo.md); keep: the cluster outlives "
+                   "this kernel's exit, restart or death, for another kernel to adopt; adopt [NAME]: take over a "
+                   "kept cluster whose kernel ended, every rank's variables intact)")
+    @argument("count", nargs="?", default=None, metavar="N", help="scale: the new number of ranks; adopt: the "
+              "kept cluster's name or id (default: --cluster)")
     @argument("-n", "-np", dest="np", default=None, metavar="N", help="ranks for start/restart")
     @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
     @cluster_args
@@ -181,6 +185,31 @@ class TacoMagics(Magics, TacoSettings):
             NotebookOutput().notice(undo(cluster, self._last_targets.get(name)))
         except UndoRefused as exc:
             raise UsageError(str(exc)) from None
+
+    def _cluster_keep(self, name: str, size: int | None, args: Any) -> None:
+        from ..cluster.registry.keep import AdoptError, keep
+
+        cluster = clusters.get(name)
+        if cluster is None:
+            raise UsageError(f"%taco_cluster keep needs a running cluster of this kernel; none is named {name!r} "
+                             f"(running: {sorted(clusters) or 'none'}; --cluster NAME picks another)")
+        try:
+            idle = keep(cluster)
+        except AdoptError as exc:
+            raise UsageError(str(exc)) from None
+        NotebookOutput().notice(f"cluster {name!r} is kept: it outlives this kernel; in a new kernel, "
+                                f"%taco_cluster adopt {name} takes it over with every rank's variables (stopped "
+                                f"{idle / 60:g} min after this kernel ends, unless adopted)")
+
+    def _cluster_adopt(self, name: str, size: int | None, args: Any) -> None:
+        from ..cluster.registry.keep import AdoptError, adopt
+
+        try:
+            cluster = adopt(args.count or name)
+        except AdoptError as exc:
+            raise UsageError(str(exc)) from None
+        NotebookOutput().notice(f"adopted cluster {cluster.name!r}: {len(cluster.ranks)} ranks, their variables "
+                                "as they were; it is this kernel's now")
 
     def _cluster_stop(self, name: str, size: int | None, args: Any) -> None:
         names = list(clusters) if args.all else [name]

@@ -26,7 +26,7 @@ from ..processes.tree import mapped_shared_memory, proven_processes
 __all__ = [
     "ENV_VAR", "ENTRY_MAX_BYTES", "REQUEST_MAX_BYTES", "RegistryEntry", "registry_dir", "checked_dir",
     "entry_path", "request_path", "write_atomic", "read_entry", "read_request", "read_model", "read_models",
-    "judge", "write_request", "discard_stale", "leftovers", "owner_alive",
+    "judge", "write_request", "discard_stale", "leftovers", "owner_alive", "kept_idle_s",
 ]
 
 log = logging.getLogger("taco_notebook")
@@ -45,6 +45,13 @@ class RegistryEntry(TypedDict):
     processes: list[tuple[int, float]]  # (pid, create time) of the local controller/mpiexec/rank processes
     rank_pids: list[tuple[int, int]]  # (rank, pid)
     shared_memory: NotRequired[list[str]]  # MPI's /dev/shm segments of this machine's ranks (a killed rank's stay)
+    kept_idle_s: NotRequired[float]  # kept (``%taco_cluster keep``): outlives its owner this long, unadopted
+
+
+def kept_idle_s(entry: RegistryEntry) -> float | None:
+    """How long a kept cluster outlives its owner unadopted; None when it is not kept."""
+    value = entry.get("kept_idle_s")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
 
 
 def registry_dir(directory: str | os.PathLike[str] | None = None) -> Path:
@@ -173,6 +180,12 @@ def judge(directory: Path, entry: RegistryEntry) -> tuple[ClusterModel, int]:
         left = len(leftovers(entry))
         who = "kernel" if owner["kind"] == "kernel" else "Jupyter server"
         model["state"], model["engines_up"] = "stale", 0
+        idle = kept_idle_s(entry)
+        if idle is not None and left:
+            model["error"] = (f"kept: its kernel (pid {owner['pid']}) ended and its ranks still run; "
+                              f"%taco_cluster adopt {model['name']} in a notebook takes it over, variables and all; "
+                              f"stopped {idle / 60:g} min after its kernel ended unless adopted; Stop ends it now")
+            return model, left
         model["error"] = (f"its {who} (pid {owner['pid']}) died; {left} process{'es' if left != 1 else ''} "
                           f"it started {'are' if left != 1 else 'is'} still running: Stop kills "
                           f"{'them' if left != 1 else 'it'}" if left else

@@ -11,8 +11,10 @@ then discards every entry in the registry whose owner was that process
 killed, and the MPI shared-memory segments they map or the entry lists and ipyparallel's files of the cluster are
 removed) and exits. A kernel that exits normally
 has removed its entries already, so the reaper finds nothing and just ends; it also ends a few seconds after
-the kernel has no entry left in that registry (the next cluster starts a new one). One small process per kernel
-and registry, writing nothing (its output goes to /dev/null).
+the kernel has no entry left in that registry (the next cluster starts a new one). A cluster the kernel kept
+(``%taco_cluster keep``) it leaves running: it waits until another kernel adopts it (the entry's owner changes)
+or the sidebar stops it, and discards it once its idle time has passed since the kernel ended. One small
+process per kernel and registry, writing nothing (its output goes to /dev/null).
 
 Stdlib and psutil only, imported before anything heavy: it must start fast and stay small.
 """
@@ -29,9 +31,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .files import RegistryEntry, discard_stale, owner_alive, read_entry
+from .files import RegistryEntry, discard_stale, kept_idle_s, leftovers, owner_alive, read_entry
 
-__all__ = ["ensure_reaper", "running_reapers", "owned_entries", "reap", "wait_for_exit", "main"]
+__all__ = ["ensure_reaper", "running_reapers", "owned_entries", "reap", "outlive", "wait_for_exit", "main"]
 
 _started: dict[tuple[int, str], subprocess.Popen[bytes]] = {}
 _lock = threading.Lock()
@@ -103,15 +105,30 @@ def owned_entries(directory: Path, owner: int) -> dict[str, RegistryEntry]:
     return found
 
 
-def reap(directory: Path, owner: int) -> list[str]:
-    """Discard the registry entries in ``directory`` of the dead process ``owner``; returns their cluster ids."""
+def reap(directory: Path, owner: int, died_at: float | None = None) -> list[str]:
+    """Discard the registry entries in ``directory`` of the dead process ``owner``; returns their cluster ids. A
+    kept one (``%taco_cluster keep``) whose ranks still run is left alone until ``died_at`` plus its idle time."""
     reaped = []
+    now = time.time()
     for cluster_id, entry in owned_entries(directory, owner).items():
         if owner_alive(owner, entry["owner_create_time"]):  # never a live owner's (a reused pid)
+            continue
+        idle = kept_idle_s(entry)
+        if idle is not None and now < (died_at or now) + idle and leftovers(entry):
             continue
         discard_stale(directory, cluster_id)
         reaped.append(cluster_id)
     return reaped
+
+
+def outlive(directory: Path, owner: int, died_at: float, check_s: float = 5.0) -> None:
+    """After ``owner`` died: wait while it has kept entries (each ends adopted, its owner then another process,
+    or stopped from the sidebar), and discard each one its idle time after ``died_at``."""
+    while True:
+        reap(directory, owner, died_at)
+        if not owned_entries(directory, owner):
+            return
+        time.sleep(check_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except psutil.Error:
         create_time = None  # already gone: clean up after whatever it left
     if wait_for_exit(args.owner, create_time, lambda: bool(owned_entries(args.registry, args.owner))):
-        reap(args.registry, args.owner)
+        outlive(args.registry, args.owner, time.time())
     return 0
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from ..session import Event, TacoCluster, clusters, exiting
 from .files import RegistryEntry, checked_dir, entry_path, read_request, registry_dir, request_path, write_atomic
 from .reaper import ensure_reaper
 
-__all__ = ["POLL_INTERVAL", "track", "tracked", "write_entry"]
+__all__ = ["POLL_INTERVAL", "track", "tracked", "write_entry", "keep_entry"]
 
 log = logging.getLogger("taco_notebook")
 
@@ -39,6 +39,7 @@ _lock = threading.RLock()
 _directories: weakref.WeakKeyDictionary[TacoCluster, Path] = weakref.WeakKeyDictionary()  # tracked -> its dir
 _written: dict[int, tuple[TacoCluster, Path]] = {}  # id(cluster) -> (cluster, directory) of each entry there now
 _watcher: _Watcher | None = None
+_kept: dict[str, float] = {}  # cluster id -> seconds it outlives this process unadopted (%taco_cluster keep)
 
 
 def _unlink(path: Path) -> None:
@@ -86,7 +87,21 @@ def write_entry(cluster: TacoCluster, directory: Path) -> None:
         "rank_pids": [(r.rank, r.pid) for r in cluster.ranks],
         "shared_memory": sorted(cluster.shared_memory),
     }
+    idle = _kept.get(model["id"])
+    if idle is not None:
+        entry["kept_idle_s"] = idle
     write_atomic(entry_path(directory, model["id"]), entry)
+
+
+def keep_entry(cluster: TacoCluster, idle_s: float | None) -> None:
+    """Write ``cluster``'s entry as kept (``idle_s``: how long it outlives this process unadopted) or, with
+    None, as not kept any more."""
+    with _lock:
+        if idle_s is None:
+            _kept.pop(cluster.cluster_id or "", None)
+        else:
+            _kept[cluster.cluster_id or ""] = idle_s
+    cluster.set_run(cluster.run)  # an event: the entry is written again
 
 
 def _on_event(cluster: TacoCluster, event: Event) -> None:
@@ -98,6 +113,7 @@ def _on_event(cluster: TacoCluster, event: Event) -> None:
             return
         if event == "stopped":
             _written.pop(id(cluster), None)
+            _kept.pop(cluster.cluster_id, None)
             _unlink(entry_path(directory, cluster.cluster_id))
             _unlink(request_path(directory, cluster.cluster_id))
             return
