@@ -227,10 +227,12 @@ def _request(conn: socket.socket) -> dict[str, Any]:
 
 def _answer(request: dict[str, Any]) -> dict[str, Any]:
     if request.get("ask") == "peek":
+        from ..state import state
         from .peek import evaluate
 
         timeout = min(float(request.get("timeout", 1.0)), PEEK_TIMEOUT_S)
-        return {"peek": evaluate(str(request.get("expr", "")), timeout), "rank": snapshot()["rank"]}
+        rank = state.topology.rank if state.topology is not None else None
+        return {"peek": evaluate(str(request.get("expr", "")), timeout), "rank": rank}
     return {"now": snapshot(), "at_stall": _at_stall}
 
 
