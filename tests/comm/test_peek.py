@@ -29,7 +29,8 @@ def test_a_peek_sees_the_cells_names_under_the_running_functions_locals(socket_p
 
 
 def test_a_peek_that_raises_or_is_no_expression_says_so(socket_path: Path) -> None:
-    assert ask(socket_path, 3.0, peek_request("1 / 0", 1.0))["peek"] == {"error": "ZeroDivisionError: division by zero"}
+    said = ask(socket_path, 3.0, peek_request("1 / 0", 1.0))["peek"]
+    assert said == {"error": "raised ZeroDivisionError: division by zero"}
     said = ask(socket_path, 3.0, peek_request("x = 1", 1.0))["peek"]["error"]
     assert said.startswith("SyntaxError") and "peek takes an expression, not a statement" in said
 

@@ -41,7 +41,7 @@ class PeekReport:
         for rank, answer in sorted(self.answers.items()):
             grouped.setdefault(answer, []).append(rank)
         for (kind, said), ranks in grouped.items():
-            prefix = {"value": "", "error": "raised ", "missing": "no answer: "}[kind]
+            prefix = "no answer: " if kind == "missing" else ""  # an error says itself what happened
             lines.append(f"{rank_span(ranks)}: {prefix}{said}")
         return "\n".join(lines)
 

@@ -70,7 +70,7 @@ def evaluate(expression: str, timeout: float) -> dict[str, Any]:
         try:
             answer["value"] = _shown(eval(code, _scope()))  # noqa: S307 - the owner's expression, by design
         except BaseException as exc:  # noqa: BLE001 - the expression's own error is the answer
-            answer["error"] = f"{type(exc).__name__}: {exc}"
+            answer["error"] = f"raised {type(exc).__name__}: {exc}"
         finally:
             _running.release()
 
