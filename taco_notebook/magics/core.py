@@ -113,7 +113,8 @@ class TacoMagics(Magics, TacoSettings):
     @argument("count", nargs="?", default=None, metavar="N", help="scale: the new number of ranks; adopt: the "
               "kept cluster's name or id (default: --cluster)")
     @argument("-n", "-np", dest="np", default=None, metavar="N", help="ranks for start/restart")
-    @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel")
+    @argument("--all", action="store_true", help="with stop: stop every cluster of this kernel; with stacks: every "
+              "thread with every frame (the kernel's, zmq's and taco's idle ones too)")
     @cluster_args
     @line_magic
     @usage_errors()
@@ -156,7 +157,7 @@ class TacoMagics(Magics, TacoSettings):
 
         cluster = clusters.get(name)
         if cluster is not None and cluster.running:
-            print(collect(cluster.ranks, launcher_exec=launcher_of(cluster)).text())
+            print(collect(cluster.ranks, launcher_exec=launcher_of(cluster)).text(full=args.all))
             return
         # another kernel's cluster (this one may be stuck in a cell): its ranks from the registry
         from ..server.manager import ClusterManager
@@ -168,7 +169,7 @@ class TacoMagics(Magics, TacoSettings):
             if not models:
                 raise UsageError(f"%taco_cluster stacks needs a running cluster; no cluster named {name!r} runs "
                                  "in this kernel or in the registry (--cluster NAME picks another)")
-            print(manager.stacks(models[-1]["id"])["text"])
+            print(manager.stacks(models[-1]["id"], full=args.all)["text"])
         except ManagerError as exc:
             raise UsageError(f"%taco_cluster stacks: {exc}") from None
         finally:

@@ -158,14 +158,14 @@ class ClusterManager:
             raise NotFound(f"No such cluster: {cluster_id}")
         return self._served(model)
 
-    def stacks(self, cluster_id: str) -> dict[str, Any]:
+    def stacks(self, cluster_id: str, full: bool = False) -> dict[str, Any]:
         """The hang autopsy of a running cluster (:mod:`taco_notebook.cluster.cells.autopsy`): read from the
         ranks' own listeners, so it works while a cell holds the kernel; the ranks are the registry's (a
-        kernel's cluster) or this server's. Never stops or changes a rank."""
+        kernel's cluster) or this server's. Never stops or changes a rank. ``full``: every frame in ``text``."""
         from ..cluster.cells.autopsy import collect
 
         ranks, launcher = self._rank_addresses(cluster_id, "read stacks from")
-        report: dict[str, Any] = collect(ranks, launcher_exec=launcher).to_dict()
+        report: dict[str, Any] = collect(ranks, launcher_exec=launcher).to_dict(full)
         return report
 
     def peek(self, cluster_id: str, body: Body) -> dict[str, Any]:

@@ -141,9 +141,10 @@ class Autopsy:
             lines.append(f"    {rank_span([t[0] for t in group])}, thread {name}: {place}")
         return lines
 
-    def to_dict(self) -> dict[str, Any]:
-        """The report as JSON for the REST API: ``text``, ``suspects``, ``seconds`` and each rank's answer."""
-        return {"text": self.text(), "suspects": self.suspects, "why": self.why, "seconds": self.seconds,
+    def to_dict(self, full: bool = False) -> dict[str, Any]:
+        """The report as JSON for the REST API: ``text`` (``full``: every frame), ``suspects``, ``seconds`` and
+        each rank's answer."""
+        return {"text": self.text(full=full), "suspects": self.suspects, "why": self.why, "seconds": self.seconds,
                 "ranks": [{"rank": r.rank, "pid": r.pid, "host": r.host, "summary": r.summary(),
                            "collective": r.collective, "missing": r.missing, "at_stall": r.at_stall,
                            "threads": (r.snapshot or {}).get("threads", [])} for r in self.ranks]}

@@ -158,7 +158,12 @@ def test_a_rank_that_cannot_answer_is_described_by_the_os(ip, shared_cluster, ca
     assert re.search(r"^ranks 0, 1, 3: idle \(no user code running\), no collective$", text, re.M), text
     assert report.suspects == [2] and "rank 2 did not answer" in text
     ip.run_line_magic("taco_cluster", "stacks")  # it answers again
-    assert "ranks 0-3: idle" in capsys.readouterr().out
+    folded = capsys.readouterr().out
+    assert "ranks 0-3: idle" in folded and "--- other threads, one line each: where it waits" in folded
+    ip.run_line_magic("taco_cluster", "stacks --all")  # every thread with every frame: nothing folded
+    full = capsys.readouterr().out
+    assert "other threads, one line each" not in full and full.count("\n") > folded.count("\n"), full
+    assert re.search(r"^--- ranks 0-3, thread MainThread:$", full, re.M), full
 
 
 def test_the_host_reader_reads_real_ranks_as_ssh_would_run_it(shared_cluster) -> None:
