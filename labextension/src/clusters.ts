@@ -7,7 +7,7 @@ import { IDisposable } from '@lumino/disposable';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { IClusterModel } from './models';
+import { IClusterModel, IPeekResult } from './models';
 import { backoffDelay, FailureLatch, MAX_POLL_INTERVAL_MS, pollInterval, POLL_INTERVAL_MS } from './poll';
 import { ApiError, ClusterAPI } from './request';
 
@@ -104,6 +104,11 @@ export class ClusterManager implements IDisposable {
   /** The hang autopsy of cluster `id`, read from its ranks while a cell runs (nothing is stopped or changed). */
   async stacks(id: string): Promise<string> {
     return this._api.stacks(id);
+  }
+
+  /** `expr` evaluated on the ranks of cluster `id` while a cell runs (the cell is neither stopped nor waited for). */
+  async peek(id: string, expr: string, ranks?: number[], timeout?: number): Promise<IPeekResult> {
+    return this._api.peek(id, expr, ranks, timeout);
   }
 
   async scale(id: string, size: number): Promise<void> {

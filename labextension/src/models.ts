@@ -97,6 +97,20 @@ export interface IVersion {
   max_ranks: number;
 }
 
+/** One rank's answer to a peek: the value's repr, the error it raised, or why no answer came. */
+export type PeekAnswer =
+  | { rank: number; value: string }
+  | { rank: number; error: string }
+  | { rank: number; missing: string };
+
+/** `POST clusters/{id}/peek`: `text` is the readable report (one line per distinct answer, with its ranks). */
+export interface IPeekResult {
+  expression: string;
+  seconds: number;
+  text: string;
+  ranks: PeekAnswer[];
+}
+
 /** The error body every 4xx/5xx of the server extension carries. */
 export interface IErrorBody {
   message: string;
@@ -330,4 +344,28 @@ export function parseStacksText(body: unknown): string {
     throw new InvalidResponseError(`stacks.text: expected a string, got ${typeof text}`);
   }
   return text;
+}
+
+const PEEK_KINDS = ['value', 'error', 'missing'] as const;
+
+function parsePeekAnswer(value: unknown, path: string): PeekAnswer {
+  const obj = object(value, path);
+  const rank = num(obj, 'rank', path);
+  const kind = PEEK_KINDS.find(k => k in obj);
+  if (kind === undefined) {
+    throw new InvalidResponseError(`${path}: expected one of ${PEEK_KINDS.join('|')}, got none`);
+  }
+  const said = str(obj, kind, path);
+  return kind === 'value' ? { rank, value: said } : kind === 'error' ? { rank, error: said } : { rank, missing: said };
+}
+
+/** Check a `peek` answer; throws {@link InvalidResponseError} naming the first bad field. */
+export function parsePeek(value: unknown): IPeekResult {
+  const obj = object(value, 'peek');
+  return {
+    expression: str(obj, 'expression', 'peek'),
+    seconds: num(obj, 'seconds', 'peek'),
+    text: str(obj, 'text', 'peek'),
+    ranks: arrayOf(obj, 'ranks', 'peek', parsePeekAnswer)
+  };
 }

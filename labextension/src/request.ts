@@ -9,9 +9,11 @@ import {
   errorMessage,
   IClusterModel,
   InvalidResponseError,
+  IPeekResult,
   IVersion,
   parseCluster,
   parseClusterList,
+  parsePeek,
   parseStacksText,
   parseVersion
 } from './models';
@@ -121,6 +123,16 @@ export class ClusterAPI {
   async stacks(id: string): Promise<string> {
     const endPoint = `clusters/${encodeURIComponent(id)}/stacks`;
     return checked(endPoint, await requestAPI(endPoint, {}, this._settings), parseStacksText);
+  }
+
+  /**
+   * `POST clusters/{id}/peek`: `expr` evaluated on each rank (all, or `ranks`) by its listener thread while a cell
+   * runs, waiting at most `timeout` seconds (0, 5] for each (the server's default: 1 s).
+   */
+  async peek(id: string, expr: string, ranks?: number[], timeout?: number): Promise<IPeekResult> {
+    const endPoint = `clusters/${encodeURIComponent(id)}/peek`;
+    const payload = { expr, ...(ranks === undefined ? {} : { ranks }), ...(timeout === undefined ? {} : { timeout }) };
+    return checked(endPoint, await requestAPI(endPoint, jsonInit('POST', payload), this._settings), parsePeek);
   }
 
   /** `PATCH clusters/{id}`: asks the cluster to grow or shrink to `size` engines. */

@@ -12,8 +12,10 @@
  *   `.taco-cluster-hugepages`, `.taco-cluster-mpi` (one line, full text in its title), `.taco-cluster-run` >
  *   `.taco-cluster-cell`, `.taco-cluster-step`, `.taco-cluster-throughput`, `.taco-cluster-error` (the server's
  *   explanation, e.g. of a stale entry), and the buttons `.taco-cluster-insert`, `.taco-cluster-scale`,
- *   `.taco-cluster-stacks` (while a cell runs: the hang autopsy in a dialog, `pre.taco-stacks-text`), `.taco-cluster-stop`
- *   (labelled "Remove" on a stale row).
+ *   `.taco-cluster-stacks` (while a cell runs: the hang autopsy in a dialog, `pre.taco-stacks-text`),
+ *   `.taco-cluster-peek` (while a cell runs: a dialog `.taco-peek-dialog` with `input.taco-peek-input`,
+ *   `button.taco-peek-run`, `pre.taco-peek-text` and `.taco-peek-error`), `.taco-cluster-stop` (labelled "Remove"
+ *   on a stale row).
  * - Rows of this Jupyter server sit in `ul.taco-cluster-list`; those of other servers in
  *   `details.taco-other-servers` (collapsed at first) > `ul.taco-other-list`.
  * - Size dialogs: `.jp-Dialog input.taco-size-input` and the accept button `.jp-Dialog .jp-mod-accept` (disabled
@@ -29,7 +31,7 @@ import { ISignal } from '@lumino/signaling';
 import React, { useEffect, useState } from 'react';
 
 import { ClusterManager } from './clusters';
-import { askSize, confirmScaleDown, confirmStop, showStacks } from './dialogs';
+import { askSize, confirmScaleDown, confirmStop, showPeek, showStacks } from './dialogs';
 import {
   cellSnippet,
   formatElapsed,
@@ -191,6 +193,10 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
     act(`Could not read the stacks of cluster ${cluster.name}`, async () => {
       await showStacks(cluster, await actions.manager.stacks(cluster.id));
     });
+  const onPeek = () =>
+    act(`Could not peek into cluster ${cluster.name}`, () =>
+      showPeek(cluster, expr => actions.manager.peek(cluster.id, expr))
+    );
   const onInsert = () => {
     insertTacoRunCell(actions, cluster);
   };
@@ -272,6 +278,16 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
             onClick={onStacks}
           >
             Stacks
+          </button>
+        ) : null}
+        {cluster.run ? (
+          <button
+            className="taco-cluster-peek jp-Button jp-mod-styled jp-mod-reject"
+            disabled={busy}
+            title="Evaluate a Python expression on every rank while the cell runs (loss.item(), a step counter)"
+            onClick={onPeek}
+          >
+            Peek
           </button>
         ) : null}
         <button

@@ -495,6 +495,66 @@ def test_sidebar_stacks_button_shows_where_a_hung_cells_ranks_are(lab, page, tmp
         _stop_every_cluster(lab, before)
 
 
+PEEK_NOTEBOOK = "peek-from-the-sidebar.ipynb"
+
+
+def test_sidebar_peek_button_evaluates_an_expression_on_every_rank(lab, page, tmp_path):
+    """While a cell counts in a loop on 2 ranks, the row's Peek button (on one line with the others and Stop whole at
+    the panel's default width) opens a dialog: an expression typed and run with Enter shows each rank's answer, and the dialog
+    stays open for the next one. Peeking changes nothing: released, the cell ends normally."""
+    from playwright.sync_api import expect
+
+    flag = tmp_path / "release"
+    cell = ("%%taco_run -np 2 --cluster peeked\nimport os, time\ncount = 0\n"
+            f"while not os.path.exists({str(flag)!r}):\n    count += 1\n    time.sleep(0.05)\n"
+            "print('released', count > 0)\n")
+    lab.write_notebook(PEEK_NOTEBOOK, ["%load_ext taco_notebook", cell])
+    before = _ids(lab)
+    try:
+        open_notebook(page, lab, PEEK_NOTEBOOK)
+        _open_sidebar(page)
+        run_all_cells(page)
+        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="peeked"]')
+        button = row.locator(".taco-cluster-peek")
+        expect(button).to_be_visible(timeout=120_000)  # shown while a cell runs on the cluster
+        boxes = row.evaluate("""row => [...row.querySelectorAll('.taco-cluster-actions button')].map(b => {
+            const r = b.getBoundingClientRect();
+            return {cls: b.className.split(' ')[0], top: r.top, whole: b.scrollWidth <= b.clientWidth};
+        })""")
+        assert [b["cls"] for b in boxes] == ["taco-cluster-insert", "taco-cluster-scale", "taco-cluster-stacks",
+                                              "taco-cluster-peek", "taco-cluster-stop"], boxes
+        assert max(b["top"] for b in boxes) - min(b["top"] for b in boxes) < 1, f"the buttons wrap: {boxes}"
+        assert boxes[-1]["whole"], f"Stop is cut at the default width: {boxes}"
+        button.click()
+        field = page.locator(".jp-Dialog .taco-peek-dialog input.taco-peek-input")
+        expect(field).to_be_focused(timeout=30_000)
+        assert field.get_attribute("placeholder") == "loss.item()"
+        report = page.locator(".jp-Dialog pre.taco-peek-text")
+        text = ""
+        for _ in range(20):  # the ranks need a moment to enter the loop
+            field.fill("count > 0")
+            field.press("Enter")  # peeks; the dialog stays open
+            expect(page.locator(".jp-Dialog button.taco-peek-run")).to_have_text("Peek", timeout=30_000)
+            text = report.inner_text() if report.is_visible() else page.locator(".jp-Dialog").inner_text()
+            if re.search(r"^ranks 0, 1: True$", text, re.M):
+                break
+            time.sleep(0.5)
+        assert re.search(r"^count > 0 on 2 ranks, read in \d+\.\d\d s$", text, re.M), text
+        assert re.search(r"^ranks 0, 1: True$", text, re.M), text
+        expect(page.locator(".jp-Dialog .taco-peek-error")).to_be_hidden()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(".jp-Dialog-content").screenshot(path=str(ARTIFACTS / "sidebar-peek.png"))
+        page.locator(".jp-Dialog .jp-mod-accept", has_text="Close").click()
+        expect(report).to_have_count(0)
+        flag.touch()
+        wait_for_cells_executed(page, timeout=120)
+        expect(cell_output(page, 1)).to_contain_text("released True", timeout=30_000)
+        expect(button).to_have_count(0, timeout=30_000)  # the run is over: nothing to peek into
+    finally:
+        flag.touch()
+        _stop_every_cluster(lab, before)
+
+
 def buttons_at(page, row, width: int) -> list[dict]:
     """The row's buttons (first class, top, right, whether the label is whole) with the panel ``width`` px wide."""
     page.locator(SIDEBAR).evaluate(f"el => {{ el.style.width = '{width}px'; }}")
@@ -505,7 +565,7 @@ def buttons_at(page, row, width: int) -> list[dict]:
 
 
 def test_a_16_rank_rows_buttons_stay_on_one_line_at_the_narrowest_panel(lab, page):
-    """A running 16-rank cluster on 4 nodes with a cell under way shows Insert cell, Scale, Stacks and Stop: whole
+    """A running 16-rank cluster on 4 nodes with a cell under way shows Insert cell, Scale, Stacks, Peek and Stop: whole
     in a roomy panel; in the panel at its narrowest (240 px, ``.taco-sidebar``'s min-width) still on one line, the
     others' labels cut, Stop whole at the row's end. The row is a registry entry of this process's (a kernel-owned
     cluster as a kernel writes it): no MPI job is needed to show it."""
@@ -543,7 +603,7 @@ def test_a_16_rank_rows_buttons_stay_on_one_line_at_the_narrowest_panel(lab, pag
         ARTIFACTS.mkdir(exist_ok=True)
         row.screenshot(path=str(ARTIFACTS / "sidebar-16-ranks-buttons.png"))
         assert [b["cls"] for b in boxes] == ["taco-cluster-insert", "taco-cluster-scale", "taco-cluster-stacks",
-                                              "taco-cluster-stop"], boxes
+                                              "taco-cluster-peek", "taco-cluster-stop"], boxes
         assert max(b["top"] for b in boxes) - min(b["top"] for b in boxes) < 1, f"the buttons wrap: {boxes}"
         stop = boxes[-1]
         assert stop["whole"] and stop["right"] <= right + 0.5, f"Stop is cut or outside its row: {boxes}, {right}"
