@@ -11,11 +11,11 @@
  *   `.taco-cluster-gpus` (with `.taco-cluster-gpu-names` lines when nodes report model names),
  *   `.taco-cluster-hugepages`, `.taco-cluster-mpi` (one line, full text in its title), `.taco-cluster-run` >
  *   `.taco-cluster-cell`, `.taco-cluster-step`, `.taco-cluster-throughput`, `.taco-cluster-error` (the server's
- *   explanation, e.g. of a stale entry), and the buttons `.taco-cluster-insert`, `.taco-cluster-scale`,
- *   `.taco-cluster-stacks` (while a cell runs: the hang autopsy in a dialog, `pre.taco-stacks-text`),
- *   `.taco-cluster-peek` (while a cell runs: a dialog `.taco-peek-dialog` with `input.taco-peek-input`,
- *   `button.taco-peek-run`, `pre.taco-peek-text` and `.taco-peek-error`), `.taco-cluster-stop` (labelled "Remove"
- *   on a stale row).
+ *   explanation, e.g. of a stale entry). While a cell runs, under it `.taco-cluster-run-actions` >
+ *   `.taco-cluster-stacks` (the hang autopsy in a dialog, `pre.taco-stacks-text`) and `.taco-cluster-peek` (a
+ *   dialog `.taco-peek-dialog` with `input.taco-peek-input`, `button.taco-peek-run`, `pre.taco-peek-text` and
+ *   `.taco-peek-error`). Then `.taco-cluster-actions` > `.taco-cluster-insert`, `.taco-cluster-scale`,
+ *   `.taco-cluster-stop` (labelled "Remove" on a stale row).
  * - Rows of this Jupyter server sit in `ul.taco-cluster-list`; those of other servers in
  *   `details.taco-other-servers` (collapsed at first) > `ul.taco-other-list`.
  * - Size dialogs: `.jp-Dialog input.taco-size-input` and the accept button `.jp-Dialog .jp-mod-accept` (disabled
@@ -248,6 +248,26 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
         {membership ? <dd className="taco-cluster-membership">{membership}</dd> : null}
       </dl>
       {cluster.run ? <ClusterRun run={cluster.run} /> : null}
+      {cluster.run ? (
+        <div className="taco-cluster-run-actions">
+          <button
+            className="taco-cluster-stacks jp-Button jp-mod-styled jp-mod-reject"
+            disabled={busy}
+            title="Where every rank is now: its stack and the collective it waits in (changes nothing)"
+            onClick={onStacks}
+          >
+            Stacks
+          </button>
+          <button
+            className="taco-cluster-peek jp-Button jp-mod-styled jp-mod-reject"
+            disabled={busy}
+            title="Evaluate a Python expression on every rank while the cell runs (loss.item(), a step counter)"
+            onClick={onPeek}
+          >
+            Peek
+          </button>
+        </div>
+      ) : null}
       {cluster.error ? <div className="taco-cluster-error">{cluster.error}</div> : null}
       <div className="taco-cluster-actions">
         <button
@@ -270,26 +290,6 @@ function ClusterRow({ cluster, actions }: { cluster: IClusterModel; actions: IAc
         >
           Scale
         </button>
-        {cluster.run ? (
-          <button
-            className="taco-cluster-stacks jp-Button jp-mod-styled jp-mod-reject"
-            disabled={busy}
-            title="Where every rank is now: its stack and the collective it waits in (changes nothing)"
-            onClick={onStacks}
-          >
-            Stacks
-          </button>
-        ) : null}
-        {cluster.run ? (
-          <button
-            className="taco-cluster-peek jp-Button jp-mod-styled jp-mod-reject"
-            disabled={busy}
-            title="Evaluate a Python expression on every rank while the cell runs (loss.item(), a step counter)"
-            onClick={onPeek}
-          >
-            Peek
-          </button>
-        ) : null}
         <button
           className="taco-cluster-stop jp-Button jp-mod-styled jp-mod-warn"
           disabled={busy || settled}
