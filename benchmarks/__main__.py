@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "control_plane": "a TacoCluster of N ranks: start time, warm cell round trips, CPU and memory per rank",
     "cell_protocol": "a cell's control-plane cost per rank, old protocol against new, up to 1,000 plain engines",
     "roundtrip": "cluster start and a trivial cell's round trip, %%taco_run against ipyparallel's %%px",
+    "first_collective": "a warm cell with one 1 MB allreduce against an empty one, %%taco_run beside %%px + mpi4py",
     "dashboard_cost": "what the live dashboard costs a training step, on the ranks and end to end",
     "stall_overhead": "the stall watchdog's cost per collective (run under mpiexec)",
     "agreement": "the ranks' agreement check per collective (run under mpiexec)",

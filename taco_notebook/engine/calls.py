@@ -280,14 +280,61 @@ def abort() -> None:
     _abort()
 
 
-def fetch_result() -> Any:
-    """The value of the cell's last expression on this rank, or ``(UNPICKLABLE, repr)`` if it cannot travel."""
-    value = user_shell().user_ns.get(RESULT_NAME)
+class _Rebuilt:
+    """A value made ready to travel: unpickling it calls ``rebuild(*args)``, which gives the value itself."""
+
+    __slots__ = ("rebuild", "args")
+
+    def __init__(self, rebuild: Any, args: tuple[Any, ...]) -> None:
+        self.rebuild, self.args = rebuild, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.rebuild, self.args
+
+
+def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> Any:
+    """The tensor :func:`_travelling` sent as its bytes (a writable copy: the message's bytes are not)."""
+    import torch
+
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _tensor_bytes(value: Any) -> _Rebuilt | None:
+    """A plain CPU tensor (no grad, no subclass, no names) as its raw bytes, dtype and shape; None for anything
+    else, or where the bytes cannot be had (no numpy)."""
+    torch = sys.modules.get("torch")
+    if (torch is None or type(value) is not torch.Tensor or value.device.type != "cpu"
+            or value.layout != torch.strided or value.requires_grad or value.is_quantized
+            or getattr(value, "has_names", lambda: False)()):  # named tensors: gone from newer torch
+        return None
     try:
-        pickle.dumps(value)
+        flat = value.resolve_conj().resolve_neg().contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, TypeError):
+        return None
+    return _Rebuilt(_tensor_from_bytes, (data, str(value.dtype).removeprefix("torch."), tuple(value.shape)))
+
+
+def _travelling(value: Any) -> Any:
+    """``value`` as it goes back to the notebook, or ``(UNPICKLABLE, repr)``. A plain CPU tensor goes as its
+    bytes, not through torch's pickling (``torch.save`` into a buffer on the rank, ``torch.load`` in the
+    notebook), the slow part of bringing back a large tensor. Anything else goes as its pickle, made once here
+    to see that it can travel, not a second time in the reply."""
+    raw = _tensor_bytes(value)
+    if raw is not None:
+        return raw
+    try:
+        data = pickle.dumps(value)
     except Exception:  # noqa: BLE001 - any pickling failure: the notebook shows the repr instead
         return (UNPICKLABLE, repr(value))
-    return value
+    return _Rebuilt(pickle.loads, (data,))
+
+
+def fetch_result() -> Any:
+    """The value of the cell's last expression on this rank, or ``(UNPICKLABLE, repr)`` if it cannot travel
+    (as it travels: unpickling the reply gives the value itself)."""
+    return _travelling(user_shell().user_ns.get(RESULT_NAME))
 
 
 # ---------------------------------------------------------------- elastic (cluster/elastic/recovery.py drives these)

@@ -105,7 +105,8 @@ def run_cell(source: str, setup: CellSetup, captured: bool) -> CellReply:
     """A ``%%taco_run`` cell, in one request (``view.apply``): the per-cell set-up, then ``source`` run by the
     engine's IPython shell as an ``execute`` would run it (input transformers, so magics and ``!`` lines;
     history and ``In``; the events, so the metrics' post-execute flush), then what the kernel needs back:
-    the value of the last expression (``captured``) and whether this rank has replicas to check.
+    the value of the last expression (``captured``; only from the rank ``setup.value_from`` names, when it
+    names one) and whether this rank has replicas to check.
 
     A failure is raised again, so the reply is an error named by the user's exception (``StallError``,
     ``KeyboardInterrupt``…); its traceback starts in the engine's machinery, which the kernel cuts at the
@@ -127,7 +128,16 @@ def run_cell(source: str, setup: CellSetup, captured: bool) -> CellReply:
         _show_held(held, setup.output)
         raise error
     # end_silently last: it reads whether anything before it in this request was sent on IOPub
-    return CellReply(fetch_result() if captured else None, wanted(), end_silently(mark))
+    return CellReply(fetch_result() if captured and _value_wanted(setup) else None, wanted(), end_silently(mark))
+
+
+def _value_wanted(setup: CellSetup) -> bool:
+    """Whether this rank's reply brings back the value of the cell's last expression (``setup.value_from``).
+    A rank that does not know its rank yet sends it (asking MPI could be collective)."""
+    from ..comm.state import state
+
+    topology = state.topology
+    return setup.value_from is None or topology is None or topology.rank == setup.value_from
 
 
 class ScriptExit(RuntimeError):

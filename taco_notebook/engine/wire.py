@@ -54,6 +54,10 @@ class CellSetup:
     # a request that sent nothing on IOPub ends without the idle status, its reply saying so: for a caller
     # whose RankTracker takes such a reply as the end of the output
     silent: bool = False
+    # the rank whose value of the last expression the reply brings back (None: every rank's, as ``--gather``
+    # shows them): a value the notebook does not show is neither pickled nor sent (a cell ending in
+    # ``taco.allreduce(t)`` would send every rank's ``t``)
+    value_from: int | None = None
 
 
 @dataclass(frozen=True)

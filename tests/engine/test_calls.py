@@ -263,6 +263,53 @@ def test_run_cell_does_the_setup_runs_the_code_as_a_cell_and_answers_in_one_requ
     assert view.apply_sync(_settings)[0]["fusion_mb"] != 3  # reset after the cell
 
 
+def test_only_the_rank_whose_value_is_shown_sends_it(view):
+    """``CellSetup.value_from``: the other ranks' replies bring no value (a cell ending in ``taco.allreduce(t)``
+    sent every rank's ``t``); without it every rank's comes back, as ``--gather`` needs."""
+    replies = view.apply_sync(runner.run_cell, "__taco_result__ = taco.rank() * 10", CellSetup(False, value_from=2),
+                              True)
+    assert [r.value for r in replies] == [None, None, 20, None]
+    replies = view.apply_sync(runner.run_cell, "__taco_result__ = taco.rank() * 10", CellSetup(False), True)
+    assert [r.value for r in replies] == [0, 10, 20, 30]
+
+
+def _pickled(value: Any) -> Any:
+    import pickle
+
+    return pickle.loads(pickle.dumps(calls._travelling(value)))
+
+
+def test_a_value_travels_back_as_itself_and_a_plain_cpu_tensor_as_its_bytes():
+    """What ``fetch_result`` hands the reply unpickles as the value: a plain CPU tensor through its raw bytes
+    (any dtype and shape, a view only as its own elements), anything else through its pickle, made once."""
+    import pickle
+
+    import torch
+
+    big = torch.arange(1_000_000, dtype=torch.float64)
+    tensors = [torch.ones(262144), torch.tensor(3.0), torch.empty(0, 5), torch.arange(12).reshape(3, 4).t(),
+               torch.tensor([True, False]), torch.randn(3).to(torch.bfloat16),
+               torch.randn(3, dtype=torch.complex64).conj(), big[10:20:3]]
+    for tensor in tensors:
+        travelling = calls._travelling(tensor)
+        assert travelling.rebuild is calls._tensor_from_bytes, tensor
+        back = _pickled(tensor)
+        assert type(back) is torch.Tensor and back.dtype == tensor.dtype and back.shape == tensor.shape
+        assert torch.equal(back, tensor.resolve_conj()), (back, tensor)
+    assert len(pickle.dumps(calls._travelling(big[10:20:3]))) < 1000  # not the 8 MB storage it is a view of
+    writable = _pickled(torch.zeros(4))
+    writable += 1
+    assert writable.tolist() == [1.0] * 4
+
+    parameter = torch.nn.Parameter(torch.ones(2))  # not a plain tensor: torch's own pickling keeps what it is
+    assert calls._travelling(parameter).rebuild is pickle.loads
+    assert type(_pickled(parameter)) is torch.nn.Parameter and _pickled(parameter).requires_grad
+    assert _pickled({"a": [1, 2], "b": None}) == {"a": [1, 2], "b": None}
+    assert _pickled(5) == 5
+    lock = __import__("threading").Lock()
+    assert calls._travelling(lock) == (calls.UNPICKLABLE, repr(lock))
+
+
 def test_run_cell_raises_the_users_exception_with_the_cells_frames(view):
     from ipyparallel.error import RemoteError
 

@@ -281,8 +281,9 @@ class CellRun:
                 self.sink.notice(notes[0])
             settings = None
         setup = CellSetup(dashboard=self.sending, settings=settings, reset=self.options.settings is not None,
-                                 output=self.options.output, interval=calls.send_interval(len(self.targets)),
-                                 silent=True)  # the RankTracker ends a silent rank's output at its reply
+                          output=self.options.output, interval=calls.send_interval(len(self.targets)),
+                          silent=True,  # the RankTracker ends a silent rank's output at its reply
+                          value_from=None if self.options.gather else self.targets[0])  # the value shown
         try:
             value = self._execute(lambda view: submit(view, setup), captured)
         except BaseException as exc:
