@@ -27,9 +27,11 @@ API = "/taco-notebook/api/clusters"
 
 def example_cells(name: str) -> list[str]:
     """The example's code cells of a normal run: not those tagged ``raises-exception`` (example 01's stall
-    demonstration fails on purpose, and its traceback is the user's, not the log's)."""
+    demonstration fails on purpose, and its traceback is the user's, not the log's), nor the ``%taco_debug``
+    that opens pdb in that failure's frames."""
     return [cell.source for cell in nbformat.read(EXAMPLES / name, as_version=4).cells
-            if cell.cell_type == "code" and "raises-exception" not in cell.get("metadata", {}).get("tags", [])]
+            if cell.cell_type == "code" and "raises-exception" not in cell.get("metadata", {}).get("tags", [])
+            and not cell.source.startswith("%taco_debug")]
 
 
 # the notebook's own kernel, which the Jupyter server starts on TCP (its KernelManager.transport, the server's
