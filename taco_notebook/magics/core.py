@@ -31,6 +31,7 @@ from ..plan.runplan import dashboard_mode, link_capacity, new_size, plan_run, sc
 from ..plan.settings import TacoSettings
 from .args import cluster_args, run_args, run_wants_help, usage, usage_errors, wants_help
 from .output import NotebookOutput, show_report
+from .registry import registry_cluster
 
 __all__ = ["TacoMagics"]
 
@@ -160,20 +161,8 @@ class TacoMagics(Magics, TacoSettings):
             print(collect(cluster.ranks, launcher_exec=launcher_of(cluster)).text(full=args.all))
             return
         # another kernel's cluster (this one may be stuck in a cell): its ranks from the registry
-        from ..server.manager import ClusterManager
-        from ..server.requests import ManagerError
-
-        manager = ClusterManager(max_workers=1)
-        try:
-            models = [m for m in manager.list()["clusters"] if m["name"] == name and m["state"] == "running"]
-            if not models:
-                raise UsageError(f"%taco_cluster stacks needs a running cluster; no cluster named {name!r} runs "
-                                 "in this kernel or in the registry (--cluster NAME picks another)")
-            print(manager.stacks(models[-1]["id"], full=args.all)["text"])
-        except ManagerError as exc:
-            raise UsageError(f"%taco_cluster stacks: {exc}") from None
-        finally:
-            manager.shutdown()
+        with registry_cluster(name, "%taco_cluster stacks") as (manager, model):
+            print(manager.stacks(model["id"], full=args.all)["text"])
 
     def _cluster_undo(self, name: str, size: int | None, args: Any) -> None:
         from ..cluster.cells.undo import UndoRefused, undo

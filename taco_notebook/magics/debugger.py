@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..cluster.session import clusters
 from ..plan.resolve import parse_targets
 from .args import usage, usage_errors, wants_help
+from .registry import registry_cluster
 
 __all__ = ["TacoDebugMagics"]
 
@@ -88,17 +89,11 @@ class TacoDebugMagics(Magics):
             print(usage(self.taco_peek, "%taco_peek"))
             return None
         from ..model import PEEK_TIMEOUT_S
-        from ..server.requests import ManagerError
-
         args = parse_argstring(self.taco_peek, line)
         expression = " ".join(args.expression)
         if not 0 < args.timeout <= PEEK_TIMEOUT_S:
             raise UsageError(f"--timeout must be seconds in (0, {PEEK_TIMEOUT_S:g}], got {args.timeout:g}")
-        try:
-            report = _peek(args.cluster, expression, args.ranks, args.timeout)
-        except ManagerError as exc:
-            raise UsageError(f"%taco_peek: {exc}") from None
-        print(report["text"])
+        print(_peek(args.cluster, expression, args.ranks, args.timeout)["text"])
         return None
 
     @magic_arguments()
@@ -130,7 +125,6 @@ def _peek(name: str, expression: str, ranks: str | None, timeout: float) -> dict
     """This kernel's cluster ``name`` when it runs, else the registry's running cluster of that name or id."""
     from ..cluster.cells.autopsy import launcher_of
     from ..cluster.debug.peek import peek
-    from ..server.manager import ClusterManager
     from ..server.requests import parse_peek_request
 
     request = parse_peek_request({"expr": expression, "timeout": timeout})
@@ -139,16 +133,7 @@ def _peek(name: str, expression: str, ranks: str | None, timeout: float) -> dict
         chosen = parse_targets(ranks, len(own.ranks), "--ranks")
         asked = [r for r in own.ranks if chosen is None or r.rank in chosen]
         return peek(asked, request["expr"], request["timeout"], launcher_of(own)).to_dict()
-    manager = ClusterManager(max_workers=1)
-    try:
-        models = [m for m in manager.list()["clusters"] if name in (m["name"], m["id"]) and m["state"] == "running"]
-        if not models:
-            raise UsageError(f"%taco_peek needs a running cluster; none named {name!r} runs in this kernel or in "
-                             "the registry (--cluster NAME or ID picks another)")
-        if len(models) > 1:
-            ids = ", ".join(m["id"] for m in models)
-            raise UsageError(f"{len(models)} running clusters are named {name!r} (ids {ids}): --cluster ID picks one")
-        chosen = parse_targets(ranks, models[0]["size"], "--ranks")
-        return manager.peek(models[0]["id"], {**request, "ranks": chosen})
-    finally:
-        manager.shutdown()
+    with registry_cluster(name, "%taco_peek") as (manager, model):
+        chosen = parse_targets(ranks, model["size"], "--ranks")
+        answer: dict[str, Any] = manager.peek(model["id"], {**request, "ranks": chosen})
+        return answer
