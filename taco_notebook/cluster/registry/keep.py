@@ -61,20 +61,19 @@ def keep(cluster: TacoCluster, idle_s: float | None = None) -> float:
 def adoptable(name: str) -> tuple[ClusterModel, RegistryEntry]:
     """The registry's kept cluster named (or with id) ``name`` whose kernel has ended: its model and entry."""
     directory = registry_dir()
-    models = read_models(directory)
-    kept_ones = [(m, e) for m in models if name in (m["name"], m["id"])
-                 and (e := read_entry(directory, m["id"])) is not None and kept_idle_s(e) is not None]
-    free = [(m, e) for m, e in kept_ones if m["state"] == "stale"]  # stale: its kernel ended
+    kept_ones = [(m, e) for m in read_models(directory)
+                 if (e := read_entry(directory, m["id"])) is not None and kept_idle_s(e) is not None]
+    named = [(m, e) for m, e in kept_ones if name in (m["name"], m["id"])]
+    free = [(m, e) for m, e in named if m["state"] == "stale"]  # stale: its kernel ended
     if len(free) == 1:
         return free[0]
     if len(free) > 1:
         ids = ", ".join(m["id"] for m, _ in free)
         raise AdoptError(f"{len(free)} kept clusters are named {name!r} (ids {ids}): adopt one by its id")
-    if kept_ones:
-        raise AdoptError(f"cluster {name!r} is kept by kernel {kept_ones[0][0]['owner']['pid']}, which still runs: "
+    if named:
+        raise AdoptError(f"cluster {name!r} is kept by kernel {named[0][0]['owner']['pid']}, which still runs: "
                          "it can be adopted once that kernel has ended (restart or shut it down)")
-    waiting = sorted(m["name"] for m in models if m["state"] == "stale" and (e := read_entry(directory, m["id"]))
-                     is not None and kept_idle_s(e) is not None)
+    waiting = sorted(m["name"] for m, _ in kept_ones if m["state"] == "stale")
     raise AdoptError(f"no kept cluster named {name!r} waits to be adopted (%taco_cluster keep marks one in the "
                      f"kernel that runs it); waiting: {', '.join(waiting) or 'none'}")
 
