@@ -108,6 +108,14 @@ def _open_sidebar(page) -> None:
     expect(panel.locator(".taco-server-missing")).to_have_count(0)
 
 
+def _run_with_sidebar(page, lab, notebook: str, cluster: str):
+    """Open ``notebook`` and the sidebar, run every cell, and return the sidebar's row of ``cluster``."""
+    open_notebook(page, lab, notebook)
+    _open_sidebar(page)
+    run_all_cells(page)
+    return page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="{cluster}"]')
+
+
 def _actions_sent(page) -> list[str]:
     """A list that fills with ``METHOD URL`` of every request the page sends that changes a cluster (POST, PATCH,
     DELETE to the REST API), from now on."""
@@ -407,10 +415,7 @@ def test_sidebar_follows_a_running_cell_live_and_names_it(lab, page, tmp_path):
     lab.write_notebook(LIVE_NOTEBOOK, ["%load_ext taco_notebook", cell])
     before = _ids(lab)
     try:
-        open_notebook(page, lab, LIVE_NOTEBOOK)
-        _open_sidebar(page)
-        run_all_cells(page)
-        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="live"]')
+        row = _run_with_sidebar(page, lab, LIVE_NOTEBOOK, "live")
         step = row.locator(".taco-cluster-step")
         expect(step).to_have_text(re.compile(r"step [1-9]\d*/4000"), timeout=120_000)
         expect(row.locator(".taco-cluster-cell")).to_have_text("model = nn.Linear(8, 1)")
@@ -462,10 +467,7 @@ def test_sidebar_stacks_button_shows_where_a_hung_cells_ranks_are(lab, page, tmp
     lab.write_notebook(STACKS_NOTEBOOK, ["%load_ext taco_notebook", cell])
     before = _ids(lab)
     try:
-        open_notebook(page, lab, STACKS_NOTEBOOK)
-        _open_sidebar(page)
-        run_all_cells(page)
-        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="hung"]')
+        row = _run_with_sidebar(page, lab, STACKS_NOTEBOOK, "hung")
         button = row.locator(".taco-cluster-stacks")
         expect(button).to_be_visible(timeout=120_000)  # shown while a cell runs on the cluster
         text = ""
@@ -511,10 +513,7 @@ def test_sidebar_peek_button_evaluates_an_expression_on_every_rank(lab, page, tm
     lab.write_notebook(PEEK_NOTEBOOK, ["%load_ext taco_notebook", cell])
     before = _ids(lab)
     try:
-        open_notebook(page, lab, PEEK_NOTEBOOK)
-        _open_sidebar(page)
-        run_all_cells(page)
-        row = page.locator(f'{SIDEBAR} {ROW}[data-cluster-name="peeked"]')
+        row = _run_with_sidebar(page, lab, PEEK_NOTEBOOK, "peeked")
         button = row.locator(".taco-cluster-peek")
         expect(button).to_be_visible(timeout=120_000)  # shown while a cell runs on the cluster
         boxes = row.evaluate("""row => [...row.querySelectorAll('button')].map(b => {
