@@ -68,7 +68,7 @@ class TacoCluster:
     cluster_id: str | None = None
 
     def __init__(self, name: str = "default", size: int = 4, mpiexec: str | None = None,
-                 start_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 start_timeout: float | None = None, env: dict[str, str] | None = None,
                  profile: Profile | None = None, *, cluster_id: str | None = None,
                  owner_kind: OwnerKind | None = None, mpi: MPIInfo | None = None,
                  progress: Callable[[str], None] | None = None) -> None:
@@ -80,7 +80,7 @@ class TacoCluster:
         self.name = name
         self.size = size
         self.mpiexec = mpiexec
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout  # None: by the size (engineset.start_timeout)
         if cluster_id is not None:
             self.cluster_id = cluster_id
         if owner_kind is not None:
@@ -101,7 +101,7 @@ class TacoCluster:
         self.shared_memory: set[str] = set()  # MPI's /dev/shm segments: a killed rank leaves them behind
         self._sets = engineset.StartedSets()
         self.busy = threading.RLock()
-        self.progress = progress  # the slurm profile's queue-state lines go here
+        self.progress = progress  # engines registered so far, and the slurm profile's queue-state lines
         self.elastic: HeldMembership | None = None  # a Membership once an --elastic cell ran here
 
     # ---------------------------------------------------------------- state
@@ -198,8 +198,9 @@ class TacoCluster:
             self.ipp_cluster.start_cluster_sync()
             self._sets.refresh(self.ipp_cluster)
             self.client = connect(self.ipp_cluster)  # ipyparallel's client, lighter per request
-            engineset.wait_for_engines(self.client, self.size, self.start_timeout, self._start_failure, self.profile,
-                                       self._sets.launchers)
+            timeout = self.start_timeout or engineset.start_timeout(self.size, self.profile.ranks_per_node(self.size))
+            engineset.wait_for_engines(self.client, self.size, timeout, self._start_failure, self.profile,
+                                       self._sets.launchers, self.progress)
             self.check_ranks()
             self.view.apply_sync(calls.setup_namespace)  # `taco`, the process group, the metrics flush
         except BaseException as exc:

@@ -22,7 +22,10 @@ from .mpi import MPIInfo, single_host_env
 from .profiles import Profile
 
 __all__ = ["engine_environment", "ipp_config", "CONTROLLER_CMD", "controller_args", "check_open_files",
-           "wait_for_engines", "read_ranks", "engine_sets", "log_paths", "set_processes", "sets_alive"]
+           "registration_timeout", "start_timeout", "wait_for_engines", "read_ranks", "engine_sets", "log_paths",
+           "set_processes", "sets_alive"]
+
+PROGRESS_EVERY_S = 30.0  # a start still waiting for engines says how many registered, this often
 
 
 def engine_environment(name: str, size: int, profile: Profile, mpi: MPIInfo | None, env: Mapping[str, str],
@@ -62,7 +65,8 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
                            sys.executable, "-m", "ipyparallel.engine"]
     environment = engine_environment(name, size, profile, mpi, env, cluster_id)
     launcher.environment = {**mpi.environment, **environment}  # mpi4py loads mpiexec's MPI
-    launcher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}"]
+    per_host = profile.ranks_per_node(size)
+    launcher.engine_args = [f"--IPEngine.timeout={registration_timeout(size, per_host):g}"]
     if profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
         from .slurm.engines import engine_config
 
@@ -77,16 +81,30 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
 CONTROLLER_CMD = [sys.executable, "-m", "taco_notebook.controller"]
 
 
-def registration_timeout(size: int) -> float:
+def registration_timeout(size: int, per_host: int | None = None, cores: int | None = None) -> float:
     """Seconds an engine waits for the controller to answer its registration (ipyparallel's default: 5 s).
 
-    The controller answers the engines one after the other, so the last of many registering at once waits for
-    all the others: 5 s plus 20 ms per engine (25 s at 1,000).
+    The controller answers the engines one after the other while the engines still starting on its host take
+    their share of its cores, so the last of many waits for all the others, slowed by that load: 5 s plus 20 ms
+    per engine, times the engines per core on the busiest host (``per_host``, default all of them, over this
+    host's ``cores``), at least once.
 
-    >>> registration_timeout(4), registration_timeout(1000)
-    (5.08, 25.0)
+    >>> registration_timeout(4, cores=16), registration_timeout(1000, 125, 16), registration_timeout(256, cores=2)
+    (5.08, 161.25, 660.36)
     """
-    return 5.0 + 0.02 * size
+    load = max(1.0, (per_host or size) / (cores or os.cpu_count() or 1))
+    return round(5.0 + 0.02 * size * load, 2)
+
+
+def start_timeout(size: int, per_host: int | None = None, cores: int | None = None) -> float:
+    """Seconds a start waits for every engine to register: two minutes for the processes to start, plus as
+    long as the last engine may wait for its answer (:func:`registration_timeout`), so that a start under load
+    never gives up on engines that are still legitimately waiting.
+
+    >>> start_timeout(4, cores=16), start_timeout(256, cores=2)
+    (125.08, 780.36)
+    """
+    return round(120.0 + registration_timeout(size, per_host, cores), 2)
 
 
 def controller_args(size: int) -> list[str]:
@@ -172,16 +190,19 @@ def never_registered(client: Any, n: int, timeout: float, hosts: list[str] | Non
 
 
 def wait_for_engines(client: Any, n: int, timeout: float, failure: Callable[[], str | None], profile: Profile,
-                     launchers: list[Any]) -> None:
+                     launchers: list[Any], progress: Callable[[str], None] | None = None) -> None:
     """Until ``n`` engines of ``profile`` (started by ``launchers``) registered, or a :class:`ClusterStartError`
     saying ``failure()`` (None while mpiexec runs) as soon as it says something, or a TimeoutError naming the
-    ranks that never registered. A Slurm job's engines: as long as the queue holds the job, then timeout."""
+    ranks that never registered. A Slurm job's engines: as long as the queue holds the job, then timeout.
+    Every :data:`PROGRESS_EVERY_S` of waiting, ``progress`` gets how many engines registered so far."""
     if profile.slurm is not None:
         from .slurm.engines import wait
 
         return wait(client, launchers[0], n, timeout)
     # interactive=False: ipyparallel's tqdm bar ("0%| | 0/4 [engine/s]") is updated from its IO thread and
     # would stay stuck in the notebook; the magic says "ready in … s" itself.
+    began = time.monotonic()
+    said = began
     future = client.wait_for_engines(n, block=False, timeout=timeout, interactive=False)
     while not future.done() or future.exception() is not None:  # ipyparallel may see the engines go first
         why = failure()
@@ -189,6 +210,10 @@ def wait_for_engines(client: Any, n: int, timeout: float, failure: Callable[[], 
             raise ClusterStartError(why)
         if future.done():
             break
+        now = time.monotonic()
+        if progress is not None and now - said >= PROGRESS_EVERY_S:
+            said = now
+            progress(f"{len(client.ids)} of {n} engines registered after {now - began:.0f} s")
         time.sleep(0.1)
     try:
         future.result()

@@ -217,3 +217,29 @@ def test_a_start_whose_engines_do_not_register_in_time_names_them_and_stops_ever
     assert f"never registered (ranks 0, 1 on {host})" in message or f"on {host})" in message, message
     assert time.monotonic() - began < 60
     assert not cluster.running
+
+
+@needs_gforker
+@pytest.mark.cluster
+def test_a_start_says_how_many_engines_registered_while_it_waits(tmp_path, monkeypatch):
+    """A start that waits for its engines says, every PROGRESS_EVERY_S, how many registered so far (made short
+    here: 2 engines register within seconds); the counts never fall and never pass the size."""
+    import re
+
+    from taco_notebook.cluster.launch import engineset
+    from taco_notebook.cluster.registry.writer import track
+    from taco_notebook.cluster.session import TacoCluster
+
+    monkeypatch.setattr(engineset, "PROGRESS_EVERY_S", 0.5)
+    lines: list[str] = []
+    cluster = track(TacoCluster(f"progress{os.getpid()}", 2, progress=lines.append), tmp_path)
+    try:
+        cluster.start()
+    finally:
+        cluster.stop()
+    said = [re.fullmatch(r"(\d) of 2 engines registered after (\d+) s", line) for line in lines]
+    assert said and all(said), lines
+    counts = [int(m.group(1)) for m in said if m]
+    seconds = [int(m.group(2)) for m in said if m]
+    assert counts == sorted(counts) and counts[-1] <= 2, lines
+    assert seconds == sorted(seconds), lines
