@@ -27,14 +27,14 @@ RUNS = tuple(Path(__file__).resolve().parent / "results" / "cpu2" / "allreduce_b
              for stamp in ("20261125T151038", "20261125T152112", "20261125T153323"))
 MB = 1e6
 
-# ---- measured inputs (GPU: issue 24, one H200, torch 2.11 + CUDA 13.0) ------------------------------------
+# ---- measured inputs (GPU: one H200, torch 2.11 + CUDA 13.0) ------------------------------------------------
 CAST_MS_PER_ELEM = 0.04 / 25.2e6  # fp16 cast of a 25.2M-element fp32 gradient: 0.04 ms
 TOPK_MS_PER_ELEM = 0.60 / 25.2e6  # torch.topk of 1% of 25.2M elements: 0.60 ms
 # HBM rate implied by the cast (reads 4 B, writes 2 B per element), for other memory-bound passes
 HBM_BYTES_PER_MS = 25.2e6 * 6 / 0.04
 DDP_HOST_MS = 1.48 - 1.03  # DDP's step over plain SGD, 1 rank, 25.2M MLP: 1.48 against 1.03 ms
-# taco's step over plain SGD at 1 rank before issue 24's one-rank shortcut, i.e. its per-step machinery when it
-# does communicate (comm thread, buckets, events): DistributedOptimizer 2.02, fp16 2.39 ms (plain 1.03)
+# taco's step over plain SGD at 1 rank with its reduction path run (no one-rank shortcut): its per-step machinery
+# when it does communicate (comm thread, buckets, events): DistributedOptimizer 2.02, fp16 2.39 ms (plain 1.03)
 TACO_HOST_MS = 2.02 - 1.03
 TACO_FP16_HOST_MS = 2.39 - 1.03
 RESNET50_STEP_MS = 32 / 1811 * 1000  # Horovod's synthetic benchmark, plain torch, batch 32: 1,811 img/s
@@ -94,7 +94,7 @@ class Model:
 def models() -> list[Model]:
     gpt = transformer_shapes()
     flop = 6 * sum(math.prod(s) for s in gpt) * TOKENS_PER_STEP
-    return [Model("ResNet-50", resnet50_shapes(), RESNET50_STEP_MS, "measured: 1,811 img/s at batch 32 (issue 24)"),
+    return [Model("ResNet-50", resnet50_shapes(), RESNET50_STEP_MS, "measured: 1,811 img/s at batch 32, one H200"),
             Model("transformer 355M", gpt, flop / (TRANSFORMER_MFU * PEAK_FLOP_PER_MS),
                   "assumed: 6 FLOP/param/token, 8K tokens, 40% of 989 TFLOP/s")]
 

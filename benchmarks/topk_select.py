@@ -2,8 +2,8 @@
 
     python benchmarks/topk_select.py                 # CPU, one thread; CUDA too when there is a GPU
 
-Why it exists: issue 24 moved CUDA tensors to ``torch.topk`` (no host sync) and kept the sampled selection
-for CPU tensors only if it is faster there; this measures both on each device. Results: benchmarks/README.md.
+Why it exists: CUDA tensors take ``torch.topk`` (no host sync) and CPU tensors the sampled selection where it
+is faster; this measures both on each device. Results: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def me() -> tuple[int, float]:
 
 def test_server_package_and_manager_import_no_tornado() -> None:
     """The package is imported on every MPI rank, the manager by tests and kernels: neither may pull in tornado."""
-    # changed with issue 12: the extension point names its app's factory (an ExtensionApp gets a shutdown call)
+    # the extension point names its app's factory (an ExtensionApp gets a shutdown call)
     code = ("import sys, taco_notebook, taco_notebook.server, taco_notebook.server.manager, "
             "taco_notebook.cluster.registry.writer, taco_notebook.cluster.session\n"
             "assert taco_notebook._jupyter_server_extension_points() == [{'module': 'taco_notebook.server', "
@@ -130,7 +130,7 @@ def test_stale_entry_is_deleted_not_scaled(manager: ClusterManager, sleeper: Cal
 
 def test_stale_entry_with_nothing_left_is_removed(manager: ClusterManager,
                                                   sleeper: Callable[..., psutil.Process]) -> None:
-    """Issue 10/11: no STALE card when nothing is left running; a process merely named in it is not 'left'."""
+    """No STALE card when nothing is left running; a process merely named in it is not 'left'."""
     unrelated = sleeper()
     owner, created = dead_pid()
     make_entry(manager.directory, "gone", owner, created, processes=[(unrelated.pid, unrelated.create_time())])
