@@ -230,7 +230,7 @@ def test_a_start_says_how_many_engines_registered_while_it_waits(tmp_path, monke
     from taco_notebook.cluster.registry.writer import track
     from taco_notebook.cluster.session import TacoCluster
 
-    monkeypatch.setattr(engineset, "PROGRESS_EVERY_S", 0.5)
+    monkeypatch.setattr(engineset, "PROGRESS_EVERY_S", 0.2)
     lines: list[str] = []
     cluster = track(TacoCluster(f"progress{os.getpid()}", 2, progress=lines.append), tmp_path)
     try:
