@@ -52,6 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import result_files  # noqa: E402
+import signals  # noqa: E402
 from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (the same CPU reading and line fit)
 
 from taco_notebook.controller import raise_open_files_limit  # noqa: E402
@@ -146,10 +147,12 @@ class Plain:
         import shutil
 
         try:
-            for client in (getattr(self, "client", None), getattr(self, "stock", None)):
-                if client is not None:
-                    client.close()
-            self.cluster.stop_cluster_sync()
+            try:
+                for client in (getattr(self, "client", None), getattr(self, "stock", None)):
+                    if client is not None:
+                        client.close()
+            finally:
+                self.cluster.stop_cluster_sync()
         finally:
             shutil.rmtree(self.home, ignore_errors=True)
 
@@ -165,10 +168,10 @@ class Taco:
         self.home = tempfile.mkdtemp(prefix="taco-cellproto-")
         os.chmod(self.home, 0o700)
         self.taco = track(TacoCluster(f"proto{size}-{os.getpid()}", size, start_timeout=timeout), Path(self.home))
-        self.taco.start()
-        self.client = self.taco.client
-        self.view = self.client[:]
         try:
+            self.taco.start()  # stops itself when it fails or is interrupted
+            self.client = self.taco.client
+            self.view = self.client[:]
             self.stock = self.taco.ipp_cluster.connect_client_sync()  # ipyparallel's own, for the "stock" variant
             self.stock.wait_for_engines(size, timeout=timeout, interactive=False)
         except BaseException:
@@ -257,8 +260,8 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
     plain engines get (``--controller``)."""
     began = time.perf_counter()
     cluster = Plain(size, timeout, settings) if kind == "plain" else Taco(size, timeout)
-    start_s = time.perf_counter() - began
     try:
+        start_s = time.perf_counter() - began
         controller = cluster.controller_processes()
         fds = max(process.num_fds() for process in controller)
         for _ in range(3):  # warm-up
@@ -381,4 +384,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with signals.stop_on_sigterm():  # SIGTERM and SIGHUP stop the clusters too
+        main()

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import result_files
+import signals
 
 from taco_notebook.errors import ClusterStartError
 
@@ -412,4 +413,5 @@ def write_json(path: Path, rows: list[dict[str, Any]], failed: list[dict[str, An
 
 
 if __name__ == "__main__":
-    main()
+    with signals.stop_on_sigterm():  # SIGTERM and SIGHUP stop the clusters too
+        main()

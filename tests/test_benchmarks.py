@@ -5,16 +5,22 @@ A benchmark past its timeout is killed with every process it started (its own mp
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from .support.mpirun import mpi_env, run_in_session, still_running
+from taco_notebook.cluster.processes.tree import alive
+
+from .support.mpirun import kill_session, mpi_env, run_in_session, still_running
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -37,7 +43,7 @@ def test_one_entry_point_lists_every_benchmark_and_runs_each_as_its_script():
     listed = entry("list")
     assert listed.returncode == 0, listed.stderr
     names = {line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ")}
-    helpers = {"emulated_run", "result_files"}
+    helpers = {"emulated_run", "result_files", "signals"}
     assert names == {p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_")} - helpers, listed.stdout
     assert entry().stdout == listed.stdout == entry("--help").stdout
     unknown = entry("allreduce")
@@ -172,6 +178,63 @@ def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(t
         assert row[f"{variant}_wall_ms"] > 0 and row[f"{variant}_notebook_cpu_ms"] > 0, row
     assert row["old_wall_ms"] > row["new_wall_ms"], row
     assert set(row["watch_cpu_share"]) == {"poll all", "news only"}, row
+
+
+def _engines_up(proc: subprocess.Popen[str], count: int, timeout: float) -> dict[psutil.Process, str]:
+    """Every process ``proc`` started, with its command, once ``count`` engines have registered (each has its
+    nanny then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        started: dict[psutil.Process, str] = {}
+        for process in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                started[process] = " ".join(process.cmdline())
+        if sum("ipyparallel.engine.nanny" in command for command in started.values()) >= count:
+            return started
+        time.sleep(0.2)
+    kill_session(proc)
+    out, err = proc.communicate()
+    pytest.fail(f"no {count} engines in {timeout:g} s (exit {proc.returncode})\nstdout:\n{out}\nstderr:\n{err}")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("signum", "entry", "status", "said"), [
+    (signal.SIGTERM, ["cell_protocol.py"], 128 + signal.SIGTERM, "benchmark ended by SIGTERM; clusters stopped"),
+    (signal.SIGHUP, ["-m", "benchmarks", "cell_protocol"], 128 + signal.SIGHUP,
+     "benchmark ended by SIGHUP; clusters stopped"),
+    (signal.SIGINT, ["cell_protocol.py"], -signal.SIGINT, "KeyboardInterrupt"),  # Python's own Ctrl-C
+], ids=["sigterm", "sighup-module", "sigint"])
+def test_a_benchmark_ended_by_a_signal_stops_its_cluster_first(signum, entry, status, said):
+    """SIGTERM or SIGHUP to the benchmark alone, mid-measurement: it stops its controller and engines, exits
+    with 128 + the signal's number and says so; Ctrl-C does the same through Python's KeyboardInterrupt."""
+    argv = [sys.executable, *(str(BENCHMARKS / e) if e.endswith(".py") else e for e in entry),
+            "--engines", "plain", "--ranks", "2", "--cells", "200"]
+    # the benchmark starts with the signal's default action: a handler is reset at exec, where an ignored signal
+    # (pytest under nohup, or started in the background) would stay ignored
+    previous = signal.signal(signum, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=BENCHMARKS.parent, start_new_session=True)
+    finally:
+        signal.signal(signum, previous)
+    try:
+        started = _engines_up(proc, 2, timeout=90)
+        time.sleep(1)  # into the cells
+        os.kill(proc.pid, signum)
+        out, err = proc.communicate(timeout=30)
+    except BaseException:  # past 30 s, Ctrl-C, pytest-timeout: nothing of it outlives the test
+        kill_session(proc)
+        raise
+    deadline = time.monotonic() + 15  # a nanny lingers up to 3 s for a gone controller
+    while (left := [p for p in started if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    assert not left, f"left running: {[started[p] for p in left]}\n{err}"
+    assert proc.returncode == status, out + err
+    assert said in err.splitlines(), err
 
 
 @pytest.mark.mpi
