@@ -207,7 +207,7 @@ class TacoCluster:
             output = self.engine_output()
             self._phase = None
             self.stop()
-            if isinstance(exc, ClusterStartError | KeyboardInterrupt):
+            if isinstance(exc, ClusterStartError) or not isinstance(exc, Exception):  # Ctrl-C, SystemExit: as is
                 raise
             raise ClusterStartError(self._failed(exc, output)) from exc
         self.started_at = time.time()
