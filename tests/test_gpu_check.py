@@ -49,7 +49,7 @@ def test_a_failure_is_named_by_its_last_line_even_when_its_message_is_empty(monk
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
 def test_overhead_and_synthetic_sections_run_their_workers_on_cpu():
-    """The CUDA sections of issue 24, run as a self-test on a tiny model: every variant, the compressor
+    """The CUDA sections, run as a self-test on a tiny model: every variant, the compressor
     kernels and the sync counts (n/a without CUDA) reach the tables; --help lists the sections."""
     result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "overhead", "synthetic",
                              "placement", "--steps", "3"], capture_output=True, text=True, timeout=380)

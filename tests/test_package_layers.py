@@ -156,8 +156,8 @@ def test_no_import_loops(graph: dict[str, set[str]]) -> None:
 
 def test_no_import_loops_even_for_the_type_checker(graph: dict[str, set[str]],
                                                   typed_graph: dict[str, set[str]]) -> None:
-    """Issue 23: ``session -> members -> membership -(TYPE_CHECKING)-> session`` was a circle the interpreter
-    never saw. A module that needs another's type for its hints only still depends on it: the two may not
+    """A circle such as ``session -> members -> membership -(TYPE_CHECKING)-> session`` is one the interpreter
+    never sees. A module that needs another's type for its hints only still depends on it: the two may not
     depend on each other, whether the import is lazy, at the top or under ``if TYPE_CHECKING:``."""
     tree, describe = "taco_notebook.cluster.processes.tree", "taco_notebook.cluster.describe"
     assert describe in typed_graph[tree] and describe not in graph[tree]  # the TYPE_CHECKING edges are read

@@ -319,7 +319,7 @@ def _check_after_the_pages_last_message(page, tries: int = 5) -> dict[str, list[
 
 
 def test_run_all_on_the_example_draws_each_series_once(lab, page):
-    """Issue 10 as it appeared: a fresh kernel, Run All on examples/02. No time series may return to its first point
+    """A fresh kernel, Run All on examples/02. No time series may return to its first point
     ("bytes saved" drawn once), in the pictures on the page nor in the kernel's sources once the kernel has read
     every message the page sent back (the check cell runs again after Run All for that)."""
     import nbformat
@@ -339,7 +339,7 @@ def test_run_all_on_the_example_draws_each_series_once(lab, page):
         frame = static_frame(page, index)
         sources = pictures[index] = frame_sources(frame, ["taco-throughput", "taco-compression"])
         for name, columns in sources.items():
-            # what a person sees: a line of points (issue 25: one point per series, so no line at all), in order
+            # what a person sees: a line of points (one point per series would draw no line at all), in order
             assert len(columns["time"]) >= 20 and strictly_increasing(columns["time"]), (
                 f"cell {index}: {name} has too few points or goes back in time: {columns['time']}")
         ratios = [r for r in sources["taco-compression"]["ratio"] if r is not None and r == r]
@@ -392,7 +392,7 @@ def shown_legends(frame) -> list[dict[str, Any]]:
 def _picture(page, index: int, path: Path) -> None:
     """Screenshot of the ``index``-th cell's final picture (status, progress and plots) for the docs: its HTML on a
     page of its own, 1200 px wide, so the whole picture is in one image. Every legend in it must lie within its
-    figure and list no tokens series (these runs report none): issue 25."""
+    figure and list no tokens series (these runs report none)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     markup = cell_output(page, index).locator(STATIC).first.evaluate("(e) => e.outerHTML")
     alone = page.context.new_page()

@@ -1,4 +1,4 @@
-"""The dashboard survives a reload in the middle of a run (issue 25), in a real JupyterLab in a real chromium.
+"""The dashboard survives a reload in the middle of a run, in a real JupyterLab in a real chromium.
 
 Save while ``%%taco_run`` trains, reload the page: while the cell still runs the live dashboard is back under it and
 keeps moving (the wait loop answers the page's widget requests: ``ipp/comm_pump.py``), and once the cell ends
@@ -193,7 +193,7 @@ VISIBLE_FIGURES_JS = """
 
 
 def test_a_loop_that_sends_nothing_shows_its_progress_and_step_rate_only(lab, page):
-    """Issue 25: such a loop got a full dashboard of empty plots and "step 0" beside "85/600"."""
+    """The final picture holds progress and step rate only: no dashboard of empty plots, no "step 0" beside "85/600"."""
     from playwright.sync_api import expect
 
     loop = "%%taco_run -np 2\nimport time\nfor i in taco.progress(range(300)):\n    time.sleep(0.01)\n"

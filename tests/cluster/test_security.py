@@ -1,4 +1,4 @@
-"""Issue 11: safe on a shared host. Real clusters, a real Jupyter server, and, where the tests run as root, a real
+"""Safe on a shared host. Real clusters, a real Jupyter server, and, where the tests run as root, a real
 second user (``nobody``, through ``setpriv``) playing the attacker.
 
 What is proven here: what the project writes is private (modes, and ``nobody`` reading it), a forged registry entry
@@ -229,7 +229,7 @@ def test_a_registry_dir_others_control_is_refused(tmp_path: Path, sleep_process:
             refusing.shutdown()
         cluster = registry_writer.track(TacoCluster("unwritten", 1), directory)
         cluster.owner_kind, cluster.cluster_id = "server", "unwritten-1"
-        cluster.announce_start()  # changed with issue 12: the writer answers the event, refusing the directory
+        cluster.announce_start()  # the writer answers the event, refusing the directory
         assert cluster not in registry_writer.tracked()  # (a logged warning; nothing written, nothing raised)
         cluster.stop()
         assert not (real / "unwritten-1.json").exists()

@@ -1,5 +1,5 @@
 """One rank under real ``mpiexec``: the step is plain torch (no hook, no fusion copy, no collective, no
-compression), DDP's hook answers at once, and ``taco.allreduce`` leaves the tensor in place (issue 24; the
+compression), DDP's hook answers at once, and ``taco.allreduce`` leaves the tensor in place (the
 checks are in tests/mpi/single_rank.py)."""
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def test_error_feedback_on_the_large_path_delivers_every_step_in_full() -> None:
     torch.testing.assert_close(sent + c.state.residuals["g"].double(), total, rtol=0, atol=1e-5)
 
 
-# --- the selection by device type (issue 24): torch.topk on accelerators, the sampled passes on CPU ----------
+# --- the selection by device type: torch.topk on accelerators, the sampled passes on CPU ---------------------
 
 
 def test_the_selection_is_chosen_by_the_device_type_alone() -> None:

@@ -133,9 +133,9 @@ def test_setup_made_taco_the_rank_api_with_plain_tracebacks_and_one_flush(view):
 
 @pytest.mark.cluster
 def test_an_empty_stream_flushes_without_the_iopub_thread_and_output_still_arrives(view):
-    """stdstreams.py: flushing a stream with nothing in it hands the IOPub thread nothing (it was four round trips
-    per request); after a write, the flush goes through ipykernel's as before, and every line arrives, also
-    lines a thread wrote just before the cell ended."""
+    """stdstreams.py: flushing a stream with nothing in it hands the IOPub thread nothing (ipykernel's flush
+    makes four round trips to it per request); after a write, the flush goes through ipykernel's, and every
+    line arrives, also lines a thread wrote just before the cell ended."""
     probe = view.apply_async(_flushes)
     assert probe.get(60) == [("LeanOutStream", "LeanOutStream", 0, True, "OutStream")] * 4
     probe.wait_for_output(5)

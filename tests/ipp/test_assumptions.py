@@ -60,7 +60,7 @@ def test_pyproject_pins_the_range_the_check_names() -> None:
 
 
 def test_nothing_outside_the_adapter_imports_ipyparallel() -> None:
-    """The issue's own check, as a user would run it: grep lists only taco_notebook/ipp/."""
+    """The check as a user would run it: grep lists only taco_notebook/ipp/."""
     found = subprocess.run(["grep", "-rln", "--include=*.py", r"import ipyparallel\|from ipyparallel", "taco_notebook"],
                            cwd=ROOT, capture_output=True, text=True, check=False).stdout.split()
     assert found and all(path.startswith("taco_notebook/ipp/") for path in found), found

@@ -1,5 +1,5 @@
 """``%taco_doctor --hosts/--hostfile/--profile`` and ``python -m taco_notebook doctor --hosts``: nodes where no
-cluster runs, read through a temporary cluster of one engine per node (issue 13).
+cluster runs, read through a temporary cluster of one engine per node.
 
 The emulated tests are real end to end: two network namespaces on a bridge shaped to 1 Gbit/s, Debian's sshd in
 each, mpich's hydra over ssh, and the report read from a real IPython shell or the real command line. They need

@@ -94,7 +94,7 @@ def test_cell_output_streams_live_and_interrupt_keeps_the_cluster(kernel):
 
 @pytest.mark.parametrize("kernel", [None, IPYKERNEL6], indirect=True, ids=["installed", IPYKERNEL6])
 def test_a_running_cell_answers_widget_requests_while_queued_cells_wait_their_turn(kernel):
-    """Issue 25: a page reloaded mid-run asks for its widgets over the shell channel; the wait loop answers it
+    """A page reloaded mid-run asks for its widgets over the shell channel; the wait loop answers it
     (``ipp/comm_pump.py``) while an ``execute_request`` sent meanwhile still runs after the cell, in order."""
     _, client = kernel
     cell = client.execute("%%taco_run -np 2\nimport time\nprint('training', flush=True)\ntime.sleep(6)")

@@ -1,5 +1,5 @@
 """``%taco_doctor``, ``%taco_cluster manifest --k8s`` and ``--require-hugepages`` in a real IPython shell, against
-real MPI-launched engines and this machine's /proc and /sys (issue 13)."""
+real MPI-launched engines and this machine's /proc and /sys."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def train(spec: str, algorithm: str, steps: int, momentum: float = 0.5, layout: 
     """A regression with a noise floor (loss ~0.08) by a 32-64-1 MLP: one 2.2K-element bucket (47x47).
 
     Momentum 0.5: at 0.9 (lr 0.1) error feedback's delayed mass made rank 1 diverge here and rank 4 end
-    +4..38% above dense, depending on the data (see the report of issue 14)."""
+    +4..38% above dense, depending on the data."""
     torch.manual_seed(7)
     xs, w = torch.randn(2048, 32), torch.randn(32, 1)
     ys = torch.tanh(xs @ w / 4) + 0.3 * torch.randn(2048, 1)

@@ -1,4 +1,4 @@
-"""Run under ``mpiexec -n 1``: with one rank, nothing is copied or communicated (issue 24).
+"""Run under ``mpiexec -n 1``: with one rank, nothing is copied or communicated.
 
 DistributedOptimizer and the DDP hook give exactly plain torch's parameters, with no hook on the gradients, no
 fusion buffer made, no collective and no compression; ``taco.allreduce`` leaves the tensor where and as it was.

@@ -84,7 +84,7 @@ def api(jp_fetch: Any, jp_asyncio_loop: Any, manager: ClusterManager) -> Fetch:
 
 
 def test_version_and_empty_list(api: Fetch) -> None:
-    # changed with issue 11: the version also says how many ranks a cluster may have, for the sidebar's dialog
+    # the version also says how many ranks a cluster may have, for the sidebar's dialog
     assert api("GET", "version") == (200, {"version": taco_notebook.__version__, "max_ranks": max_ranks()})
     assert api("GET", "clusters") == (200, {"clusters": []})
 
@@ -123,7 +123,7 @@ def test_unauthenticated_requests_are_rejected(jp_asyncio_loop: Any, http_server
 
 def test_every_handler_verb_is_authenticated_authorized_and_async() -> None:
     """Walk the handler classes: each HTTP verb they define must be wrapped by tornado.web.authenticated, then by
-    jupyter_server's ``authorized`` (issue 23: the action from the HTTP method, as for kernels), over a coroutine."""
+    jupyter_server's ``authorized`` (the action from the HTTP method, as for kernels), over a coroutine."""
     wrapper_code = tornado.web.authenticated(lambda self: None).__code__
     authorized_code = authorized(lambda self: None).__code__
     classes = [c for _, c in inspect.getmembers(handlers, inspect.isclass)
@@ -202,7 +202,7 @@ def test_stale_entry_is_shown_and_deletable(api: Fetch, registry_dir: Path,
 @pytest.mark.cluster
 def test_extension_shutdown_stops_the_servers_cluster(api: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any,
                                                       manager: ClusterManager, registry_dir: Path) -> None:
-    """Issue 12: a cluster started through the API is served as it models itself and as its registry file holds
+    """A cluster started through the API is served as it models itself and as its registry file holds
     it; the server's shutdown (jupyter_server's cleanup_extensions → the extension app's stop_extension, not
     atexit) stops it: its processes are gone and its entry removed."""
     code, model = api("POST", "clusters", body={"size": 2, "name": "unload"})
@@ -234,7 +234,7 @@ def _free_port() -> int:
 
 @pytest.mark.cluster
 def test_a_jupyter_server_stopped_by_sigterm_stops_its_cluster(tmp_path: Path) -> None:
-    """Issue 12, as a user's server goes: ``jupyter server`` (a real process, the extension loaded from its
+    """As a user's server goes: ``jupyter server`` (a real process, the extension loaded from its
     config) starts a cluster for the sidebar; SIGTERM (what a service manager sends) ends the server, and on its
     way out the extension app's stop_extension stops the cluster: no process of it left, no entry."""
     port, token, directory = _free_port(), "t" + os.urandom(8).hex(), tmp_path / "registry"

@@ -1,4 +1,4 @@
-"""Issue 23: the REST handlers do their blocking work off the event loop, and a deployment's Authorizer decides
+"""The REST handlers do their blocking work off the event loop, and a deployment's Authorizer decides
 who may start, stop and scale clusters. A real Jupyter server (pytest-jupyter), as in test_server.py.
 
 The slow read is real: the manager's registry read blocks its thread on an event only the test sets, as a hung

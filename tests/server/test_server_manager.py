@@ -140,7 +140,7 @@ def test_stale_entry_with_nothing_left_is_removed(manager: ClusterManager,
 
 def test_async_twins_answer_as_the_methods_do_from_a_worker_thread(manager: ClusterManager,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 23: each ``*_async`` twin returns what its method returns and raises what it raises, having run in
+    """Each ``*_async`` twin returns what its method returns and raises what it raises, having run in
     a thread other than the awaiting event loop's."""
     threads = set()
     read_models = registry.read_models
@@ -173,7 +173,7 @@ def test_async_twins_answer_as_the_methods_do_from_a_worker_thread(manager: Clus
 
 def test_requests_at_once_to_a_kernel_cluster_leave_one_pending(manager: ClusterManager,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 23: the handlers call in from several threads; of stop and scale requests that arrive together (a
+    """The handlers call in from several threads; of stop and scale requests that arrive together (a
     slow registry read widens the window), one is written and every other is a 409, as on one event loop."""
     make_entry(manager.directory, "k1", *me())
     read_model = registry.read_model

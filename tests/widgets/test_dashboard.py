@@ -97,7 +97,7 @@ def test_widget_dashboard_holds_the_runs_data(ip, shared_cluster, monkeypatch, c
     board = taco_notebook.dashboard()
     out = capsys.readouterr().out
     # the widget, not the text mode's print: a terminal shows the live view's repr, then the final picture's
-    # text/plain (the summary), once (changed with issue 10: the final picture replaces the live view)
+    # text/plain (the summary), once (the final picture replaces the live view)
     assert "VBox(" in out and out.count("taco dashboard:") == 1
     throughput = board.stream.plots.throughput.sources["throughput"].data
     # 80 steps of 30 ms: the ranks' records draw a point every 0.05 s, whatever reached the notebook when
@@ -140,7 +140,7 @@ for step in taco.progress(range(120)):
 
 
 def test_the_throughput_legend_of_a_recorded_run_lists_tokens_once_they_are_reported(shared_cluster):
-    """Issue 25, from what real ranks recorded: no greyed "tokens/s (total)" while no rank reports tokens, the
+    """From what real ranks recorded: no greyed "tokens/s (total)" while no rank reports tokens, the
     entry once they do, and the legend under the plot within the width a plot beside another gets."""
     recorder = Recorder()
     run_cell(shared_cluster, TOKENS_LATER, CellOptions(monitors=[recorder]), RankOutput())

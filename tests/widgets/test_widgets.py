@@ -396,7 +396,7 @@ def _assert_legends_fit_below(plots: Any) -> None:
 
 
 def test_legends_list_only_series_with_data_and_fit_under_their_plot() -> None:
-    """Issue 25: the throughput legend ran out of the figure on both sides and listed a greyed "tokens/s (total)"
+    """The throughput legend stays within the figure on both sides and lists no greyed "tokens/s (total)"
     for a model that reports no tokens; once tokens are reported, their series joins the legend."""
     stream = MetricsStream(NODE_OF_RANK, capacity_bps=CAPACITY)
     stream.push(batch(1.0))
@@ -427,7 +427,7 @@ def test_legends_list_only_series_with_data_and_fit_under_their_plot() -> None:
 
 
 def test_a_step_part_that_stays_zero_is_neither_drawn_nor_listed() -> None:
-    """Issue 25: the step-time legend listed "communication (overlapped)" for a loop whose communication never
+    """The step-time legend lists no "communication (overlapped)" for a loop whose communication never
     overlapped compute; the part joins the legend (and its bars show) once some rank's is visible (2% of the
     tallest bar: ``stream.STEP_PART_SEEN``), and stays while the run goes on; the final picture lists the parts
     its bars show."""

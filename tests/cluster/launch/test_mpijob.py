@@ -90,7 +90,7 @@ def test_manifest_passes_the_crd_schema_and_the_pod_models(crd: dict[str, Any], 
 
 
 def check_shape(job: dict[str, Any], np: int, gpus: int, hugepages: str | None, mpi: str, workers: int) -> None:
-    """What the issue asks of the manifest: slots, replicas, GPU and huge page resources, volumes, env, mpirun."""
+    """What the manifest must hold: slots, replicas, GPU and huge page resources, volumes, env, mpirun."""
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v2beta1", "MPIJob")
     assert job["spec"]["slotsPerWorker"] == gpus and job["spec"]["mpiImplementation"] == mpi
     replicas = job["spec"]["mpiReplicaSpecs"]

@@ -137,7 +137,7 @@ def test_dead_local_rank_marks_cluster_broken(registry_dir: Path, sleeper: Calla
 def test_discard_stale_kills_only_recorded_processes(registry_dir: Path,
                                                      sleeper: Callable[..., psutil.Process]) -> None:
     """Killed: recorded, same create time, and marked as this cluster's. Not: a reused pid, a process of the same
-    user without the marker, one marked for another cluster (changed with issue 11: the marker is required)."""
+    user without the marker, one marked for another cluster (the marker is required)."""
     left_behind, reused, unmarked, other = sleeper("old"), sleeper("old"), sleeper(), sleeper("other")
     owner, owner_created = dead_pid()
     make_entry(registry_dir, "old", owner, owner_created,
@@ -198,7 +198,7 @@ def _same_model(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 @pytest.mark.cluster
 def test_events_in_order_and_one_model_everywhere(registry_dir: Path) -> None:
-    """Issue 12: a real 2-rank cluster tells a subscriber starting → running → (run) → stopping → stopped, in order;
+    """A real 2-rank cluster tells a subscriber starting → running → (run) → stopping → stopped, in order;
     its model is built once: what it says, what its registry file holds and what a manager serves are the same."""
     from taco_notebook.server.manager import ClusterManager
 
@@ -262,7 +262,7 @@ print(json.dumps({"registered": registered, "id": cluster.cluster_id, "pids": [p
 
 @pytest.mark.cluster
 def test_one_exit_hook_stops_a_running_cluster(registry_dir: Path) -> None:
-    """Issue 12: the registry writer, the manager and a started cluster (ipyparallel's hook off) register no
+    """The registry writer, the manager and a started cluster (ipyparallel's hook off) register no
     atexit hook of their own; the process's one hook (session's) stops the cluster it left running at exit."""
     out = subprocess.run([sys.executable, "-c", _EXIT_JOB, str(registry_dir)], capture_output=True, text=True,
                          timeout=300, check=False)
