@@ -189,16 +189,18 @@ class TacoCluster:
         self._emit("starting")
         try:
             profile_dir = ippfiles.prepare(cluster_id)  # private, dead owners' files swept, this one's recorded
+            per_host = self.profile.ranks_per_node(self.size)  # the busiest host's engines: the start's load
             config, self._engines = engineset.ipp_config(self.name, self.size, self.profile, self.mpi, self.env,
                                                          cluster_id, self.progress)
             self.ipp_cluster = ipp.Cluster(engines=self._engines, n=self.size, profile_dir=str(profile_dir),
                                            config=config, controller_ip=self.profile.controller_ip, log=IPP_LOG,
                                            cluster_id=cluster_id,
-                                           controller_args=engineset.controller_args(self.size), shutdown_atexit=False)
+                                           controller_args=engineset.controller_args(self.size, per_host),
+                                           shutdown_atexit=False)
             self.ipp_cluster.start_cluster_sync()
             self._sets.refresh(self.ipp_cluster)
             self.client = connect(self.ipp_cluster)  # ipyparallel's client, lighter per request
-            timeout = self.start_timeout or engineset.start_timeout(self.size, self.profile.ranks_per_node(self.size))
+            timeout = self.start_timeout or engineset.start_timeout(self.size, per_host)
             engineset.wait_for_engines(self.client, self.size, timeout, self._start_failure, self.profile,
                                        self._sets.launchers, self.progress)
             self.check_ranks()

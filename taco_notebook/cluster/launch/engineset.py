@@ -7,6 +7,7 @@ session.py keeps only the cluster's state and lifecycle.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -107,13 +108,19 @@ def start_timeout(size: int, per_host: int | None = None, cores: int | None = No
     return round(120.0 + registration_timeout(size, per_host, cores), 2)
 
 
-def controller_args(size: int) -> list[str]:
-    """The controller's command line for ``size`` engines (``ipp.Cluster(controller_args=)``): the controller
-    is a process of its own, which reads its settings from its command line and its profile, never from the
-    ``Config`` handed to ``ipp.Cluster`` (a ``HeartMonitor.period`` put there leaves it beating every 3 s).
+def controller_args(size: int, per_host: int | None = None) -> list[str]:
+    """The controller's command line for ``size`` engines, ``per_host`` on the busiest host
+    (``ipp.Cluster(controller_args=)``): the controller is a process of its own, which reads its settings from
+    its command line and its profile, never from the ``Config`` handed to ``ipp.Cluster`` (a
+    ``HeartMonitor.period`` put there leaves it beating every 3 s).
 
     * ``HeartMonitor.period``: :func:`heartbeat_ms`. The controller pings every engine each period; at
       hundreds of engines a longer one (a dead rank is seen by mpiexec and the wrapper, not by the heartbeat).
+    * ``registration_timeout``: how long the hub keeps an answered registration waiting for the engine's first
+      heartbeat before it drops it (ipyparallel's default: 30 s, or ten periods): the engine's
+      :func:`registration_timeout`, at least that. Between its answer and its first beat an engine starts its
+      nanny process; with hundreds starting on a few cores that took over the default, and the dropped
+      engines, alive and sure they were registered, never joined.
     * ``db_class=NoDB``: ipyparallel 9's default ``DictDB`` keeps every request, reply (its result buffers)
       and output in the controller's memory, up to 1 GiB, and rebuilds a rank's stdout by string concatenation
       on every write; taco never reads it back (no ``db_query``, ``get_result`` or resubmission).
@@ -122,12 +129,16 @@ def controller_args(size: int) -> list[str]:
       and reply (INFO) and per dashboard payload (a WARNING: the hub does not know ipyparallel's own
       ``data_message``) to its log file, without end. Errors are still logged.
 
-    >>> controller_args(16)[0], controller_args(1000)[0]
-    ('--HeartMonitor.period=3000', '--HeartMonitor.period=30000')
+    >>> controller_args(16, 1)[:2]
+    ['--HeartMonitor.period=3000', '--IPController.registration_timeout=30']
+    >>> controller_args(1000, 1)[:2]
+    ['--HeartMonitor.period=30000', '--IPController.registration_timeout=300']
     """
     quiet = {name: {"level": "ERROR"} for name in ("TacoController", "IPController")}  # the logger is the app's class
-    return [f"--HeartMonitor.period={heartbeat_ms(size)}", "--IPController.db_class=NoDB",
-            f"--IPController.logging_config={json.dumps({'loggers': quiet})}"]
+    period = heartbeat_ms(size)
+    registration = max(30, period // 100, math.ceil(registration_timeout(size, per_host)))
+    return [f"--HeartMonitor.period={period}", f"--IPController.registration_timeout={registration}",
+            "--IPController.db_class=NoDB", f"--IPController.logging_config={json.dumps({'loggers': quiet})}"]
 
 
 def check_open_files(size: int) -> None:
