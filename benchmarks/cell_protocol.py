@@ -26,10 +26,10 @@ Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed 
 
 Engines: ``--engines taco`` starts a real ``TacoCluster`` (MPI, torch and the process group on every rank:
 ~275 MiB each, so 64 is about this machine's limit); ``--engines plain`` starts plain ipyparallel engines with
-no torch (~60 MiB each), their kernel and streams set up as a taco engine's are (``quiet_kernel.py``,
-``stdstreams.py``),
-and a runner with the same message shape as ``runner.run_cell``, so hundreds fit: the notebook's and the
-controller's side of the control plane are the same, which is what is measured.
+no torch (~60 MiB each), started, and their kernel and streams set up, as a taco engine's are (no nanny,
+``quiet_kernel.py``, ``stdstreams.py``, ``signals.py``), and a runner with the same message shape as
+``runner.run_cell``, so hundreds fit: the notebook's and the controller's side of the control plane are the
+same, which is what is measured.
 
 Per N: wall ms per empty cell (median), the notebook's and the controller's CPU ms per empty cell (over all
 cells of the variant), their sum per rank, and the notebook's CPU per second of a running cell for each watch.
@@ -58,13 +58,14 @@ from control_plane import cluster_sizes, cpu_seconds, fit_line  # noqa: E402  (t
 from taco_notebook.controller import raise_open_files_limit  # noqa: E402
 from taco_notebook.engine.wire import CellReply, CellSetup  # noqa: E402
 from taco_notebook.ipp.quiet_kernel import quiet_kernel  # noqa: E402
+from taco_notebook.ipp.signals import NO_NANNY, answer_signals  # noqa: E402
 from taco_notebook.ipp.stdstreams import lean_streams  # noqa: E402
 
 EMPTY = "pass"
 POLL_S = 0.05  # run.py's
 # what a taco engine's set-up does to its kernel and streams (calls.setup_namespace), without torch: taco's own
 # functions, one apply each, which reach the engines by reference
-PLAIN_SETUP = (lean_streams, quiet_kernel)
+PLAIN_SETUP = (lean_streams, quiet_kernel, answer_signals)
 # stock: the new runner sent through ipyparallel's own Client (a second client on the same controller) instead of
 # the cluster's LeanClient (ipp/client.py); coalescing: through broadcast_view(is_coalescing=True)
 VARIANTS = ("old", "stock", "new", "coalescing")
@@ -107,7 +108,7 @@ class Plain:
         from taco_notebook.ipp.client import connect
 
         config = Config()  # the same registration timeout and controller as a TacoCluster of this size
-        config.LocalEngineSetLauncher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}"]
+        config.LocalEngineSetLauncher.engine_args = [f"--IPEngine.timeout={registration_timeout(size):g}", NO_NANNY]
         if controller == "taco":
             config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
         self.cluster = ipp.Cluster(n=size, engines="local", profile_dir=self.home, controller_ip="127.0.0.1",
@@ -262,6 +263,7 @@ def measure(kind: str, size: int, cells: int, sleep: float, timeout: float, sett
     cluster = Plain(size, timeout, settings) if kind == "plain" else Taco(size, timeout)
     try:
         start_s = time.perf_counter() - began
+        print(f"{size} {kind} engines up in {start_s:.1f} s; measuring", file=sys.stderr, flush=True)
         controller = cluster.controller_processes()
         fds = max(process.num_fds() for process in controller)
         for _ in range(3):  # warm-up

@@ -12,8 +12,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -180,21 +182,12 @@ def test_cell_protocol_benchmark_measures_both_protocols_on_torch_free_engines(t
     assert set(row["watch_cpu_share"]) == {"poll all", "news only"}, row
 
 
-def _engines_up(proc: subprocess.Popen[str], count: int, timeout: float) -> dict[psutil.Process, str]:
-    """Every process ``proc`` started, with its command, once ``count`` engines have registered (each has its
-    nanny then)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        started: dict[psutil.Process, str] = {}
-        for process in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                started[process] = " ".join(process.cmdline())
-        if sum("ipyparallel.engine.nanny" in command for command in started.values()) >= count:
-            return started
-        time.sleep(0.2)
-    kill_session(proc)
-    out, err = proc.communicate()
-    pytest.fail(f"no {count} engines in {timeout:g} s (exit {proc.returncode})\nstdout:\n{out}\nstderr:\n{err}")
+def _read_lines(stream: Any, lines: list[str], seen: threading.Event, marker: str) -> None:
+    """Every line of ``stream`` into ``lines``; ``seen`` set at the first one holding ``marker``."""
+    for line in stream:
+        lines.append(line.rstrip("\n"))
+        if marker in line:
+            seen.set()
 
 
 @pytest.mark.cluster
@@ -205,7 +198,7 @@ def _engines_up(proc: subprocess.Popen[str], count: int, timeout: float) -> dict
      "benchmark ended by SIGHUP; clusters stopped"),
     (signal.SIGINT, ["cell_protocol.py"], -signal.SIGINT, "KeyboardInterrupt"),  # Python's own Ctrl-C
 ], ids=["sigterm", "sighup-module", "sigint"])
-def test_a_benchmark_ended_by_a_signal_stops_its_cluster_first(signum, entry, status, said):
+def test_a_benchmark_ended_by_a_signal_stops_its_cluster_first(signum, entry, status, said, tmp_path):
     """SIGTERM or SIGHUP to the benchmark alone, mid-measurement: it stops its controller and engines, exits
     with 128 + the signal's number and says so; Ctrl-C does the same through Python's KeyboardInterrupt."""
     argv = [sys.executable, *(str(BENCHMARKS / e) if e.endswith(".py") else e for e in entry),
@@ -214,27 +207,39 @@ def test_a_benchmark_ended_by_a_signal_stops_its_cluster_first(signum, entry, st
     # (pytest under nohup, or started in the background) would stay ignored
     previous = signal.signal(signum, signal.default_int_handler)
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=BENCHMARKS.parent, start_new_session=True)
+        with open(tmp_path / "stdout", "w") as stdout:
+            proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=BENCHMARKS.parent,
+                                    start_new_session=True)
     finally:
         signal.signal(signum, previous)
+    lines: list[str] = []
+    up = threading.Event()
+    reader = threading.Thread(target=_read_lines, args=(proc.stderr, lines, up, "engines up in"), daemon=True)
+    reader.start()
     try:
-        started = _engines_up(proc, 2, timeout=90)
+        assert up.wait(90), f"no engines up in 90 s (exit {proc.poll()}):\n" + "\n".join(lines)
+        started: dict[psutil.Process, str] = {}
+        for process in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                started[process] = " ".join(process.cmdline())
         time.sleep(1)  # into the cells
         os.kill(proc.pid, signum)
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
     except BaseException:  # past 30 s, Ctrl-C, pytest-timeout: nothing of it outlives the test
         kill_session(proc)
         raise
-    deadline = time.monotonic() + 15  # a nanny lingers up to 3 s for a gone controller
+    reader.join(10)
+    err = "\n".join(lines)
+    deadline = time.monotonic() + 15
     while (left := [p for p in started if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     for process in left:
         with contextlib.suppress(psutil.Error):
             process.kill()
     assert not left, f"left running: {[started[p] for p in left]}\n{err}"
-    assert proc.returncode == status, out + err
-    assert said in err.splitlines(), err
+    assert not any("ipyparallel.engine.nanny" in command for command in started.values()), started
+    assert proc.returncode == status, (tmp_path / "stdout").read_text() + err
+    assert said in lines, err
 
 
 @pytest.mark.mpi

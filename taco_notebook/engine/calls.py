@@ -32,6 +32,7 @@ import types
 from typing import Any
 
 from ..ipp.quiet_kernel import quiet_kernel
+from ..ipp.signals import answer_signals
 from ..ipp.stdstreams import lean_streams
 from .wire import SEND_S, CellSettings
 
@@ -168,14 +169,15 @@ def _serve_cells(shell: Any) -> None:
     """What every engine needs to run cells, after its namespace: the autopsy's listener (and %taco_peek's
     namespace), the lean streams
     (:mod:`.stdstreams`: no IOPub message for a stream with nothing to flush), the quiet kernel
-    (:mod:`.quiet_kernel`: no busy status, no log line per request, no idle status for a silent cell) and the
-    metrics' end-of-execution flush."""
+    (:mod:`.quiet_kernel`: no busy status, no log line per request, no idle status for a silent cell), the
+    signals a client sends, answered without a nanny (:mod:`.signals`) and the metrics' end-of-execution flush."""
     from ..comm.diagnostics.peek import set_namespace
 
     set_namespace(lambda: shell.user_ns)  # what %taco_peek's expressions read, beside the cell
     _listen_for_autopsy()
     lean_streams()
     quiet_kernel()
+    answer_signals()
     if _sender.flush not in shell.events.callbacks["post_execute"]:
         shell.events.register("post_execute", _sender.flush)
 

@@ -72,6 +72,8 @@ ASSUMPTIONS: list[Assumption] = [
           "_publish_status", "get_parent"),
     *_row(KERNEL, "attribute", "quiet_kernel and comm_pump", "the kernel's IOPub socket and shell parent",
           "iopub_socket", "log", "_parent_ident"),
+    *_row(KERNEL, "attribute", "signals.answer_signals", "the nanny process's signal_request",
+          "control_handlers", "session"),
     *_row(KERNEL, "method", "comm_pump.CommPump", "widget messages waiting for the cell's end", "dispatch_shell",
           "set_parent"),
     *_row(OUT_STREAM, "attribute", "stdstreams.LeanOutStream.flush", "an IOPub round trip per empty flush",

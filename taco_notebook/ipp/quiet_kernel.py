@@ -49,6 +49,8 @@ def _quiet_class(base: type) -> type:
         def _publish_status(self, status: str, channel: str, parent: Any = None) -> None:
             if channel == "shell" and status == "busy":
                 return
+            if channel == "control" and _msg_type(parent or self.get_parent(channel)) == "signal_request":
+                return  # answered in place of the nanny (signals.py), which published nothing for it
             if channel == "shell" and status == "idle" and self.silent is not None:
                 (request, sent), self.silent = self.silent, None
                 if sent == self.iopub_sent and _msg_id(parent or self.get_parent(channel)) == request:
@@ -94,6 +96,10 @@ def _count_iopub(kernel: Any) -> None:
 
 def _msg_id(message: Any) -> str | None:
     return (message or {}).get("header", {}).get("msg_id")
+
+
+def _msg_type(message: Any) -> str | None:
+    return (message or {}).get("header", {}).get("msg_type")
 
 
 def iopub_mark() -> int | None:

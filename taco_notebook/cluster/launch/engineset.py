@@ -17,6 +17,7 @@ from typing import Any
 from ...engine import calls
 from ...engine.rankwrap import LAUNCHED_BY_ENV
 from ...errors import ClusterStartError
+from ...ipp.signals import NO_NANNY
 from ..describe import RankInfo
 from ..processes.tree import CLUSTER_ID_ENV, alive, descendants
 from .mpi import MPIInfo, single_host_env
@@ -67,7 +68,7 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
     environment = engine_environment(name, size, profile, mpi, env, cluster_id)
     launcher.environment = {**mpi.environment, **environment}  # mpi4py loads mpiexec's MPI
     per_host = profile.ranks_per_node(size)
-    launcher.engine_args = [f"--IPEngine.timeout={registration_timeout(size, per_host):g}"]
+    launcher.engine_args = [f"--IPEngine.timeout={registration_timeout(size, per_host):g}", NO_NANNY]
     if profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
         from .slurm.engines import engine_config
 
