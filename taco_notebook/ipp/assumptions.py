@@ -55,6 +55,11 @@ ASSUMPTIONS: list[Assumption] = [
     *_row(CLIENT, "attribute", "client.LeanClient", "the request caches it fills and purges", "_futures",
           "_output_futures", "_outstanding_dict", "_engines", "_io_loop", "_closed", "outstanding", "history",
           "metadata", "results", "session"),
+    *_row(CLIENT, "method", "client.LeanClient.direct_view", "views whose apply_sync swallows Ctrl-C",
+          "direct_view", "_build_targets"),
+    *_row(CLIENT, "attribute", "client.LeanClient.direct_view", "the stream a view sends on", "_mux_stream"),
+    *_row("ipyparallel.client.view:DirectView", "method", "client.InterruptibleView.apply_sync", "a blocking apply "
+          "that returns its AsyncResult at Ctrl-C", "apply_sync", "apply_async"),
     *_row("ipyparallel.cluster.cluster:Cluster", "method", "client.connect", "connect_client_sync with taco's "
           "client class", "_synchronize"),
     *_row("ipyparallel.util", "function", "client.parse_date", "dateutil's parse of every date", "_parse_date",

@@ -24,6 +24,10 @@ per request it does N times per cell. Per request, ipyparallel's client makes:
   (``ZMQStream.flush``);
 * the ``started`` date through ``datetime.fromisoformat``, dateutil only for what it does not read.
 
+Its views (``client[ranks]``) are :class:`InterruptibleView`: ipyparallel's blocking ``apply_sync`` catches a
+Ctrl-C (or a SIGTERM turned into one) and returns its ``AsyncResult`` in place of the results, which the caller
+then takes for them; here the KeyboardInterrupt goes on up.
+
 :func:`connect` is ``ipp.Cluster.connect_client`` with this class (``benchmarks/cell_protocol.py`` measures
 ipyparallel's client beside it).
 """
@@ -44,7 +48,7 @@ from ipyparallel import util
 from ipyparallel.client.futures import MessageFuture
 from zmq.eventloop.zmqstream import ZMQStream
 
-__all__ = ["LeanClient", "LeanFuture", "connect", "parse_date"]
+__all__ = ["LeanClient", "LeanFuture", "InterruptibleView", "connect", "parse_date"]
 
 _SENT: Future[Any] = Future()  # the "sent" future of every untracked request: resolved at once, as ipyparallel's
 _SENT.set_result(None)
@@ -87,6 +91,13 @@ def parse_date(text: Any) -> Any:
     return util._parse_date(text)
 
 
+class InterruptibleView(ipp.DirectView):  # type: ignore[misc]
+    """ipyparallel's ``DirectView``, whose ``apply_sync`` lets a KeyboardInterrupt through (module docstring)."""
+
+    def apply_sync(self, f: Any, /, *args: Any, **kwargs: Any) -> Any:
+        return self.apply_async(f, *args, **kwargs).get()
+
+
 class LeanClient(ipp.Client):
     """``ipp.Client`` whose requests cost the notebook less each (module docstring); behaves as its base."""
 
@@ -95,6 +106,15 @@ class LeanClient(ipp.Client):
         self._batch_lock = threading.Lock()
         self._direct: set[ZMQStream] = set()  # streams sent on directly in this batch: their replies to read
         super().__init__(*args, **kwargs)
+
+    def direct_view(self, targets: Any = "all", **kwargs: Any) -> InterruptibleView:
+        """``Client.direct_view`` (what ``client[ranks]`` makes), an :class:`InterruptibleView`."""
+        single = isinstance(targets, int)
+        if targets != "all":  # "all" stays lazy: the engines of each request
+            targets = self._build_targets(targets)[1]
+            if single:
+                targets = targets[0]
+        return InterruptibleView(client=self, socket=self._mux_stream, targets=targets, **kwargs)
 
     def create_message_futures(self, msg_id: str, header: dict[str, Any], async_result: bool = False,
                                track: bool = False, label: str | None = None) -> list[LeanFuture]:

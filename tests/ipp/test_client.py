@@ -222,3 +222,46 @@ def test_direct_sends_queue_on_the_stream_once_the_pipe_is_full_and_keep_their_o
         receiver.close(linger=0)
         loop.close()
         context.term()
+
+
+def _engine_processes_without_nanny() -> list[str]:
+    """The commands of this process's ipyparallel engines; fails if any has a nanny process."""
+    import psutil
+
+    commands = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            commands.append(" ".join(process.cmdline()))
+        except psutil.Error:
+            continue
+    assert not [c for c in commands if "ipyparallel.engine.nanny" in c], commands
+    return [c for c in commands if "-m ipyparallel.engine" in c]
+
+
+@pytest.mark.cluster
+def test_ctrl_c_in_a_blocking_apply_raises_and_the_engines_take_a_clients_sigint(plain, sigint_as_in_a_kernel):
+    """ipyparallel's ``apply_sync`` swallows Ctrl-C and returns its AsyncResult; the lean client's views raise
+    KeyboardInterrupt. The engines run without a nanny, and a client's SIGINT still reaches them
+    (ipp/signals.py): their 60 s sleep ends at once, and they answer the next request."""
+    import os
+    import signal
+
+    assert len(_engine_processes_without_nanny()) == 3
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            plain.client[:].apply_sync(time.sleep, 60)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - began < 10
+    asleep = plain.client.history[-3:]  # the three sleeps, still running on the engines
+    assert plain.client.send_signal("SIGINT", block=True) is None  # every engine answered ok
+    interrupted = ipp.AsyncResult(plain.client, asleep)
+    with pytest.raises(ipp.error.CompositeError) as raised:
+        interrupted.get(timeout=20)
+    assert [error[0] for error in raised.value.elist] == ["KeyboardInterrupt"] * 3, raised.value
+    assert len({pid for pid, _ in plain.client[:].apply_sync(_pid_and, 1)}) == 3
+    with pytest.raises(ipp.error.RemoteError, match="no such signal"):
+        plain.client.send_signal("SIGNOPE", block=True)
