@@ -89,7 +89,7 @@ def registration_timeout(size: int, per_host: int | None = None, cores: int | No
     The controller answers the engines one after the other while the engines still starting on its host take
     their share of its cores, so the last of many waits for all the others, slowed by that load: 5 s plus 20 ms
     per engine, times the engines per core on the busiest host (``per_host``, default all of them, over this
-    host's ``cores``), at least once.
+    host's ``cores``; a factor of at least 1).
 
     >>> registration_timeout(4, cores=16), registration_timeout(1000, 125, 16), registration_timeout(256, cores=2)
     (5.08, 161.25, 660.36)
@@ -119,9 +119,9 @@ def controller_args(size: int, per_host: int | None = None) -> list[str]:
       hundreds of engines a longer one (a dead rank is seen by mpiexec and the wrapper, not by the heartbeat).
     * ``registration_timeout``: how long the hub keeps an answered registration waiting for the engine's first
       heartbeat before it drops it (ipyparallel's default: 30 s, or ten periods): the engine's
-      :func:`registration_timeout`, at least that. Between its answer and its first beat an engine starts its
-      nanny process; with hundreds starting on a few cores that took over the default, and the dropped
-      engines, alive and sure they were registered, never joined.
+      :func:`registration_timeout`, at least that. With hundreds of engines starting on a few cores, the time
+      between an engine's answer and its first beat can pass the default; a dropped engine, alive and sure it
+      is registered, never joins.
     * ``db_class=NoDB``: ipyparallel 9's default ``DictDB`` keeps every request, reply (its result buffers)
       and output in the controller's memory, up to 1 GiB, and rebuilds a rank's stdout by string concatenation
       on every write; taco never reads it back (no ``db_query``, ``get_result`` or resubmission).
