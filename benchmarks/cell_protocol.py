@@ -1,12 +1,12 @@
-"""A cell's control-plane cost before and after issue 27, interleaved, at N ranks: how a cell travels (requests
-per rank) and how the notebook watches it run (polling every rank, or reading only the ranks with news).
+"""A cell's control-plane cost by two protocols, interleaved, at N ranks: how a cell travels (requests per rank)
+and how the notebook watches it run (polling every rank, or reading only the ranks with news).
 
 Two protocols, on the same cluster, in turn cell by cell (a burst of load weighs on all alike). The new one is
 also sent through ipyparallel's own client (**stock**: a second client on the same controller, beside taco's
 ``ipp/client.py``, which a TacoCluster connects) and through ipyparallel's coalescing broadcast view, which
 answers a request on every engine with one reply:
 
-* **old** (before issue 27): ``begin_cell`` queued as an ``apply``, the code as an ``execute``, then the replica
+* **old** (the reference): ``begin_cell`` queued as an ``apply``, the code as an ``execute``, then the replica
   check's question as an ``apply`` (3 requests per rank per empty cell; a 4th, ``fetch_result``, when the
   cell ends in an expression);
 * **new**: one ``apply`` of the engine-side runner (``runner.run_cell``), which does the set-up, runs the code
@@ -14,13 +14,13 @@ answers a request on every engine with one reply:
   ``run.py`` watches it, so a rank whose request sent nothing on IOPub ends at its reply (``quiet_kernel.py``).
 
 Each variant's cell ends as ``%%taco_run`` waits for one: every reply, then every rank's output
-(``wait_for_output``; until 2026-11-27 12:50 UTC the replies only). Through the coalescing view, the replies
-only: ipyparallel never ends that request's output.
+(``wait_for_output``). Through the coalescing view, the replies only: ipyparallel never ends that request's
+output.
 
 Two watches of a running cell (a cell that sleeps ``--sleep`` seconds, observed every 50 ms as ``run.py`` does):
 
 * **poll all**: every rank's metadata read and every rank's AsyncResult asked ``ready()`` on every wake (the
-  wait loop before issue 27);
+  reference);
 * **news only**: :class:`taco_notebook.cluster.cells.tracker.RankTracker`, which reads only ranks that got
   IOPub messages or finished since the last wake.
 
@@ -230,7 +230,7 @@ def finish(ar: Any, output: bool = True) -> None:
 
 
 def watch_poll_all(ar: Any) -> None:
-    """The wait loop before issue 27: every rank's metadata and AsyncResult on every wake."""
+    """The reference wait loop: every rank's metadata and AsyncResult on every wake."""
     parts = ar.split()
     while not ar.ready():
         for md in ar.metadata:
