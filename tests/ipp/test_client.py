@@ -46,6 +46,15 @@ def _pid_and(value):
     return os.getpid(), value
 
 
+def _note_and_sleep(folder, seconds):
+    """Leave a file named by this engine's pid in ``folder``, then sleep."""
+    import os
+    import time
+
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(seconds)
+
+
 def _fail_on(rank_pid, value):
     import os
 
@@ -224,8 +233,8 @@ def test_direct_sends_queue_on_the_stream_once_the_pipe_is_full_and_keep_their_o
         context.term()
 
 
-def _engine_processes_without_nanny() -> list[str]:
-    """The commands of this process's ipyparallel engines; fails if any has a nanny process."""
+def _no_nanny(engine_pids: list[int]) -> None:
+    """The engines run with ``--IPEngine.enable_nanny=False``, and nothing this process started is a nanny."""
     import psutil
 
     commands = []
@@ -235,32 +244,39 @@ def _engine_processes_without_nanny() -> list[str]:
         except psutil.Error:
             continue
     assert not [c for c in commands if "ipyparallel.engine.nanny" in c], commands
-    return [c for c in commands if "-m ipyparallel.engine" in c]
+    for pid in engine_pids:
+        assert "--IPEngine.enable_nanny=False" in psutil.Process(pid).cmdline(), pid
 
 
 @pytest.mark.cluster
-def test_ctrl_c_in_a_blocking_apply_raises_and_the_engines_take_a_clients_sigint(plain, sigint_as_in_a_kernel):
+def test_ctrl_c_in_a_blocking_apply_raises_and_the_engines_take_a_clients_sigint(plain, sigint_as_in_a_kernel,
+                                                                                   tmp_path):
     """ipyparallel's ``apply_sync`` swallows Ctrl-C and returns its AsyncResult; the lean client's views raise
     KeyboardInterrupt. The engines run without a nanny, and a client's SIGINT still reaches them
     (ipp/signals.py): their 60 s sleep ends at once, and they answer the next request."""
     import os
     import signal
 
-    assert len(_engine_processes_without_nanny()) == 3
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    _no_nanny([pid for pid, _ in plain.client[:].apply_sync(_pid_and, 0)])
+
+    def ctrl_c_once_every_engine_sleeps() -> None:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.iterdir())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    pressing = threading.Thread(target=ctrl_c_once_every_engine_sleeps, daemon=True)
+    pressing.start()
     began = time.monotonic()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            plain.client[:].apply_sync(time.sleep, 60)
-    finally:
-        timer.cancel()
-    assert time.monotonic() - began < 10
+    with pytest.raises(KeyboardInterrupt):
+        plain.client[:].apply_sync(_note_and_sleep, str(tmp_path), 60)
+    pressing.join()
+    assert time.monotonic() - began < 50
     asleep = plain.client.history[-3:]  # the three sleeps, still running on the engines
     assert plain.client.send_signal("SIGINT", block=True) is None  # every engine answered ok
     interrupted = ipp.AsyncResult(plain.client, asleep)
     with pytest.raises(ipp.error.CompositeError) as raised:
-        interrupted.get(timeout=20)
+        interrupted.get(timeout=30)
     assert [error[0] for error in raised.value.elist] == ["KeyboardInterrupt"] * 3, raised.value
     assert len({pid for pid, _ in plain.client[:].apply_sync(_pid_and, 1)}) == 3
     with pytest.raises(ipp.error.RemoteError, match="no such signal"):
