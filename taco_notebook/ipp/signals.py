@@ -3,14 +3,14 @@
 ipyparallel starts a nanny process beside every engine (``IPEngine.enable_nanny``): it sits on the engine's
 control channel, sends the engine the signals a client asks for (``Client.send_signal``: a cell's Ctrl-C, an
 elastic membership's SIGUSR1, a hung member's SIGKILL) and tells the controller when the engine's process ends.
-An engine that mpiexec launches for a cluster (the local and hosts profiles) runs under the rank wrapper
-(:mod:`taco_notebook.engine.rankwrap`), which already watches it and says how it ended, and mpiexec ends the
-job; so it starts with ``--IPEngine.enable_nanny=False`` (:data:`NO_NANNY`): one Python process fewer per rank,
-and a start no longer waits for it between an engine's registration and its first heartbeat (Slurm's and an
-MPIJob's engines keep ipyparallel's nanny). The kernel's control thread answers ``signal_request`` as the
-nanny did, signalling its own process. Only a process whose main thread holds the GIL in C code for good is out
-of its reach, where the nanny's SIGKILL would still land; a local one is killed by its pid instead
-(``TacoCluster.kill_ranks``).
+An engine of a cluster the notebook starts (the local, hosts and slurm profiles) runs under the rank wrapper
+(:mod:`taco_notebook.engine.rankwrap`), which already watches it and says how it ended, and the launcher ends
+the job; so it starts with ``--IPEngine.enable_nanny=False`` (:data:`NO_NANNY`): one Python process fewer per
+rank, and a start no longer waits for it between an engine's registration and its first heartbeat (an MPIJob's
+engines, which run without the wrapper, keep ipyparallel's nanny). The kernel's control thread answers
+``signal_request`` as the nanny did, signalling its own process. Only a process whose main thread holds the GIL
+in C code for good is out of its reach, where the nanny's SIGKILL would still land; a local one is killed by its
+pid instead (``TacoCluster.kill_ranks``).
 """
 
 from __future__ import annotations
