@@ -72,7 +72,7 @@ def ipp_config(name: str, size: int, profile: Profile, mpi: MPIInfo, env: Mappin
     if profile.slurm is not None:  # the engines as a Slurm job: slurm_launchers' class and section
         from .slurm.engines import engine_config
 
-        engine_cmd = [*launcher.engine_cmd, NO_NANNY]  # under the rank wrapper too: no nanny needed
+        engine_cmd = [*launcher.engine_cmd, *launcher.engine_args]  # its launcher reads no engine_args
         engines = engine_config(config, profile.slurm, engine_cmd, launcher.environment, progress)
     config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
     if cluster_id:
