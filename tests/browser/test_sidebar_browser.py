@@ -485,6 +485,8 @@ def test_sidebar_stacks_button_shows_where_a_hung_cells_ranks_are(lab, page, tmp
         assert re.search(rank0, text, re.M), text
         assert re.search(r"^rank 1: cell:\d+ in load_batch, no collective$", text, re.M), text
         assert re.search(r"^suspect: rank 1 \(in no collective while rank 0 waits? in allreduce", text, re.M), text
+        # the suspect's frames start at the user's line, not at the engine's machinery that runs the cell
+        assert re.search(r"^--- rank 1, thread MainThread:\n    cell:\d+ in <module>: load_batch\(", text, re.M), text
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(".jp-Dialog-content").screenshot(path=str(ARTIFACTS / "sidebar-stacks.png"))
         page.locator(".jp-Dialog .jp-mod-accept").click()

@@ -319,6 +319,7 @@ def _suspects(ranks: Sequence[RankStacks]) -> tuple[list[int], str]:
 
 _KINDS = ("user", "collective", "idle")
 _WAIT_LOOPS = ((os.path.join("taco_notebook", "comm", "transport", "shm.py"), "_wait"),)  # file, function
+_RUNNER = os.path.join("taco_notebook", "engine", "runner.py")  # runs a cell's code: the user's frames follow
 _COLLECTIVE_FILES = (f"{os.sep}taco_notebook{os.sep}comm{os.sep}collectives{os.sep}",
                      f"{os.sep}taco_notebook{os.sep}comm{os.sep}transport{os.sep}",
                      f"{os.sep}torch{os.sep}distributed{os.sep}")
@@ -336,11 +337,14 @@ def _kind(frames: list[list[Any]]) -> str:
 
 
 def _shown(frames: list[list[Any]]) -> list[list[Any]]:
-    """A thread's frames from the outermost frame of user code on (the engine's machinery above it is the same
-    on every rank); a thread with no user code: its innermost frames, where it waits. A wait loop's own frames
-    are cut: where in its poll a rank happens to be differs from rank to rank, its caller's line is the place."""
+    """A thread's frames from the outermost frame of user code below taco's cell runner on (the engine's
+    machinery above it is the same on every rank, ipyparallel's ``<string>`` shim that calls the runner
+    included); a thread with no user code: its innermost frames, where it waits. A wait loop's own frames are
+    cut: where in its poll a rank happens to be differs from rank to rank, its caller's line is the place."""
     loop = next((i for i, frame in enumerate(frames) if _in_wait_loop(frame)), None)
     frames = frames[:loop] if loop else frames
+    runner = max((i for i, frame in enumerate(frames) if frame[0].endswith(_RUNNER)), default=-1)
+    frames = frames[runner + 1:]
     first = next((i for i, frame in enumerate(frames) if not library_file(frame[0])), None)
     return frames[first:] if first is not None else frames[-_LIBRARY_FRAMES:]
 
