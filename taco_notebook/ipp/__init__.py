@@ -1,5 +1,5 @@
 """The one door to ipyparallel and ipykernel: their public names that taco uses (:mod:`.upstream`), and every
-override of their internals (the lean client, the hub, the quiet kernel, the streams, the comm pump), each
+override of their internals (the lean client, the hub, the quiet kernel, the streams, the signals, the comm pump), each
 listed with what it relies on in :mod:`.assumptions`. No other module of the package imports ipyparallel or
 ipykernel.
 
