@@ -24,6 +24,21 @@ def test_a_one_node_job_reduces_through_shared_memory(mpiexec, n):
     assert sorted(re.findall(r"OK (\d+)", result.stdout)) == [str(r) for r in range(n)], result.stdout
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_ranks_sharing_a_gpu_reduce_in_its_memory(mpiexec, n):
+    """CUDA tensors of ranks that share the one GPU (``--gpus auto``) go through CUDA IPC slots: exact sums,
+    identical ranks, calls back to back, casts; TopK, bool, CPU tensors and ``shm`` off elsewhere."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() != 1:
+        pytest.skip("needs exactly one CUDA GPU (the lent GPU machine); CI has none")
+    result = run_mpi(mpiexec, n, "gpu_node_allreduce.py", env={"TACO_GPUS": "auto"}, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert sorted(re.findall(r"OK (\d+)", result.stdout)) == [str(r) for r in range(n)], result.stdout
+    for said in ("Warning", "Producer process has been terminated"):  # torch's IPC bookkeeping, at exit
+        assert said not in result.stdout + result.stderr, result.stderr[-4000:]
+
+
 def _peers(mode: str, size: int, tmp_path: Path) -> list[str]:
     """Start ``size`` processes of tests/mpi/shm_peers.py in MODE; their outputs (each waited for, 60 s)."""
     import subprocess
@@ -91,3 +106,17 @@ def test_the_node_algorithm_falls_back_to_gloo_when_dev_shm_is_full(mpiexec, tmp
     result = run_in_session(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert len(re.findall(r"OK \d", result.stdout)) == 2, result.stdout
+
+
+def test_the_ranks_agree_on_why_they_keep_gloo():
+    """The set-up's offers (identity, shares, event, MPS) from every local rank give one answer on every rank."""
+    from taco_notebook.comm.transport.cudaipc import DeviceSegment
+
+    share = (print, ())  # what a rebuild needs is never looked at here
+    same = [("GPU-1", [None, share], b"e", False), ("GPU-1", [share, None], b"e", False)]
+    assert DeviceSegment._refusal(same) is None
+    other = [("GPU-1", [None, share], b"e", False), ("GPU-2", [share, None], b"e", False)]
+    assert DeviceSegment._refusal(other).startswith("different GPUs")
+    refused = [("GPU-1", [None, share], b"e", False), "RuntimeError: CUDA error: invalid device context"]
+    assert DeviceSegment._refusal(refused) == ("local rank 1 could not share its slot (RuntimeError: CUDA error: "
+                                               "invalid device context)")

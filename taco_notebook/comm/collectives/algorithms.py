@@ -43,6 +43,7 @@ from ..diagnostics.stall import tracked
 from ..group import bootstrap
 from ..state import state
 from ..transport import streams
+from ..transport.cudaipc import DeviceSegment
 from ..transport.pipeline import Calibration, calibrate, reduce_2d_shm, reduce_node_shm
 from ..transport.reduction import all_gather, merge_sends, reduce_scatter, spread
 from ..transport.shm import MAX_LOCAL, NodeSegment, new_tag
@@ -89,6 +90,7 @@ def _build_hierarchy() -> _Hierarchy | None:
 
 _world: dict[int, Any] = {}  # generation -> taco's own group of every rank, for the flat algorithm
 _node: dict[int, NodeSegment] = {}  # generation -> the shared segment of a one-node job (the node algorithm)
+_node_gpu: dict[int, DeviceSegment] = {}  # generation -> a one-node job's slots on the GPU its ranks share
 
 
 # Built as soon as the process group is, while every rank is there: built lazily by the first collective, it
@@ -131,6 +133,20 @@ def node_segment() -> NodeSegment:
     return _node[generation]
 
 
+def node_device_segment(device: torch.device) -> DeviceSegment:
+    """The slots on the shared GPU of a one-node job (made here; set up by the first CUDA tensor that needs them,
+    collectively, on the comm thread)."""
+    generation = state.generation
+    if generation not in _node_gpu:
+        for segment in _node_gpu.values():
+            segment.close()
+        _node_gpu.clear()
+        topo = state.topology
+        assert topo is not None
+        _node_gpu[generation] = DeviceSegment(node_segment(), world_group(), topo.rank, topo.size, device)
+    return _node_gpu[generation]
+
+
 def node_exchange(values: tuple[int, int]) -> tuple[list[int], list[int]] | None:
     """Every rank's two int64 ``values`` (rank order) through the node's segment in a one-node job with the
     shared-memory steps on, or None (then the caller exchanges over the group). Collective, on the comm thread:
@@ -154,6 +170,9 @@ def forget_groups() -> None:
     """
     comm_thread.abandon()
     _world.clear()
+    for gpu in _node_gpu.values():
+        gpu.close()
+    _node_gpu.clear()
     for segment in _node.values():
         segment.close(leaving=True)
     _node.clear()
@@ -238,6 +257,8 @@ def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: 
         done = _reduce_2d(buf, compressor, key, tiers, me)
     elif algorithm == "node" and _through_node(buf, compressor):
         done = reduce_node_shm(buf, compressor, key, node_segment(), tuple(range(topo.size)), me)
+    elif algorithm == "node" and buf.is_cuda and "cuda:nccl" not in str(state.backend):
+        done = reduce_node_gpu(buf, compressor, node_device_segment(buf.device), tuple(range(topo.size)), me)
     if done is None:  # flat (or node with no room for the segment: every rank learnt that together)
         done = compressor.reduce(buf, (key, "flat"), world_group(), tuple(range(topo.size)), me)
     raw, wire, sends = done
@@ -245,10 +266,31 @@ def reduce_flat(buf: torch.Tensor, compressor: Compressor, algorithm: str, key: 
 
 
 def _through_node(buf: torch.Tensor, compressor: Compressor) -> bool:
-    """Whether the node algorithm takes ``buf``: an uncompressed CPU tensor whose ``+`` is a sum (not bool).
-    Compression stays on flat, where it changes what the ranks send to each other (a one-node job asks for it
-    to see its effect before going to several nodes); CUDA tensors stay on NCCL's own intra-node rings."""
+    """Whether the node algorithm takes ``buf`` through host memory: an uncompressed CPU tensor whose ``+`` is a
+    sum (not bool). Compression stays on flat, where it changes what the ranks send to each other (a one-node job
+    asks for it to see its effect before going to several nodes); CUDA tensors stay on NCCL's own intra-node
+    rings, or, for ranks sharing a GPU (where NCCL cannot run), go through :func:`reduce_node_gpu`."""
     return buf.device.type == "cpu" and compressor.name == "none" and buf.dtype != torch.bool
+
+
+def reduce_node_gpu(buf: torch.Tensor, compressor: Compressor, segment: DeviceSegment, peers: tuple[int, ...],
+                    me: int) -> tuple[int, int, dict[int, int]] | None:
+    """Sum the CUDA tensor ``buf`` of a one-node job whose ranks share a GPU in place, in that GPU's memory
+    (:mod:`..transport.cudaipc`), uncompressed or cast (fp16/bf16: the slots hold the cast, the sum is taken in
+    ``buf``'s dtype). None on every rank when the job keeps gloo: TopK and PowerSGD, bool, ranks on different
+    GPUs, IPC refused. Returns the raw and wire bytes moved and the bytes sent to each peer."""
+    wire = compressor.fused_wire_dtype(buf.dtype)
+    if wire is None or buf.dtype == torch.bool or buf.device != segment.device:
+        return None
+    if not segment.ready(buf.numel() * wire.itemsize):
+        return None
+    shard = segment.allreduce(buf, wire)
+    sends = spread(peers, me, 2 * shard)
+    wire_bytes = sum(sends.values())
+    raw_bytes = wire_bytes * buf.element_size() // wire.itemsize
+    if compressor.name != "none":
+        compressor.stats.add(raw_bytes, wire_bytes)
+    return raw_bytes, wire_bytes, sends
 
 
 def check_reducible(tensor: Any, op: str) -> None:

@@ -168,13 +168,14 @@ class NodeSegment:
         self._end = [self._start[_COPIED] + chunks, self._start[_REDUCED] + chunks, self._start[_DONE] + 1]
         return True
 
-    def exchange(self, values: tuple[int, int]) -> tuple[list[int], list[int]] | None:
+    def exchange(self, values: tuple[int, int], timeout_s: float | None = None) -> tuple[list[int], list[int]] | None:
         """Every local rank's two int64 ``values``, in local-rank order, through the header: what the ranks'
         agreement on a collective exchanges (:mod:`.agreement`), without gloo's allgather (L-1 loopback steps
         among L processes). Collective over the node; None on every local rank when the node has no room for it.
 
         Two calls' values alternate between two pairs of rows: a rank overwrites call k's row only in call
-        k+2, after every rank published call k+1, which each did after reading call k.
+        k+2, after every rank published call k+1, which each did after reading call k. ``timeout_s``: a shorter
+        wait than the collective timeout (a meeting on the way out, which must not hold a teardown up).
         """
         if self.bytes is None:
             if self._roomless or not self._open(0):
@@ -187,7 +188,7 @@ class NodeSegment:
         rows[base + 1, self.local_rank] = values[1]
         self._said = said + 1
         self._publish(_SAID, said + 1)
-        self._wait(_SAID, said + 1)
+        self._wait(_SAID, said + 1, timeout_s)
         every = rows[base: base + 2, : self.local_size].tolist()
         return every[0], every[1]
 
@@ -306,7 +307,7 @@ class NodeSegment:
             raise RuntimeError("the node's shared-memory segment is closed (the process group was torn down)")
         return rows
 
-    def _wait(self, row: int, target: int) -> None:
+    def _wait(self, row: int, target: int, timeout_s: float | None = None) -> None:
         """Wait until every local rank published ``row`` at least ``target`` times, asleep (ranks share cores).
 
         The sleep is on the row's gate, a futex word that the last rank to arrive moves and wakes
@@ -323,7 +324,8 @@ class NodeSegment:
         flags = rows[row, : self.local_size]
         if int(flags.min()) >= target:
             return
-        delay, deadline, checked = 2e-5, time.monotonic() + self.timeout_s, time.monotonic()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        delay, deadline, checked = 2e-5, time.monotonic() + timeout_s, time.monotonic()
         gate, lefts = self._address(_GATE, row), rows[_LEFT, : self.local_size]
         while True:
             opened = int(rows[_GATE, row])  # read before the flags: a gate moved after this wakes the sleep below
@@ -337,7 +339,7 @@ class NodeSegment:
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"local rank(s) {late} of this node did not reach the shared-memory step "
-                                   f"{_ROWS[row]} #{target} within {self.timeout_s:g} s (a rank died or the "
+                                   f"{_ROWS[row]} #{target} within {timeout_s:g} s (a rank died or the "
                                    "ranks called different collectives)")
             gone = lefts.tolist()
             left = [i for i in late if gone[i]]
