@@ -96,12 +96,14 @@ def test_the_sharing_notice_names_what_it_costs_and_every_alternative():
     text = placement.sharing_notice("vm", 1, 4)
     assert "\n" not in text, text  # one [taco] line
     for part in ("node vm has 1 GPU for 4 ranks", "share it", "NCCL cannot run two ranks on one GPU",
-                 "gloo through host memory", "-np 1", "--gpus none", "--gpus exclusive"):
+                 "allreduce runs in its memory (CUDA IPC)", "gloo through host memory", "-np 1", "--gpus none",
+                 "--gpus exclusive"):
         assert part in text, (part, text)
     several = placement.sharing_notice("n0", 2, 8, nodes=3, cluster_nodes=4)
     for part in ("3 nodes (first: n0) have 2 GPUs for 8 ranks", "share them", "at most 2 ranks per node",
-                 "--gpus none", "--gpus exclusive"):
+                 "CUDA tensors go over gloo through host memory", "--gpus none", "--gpus exclusive"):
         assert part in several, (part, several)
+    assert "CUDA IPC" not in several  # ranks of several nodes, or on several GPUs, reduce over gloo
 
 
 def test_default_backend_follows_the_placement_made(monkeypatch):

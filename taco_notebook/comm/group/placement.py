@@ -112,9 +112,14 @@ def sharing_notice(node: str, gpus: int, local_size: int, nodes: int = 1, cluste
     where = f"node {node} has" if nodes == 1 else f"{nodes} nodes (first: {node}) have"
     it = "it" if gpus == 1 else "them"
     fewer = f"-np {gpus}" if cluster_nodes == 1 else f"at most {_plural(gpus, 'rank')} per node"
+    if gpus == 1 and cluster_nodes == 1:  # one GPU for the whole job: its allreduce runs in the GPU's memory
+        how = ("NCCL cannot run two ranks on one GPU: their allreduce runs in its memory (CUDA IPC), other "
+               "collectives and TopK/PowerSGD go over gloo through host memory (slower than NCCL)")
+    else:
+        how = ("NCCL cannot run two ranks on one GPU, so CUDA tensors go over gloo through host memory (slower "
+               "than NCCL)")
     return (f"--gpus auto: {where} {_plural(gpus, 'GPU')} for {local_size} ranks, so the ranks share {it}. "
-            f"NCCL cannot run two ranks on one GPU, so CUDA tensors go over gloo through host memory (slower "
-            f"than NCCL). Instead: {fewer} (a GPU per rank, NCCL), --gpus none (CPU only), or --gpus exclusive "
+            f"{how}. Instead: {fewer} (a GPU per rank, NCCL), --gpus none (CPU only), or --gpus exclusive "
             f"(refuse rather than share).")
 
 
