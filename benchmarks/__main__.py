@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "ddp_hook_describe": "the DDP hook's per-call bucket check",
     "topk_select": "TopK's selection: the sampled threshold against torch.topk, per device",
     "horovod_vs_ddp": "loss per epoch of the Horovod MNIST program on taco against plain DDP",
+    "gpu_shared": "ranks sharing one GPU: a training step against DDP's, the allreduce in GPU memory against gloo",
     "gpu_check": "GPU checks: exact collectives, replicas, placement, notebooks, step overhead (skips without CUDA)",
     "perf_model": "docs/performance-model.md's tables, on paper, from measured inputs",
 }
