@@ -129,9 +129,10 @@ OPTIONS: tuple[Option, ...] = (
            trait=Unicode, summary=f"MPICH launcher of a one-host cluster: {or_list(LAUNCHERS)}",
            env="TACO_MPI_LAUNCHER", default="auto", check=checks.choice(LAUNCHERS), effect="start"),
     Option("gpus", (_value(("--gpus",), "MODE", "auto: one GPU per rank, or the ranks share a node's GPUs "
-                           "where it has fewer (CUDA tensors then over gloo; one [taco] line says so), CPU where "
-                           "it has none (default); exclusive: one GPU per rank, refuse a node with fewer; "
-                           "shared: ranks share GPUs (CUDA tensors over gloo); none: the ranks see no GPU "
+                           "where it has fewer (CUDA tensors then over gloo, or a one-GPU job's allreduce in "
+                           "the GPU's memory; one [taco] line says so), CPU where it has none (default); "
+                           "exclusive: one GPU per rank, refuse a node with fewer; shared: ranks share GPUs "
+                           "(likewise); none: the ranks see no GPU "
                            "(TacoMagics.gpus, TACO_GPUS). A change restarts the cluster"),), _CLUSTER,
            trait=Unicode, summary=or_list(GPU_MODES), env="TACO_GPUS", default="auto",
            check=checks.choice(GPU_MODES), effect="cluster"),
