@@ -191,24 +191,31 @@ class DeviceSegment:
                 stream.wait_event(event)
 
     # ---- teardown --------------------------------------------------------------------------------------------
-    def _let_go(self, timeout_s: float | None = None) -> None:
+    def _let_go(self, leaving: bool = False) -> None:
         """Drop the slots once this rank's work on them is done: its stream waited for the peers' last pass, so
         their reads of this rank's slot are done too (a host sync, only when growing or closing). The peers'
         slots go first; the ranks meet; then each its own: a slot freed while a peer still maps it would outlive
         its owner in torch's IPC bookkeeping ("Producer process has been terminated before all shared CUDA
-        tensors released" at exit)."""
+        tensors released" at exit). ``leaving`` (teardown): a peer that died, never comes within
+        ``_LEAVING_S`` or a broken CUDA context ends the wait quietly; growing, they raise."""
         if not self.slots:
             return
-        torch.cuda.synchronize(self.device)
-        mine = self.slots[self.local_rank]
-        self.slots, self.events, self.capacity = [], [], 0
+        mine = [self.slots[self.local_rank]]  # held past the meeting: the peers' slots go first
         try:
-            self.node.exchange((0, 0), timeout_s)
+            torch.cuda.synchronize(self.device)
+            self.slots, self.events, self.capacity = [], [], 0
+            if not leaving:
+                self.node.exchange((0, 0))
+            elif self.node.bytes is not None:  # its segment still open: closed, there is nobody to meet
+                self.node.exchange((0, 0), _LEAVING_S)
         except (RuntimeError, TimeoutError):
-            pass  # a peer that died or never comes: nothing left to wait for
-        del mine
+            if not leaving:
+                raise
+        finally:
+            self.slots, self.events, self.capacity = [], [], 0
+            mine.clear()
         torch.cuda.ipc_collect()
 
     def close(self) -> None:
-        """Unmap everything (the group is going away): a peer has ``_LEAVING_S`` to let go of this rank's slot."""
-        self._let_go(_LEAVING_S)
+        """Unmap everything (the group is going away)."""
+        self._let_go(leaving=True)
