@@ -23,6 +23,14 @@ def test_each_mismatch_raises_on_every_rank_and_the_next_collective_works(mpiexe
     assert sorted(re.findall(r"OK (\d+) 27 checks", result.stdout)) == [str(k) for k in range(n)], result.stdout
 
 
+def test_a_2d_job_agrees_through_its_nodes_segments_and_one_cross_node_step(mpiexec: str) -> None:
+    """2 nodes of 2 ranks (LIGHT_INTRA_SIZE=2): the same errors on every rank, exchanged per node in shared
+    memory and then between nodes, not by an allgather over all 4 ranks."""
+    result = run_mpi(mpiexec, 4, "agreement.py", env={"LIGHT_INTRA_SIZE": "2"}, args=["comm"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(re.findall(r"OK (\d+) 27 checks", result.stdout)) == [str(k) for k in range(4)], result.stdout
+
+
 def test_the_message_names_each_side_biggest_first() -> None:
     common = Signature("allreduce", "g", (4,), "float32", "cpu", op="sum")
     odd = Signature("allreduce", "g", (5,), "float32", "cpu", op="sum")

@@ -312,4 +312,14 @@ else:
     checks += 1
     hvd.barrier()
 
+if FACE == "comm" and taco.num_nodes() > 1:  # a 2D job: each node's segment, then one cross-node step
+    from taco_notebook.comm.collectives import algorithms
+
+    tiers = algorithms.built_hierarchy()
+    assert tiers is not None and tiers.segment is not None
+    said = tiers.segment._said
+    taco.allreduce(torch.ones(2))
+    taco.barrier()
+    assert tiers.segment._said == said + 2, (said, tiers.segment._said)
+
 print(f"OK {r} {checks} checks", flush=True)

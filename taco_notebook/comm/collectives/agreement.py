@@ -2,9 +2,10 @@
 
 Before a collective moves data, every rank of the group gathers a 64-bit hash of what it is about to do (its
 :class:`Signature`: kind, name, shape, dtype, device, root, op) and one integer that the collective needs anyway
-(allgather's row count), in one 16-byte allgather. Equal hashes, the steady state: the collective runs; the hash
-of a signature is computed once per distinct signature (cached), so the cost is that one tiny allgather on the
-communication thread (benchmarks/agreement.py measures it). Different hashes: every rank gathers the full
+(allgather's row count): 16 bytes a rank, through shared memory where it can (:mod:`.exchange`), else one
+allgather. Equal hashes, the steady state: the collective runs; the hash of a signature is computed once per
+distinct signature (cached), so the cost is that one small exchange on the communication thread
+(benchmarks/agreement.py measures it). Different hashes: every rank gathers the full
 signatures (pickled, the slow path, only on error) and raises the same :class:`CollectiveMismatchError`, naming
 the ranks on each side; no data moved, so the group stays usable and the next collective works.
 
@@ -105,7 +106,7 @@ def enabled() -> bool:
 
 
 def set_enabled(on: bool) -> None:
-    """Turn the check off (``False``) to save its one small allgather per collective, or back on.
+    """Turn the check off (``False``) to save its one small exchange per collective, or back on.
 
     Every rank must make the same choice at the same point: with the check on one rank and off on another,
     the check's exchange meets the other rank's data collective.
@@ -177,15 +178,15 @@ def _group(group: Any) -> Any:
 
 def _exchange(sig: Signature, extra: int, group: Any) -> tuple[list[int], list[int]]:
     """Every rank's (hash, extra), in group order: one allgather of 16 bytes (CPU, so it never syncs a GPU);
-    among all ranks of a one-node job, through the node's shared segment instead (no round over the group)."""
+    among all ranks, through shared memory and one cross-node step instead where it can (:mod:`.exchange`)."""
     import torch
     import torch.distributed as dist
 
     from ..transport.reduction import all_gather
-    from .algorithms import node_exchange
+    from .exchange import exchange
 
     if group is None:
-        said = node_exchange((_hash(sig), extra))
+        said = exchange((_hash(sig), extra))
         if said is not None:
             return said
     group = _group(group)

@@ -147,14 +147,13 @@ def node_device_segment(device: torch.device) -> DeviceSegment:
     return _node_gpu[generation]
 
 
-def node_exchange(values: tuple[int, int]) -> tuple[list[int], list[int]] | None:
-    """Every rank's two int64 ``values`` (rank order) through the node's segment in a one-node job with the
-    shared-memory steps on, or None (then the caller exchanges over the group). Collective, on the comm thread:
-    the ranks' agreement on each collective (:mod:`.agreement`) goes this way."""
-    return node_segment().exchange(values) if _one_node() else None
+def built_hierarchy() -> _Hierarchy | None:
+    """This generation's 2D groups if a collective built them already (the same answer on every rank: they are
+    built collectively), else None; never builds them."""
+    return _hierarchy.get(state.generation)
 
 
-def _one_node() -> bool:
+def one_node() -> bool:
     """Whether this job is one node of 2 to 1,024 ranks (the segment's header has room for that many) with the
     shared-memory steps on: the node algorithm's and the node exchange's jobs (the same answer on every rank)."""
     topo = state.topology
@@ -200,7 +199,7 @@ def resolve_algorithm(algorithm: str | None) -> str:
             warnings.warn("2d allreduce needs several nodes with the same number (>1) of ranks each; "
                           "using flat", stacklevel=3)
             return "flat"
-        return "node" if _one_node() else "flat"
+        return "node" if one_node() else "flat"
     return "2d"
 
 

@@ -16,7 +16,7 @@ takes the same :func:`decide` on them:
   Two operations with one kind and name but different shapes, dtypes or roots are such a mismatch, wherever
   they are (running or parked).
 
-Only the disagreeing slow path pays for this; the steady state is the agreement's one small allgather. A parked
+Only the disagreeing slow path pays for this; the steady state is the agreement's one small exchange. A parked
 operation runs when the others reach it while this rank runs another collective of the same group, or, once
 someone waits for it (``hvd.synchronize``), as the rank's next collective in order. A rank with an operation
 parked and nothing else to run does not answer the others (there is no background negotiation loop, as
