@@ -109,14 +109,10 @@ def test_the_node_algorithm_falls_back_to_gloo_when_dev_shm_is_full(mpiexec, tmp
 
 
 def test_the_ranks_agree_on_why_they_keep_gloo():
-    """The set-up's offers (identity, shares, event, MPS) from every local rank give one answer on every rank."""
+    """What every local rank said at a step of the set-up (a text where it failed) gives one answer everywhere."""
     from taco_notebook.comm.transport.cudaipc import DeviceSegment
 
-    share = (print, ())  # what a rebuild needs is never looked at here
-    same = [("GPU-1", [None, share], b"e", False), ("GPU-1", [share, None], b"e", False)]
-    assert DeviceSegment._refusal(same) is None
-    other = [("GPU-1", [None, share], b"e", False), ("GPU-2", [share, None], b"e", False)]
-    assert DeviceSegment._refusal(other).startswith("different GPUs")
-    refused = [("GPU-1", [None, share], b"e", False), "RuntimeError: CUDA error: invalid device context"]
-    assert DeviceSegment._refusal(refused) == ("local rank 1 could not share its slot (RuntimeError: CUDA error: "
-                                               "invalid device context)")
+    assert DeviceSegment._refusal([("GPU-1", False), ("GPU-1", True)], "ask its GPU") is None
+    refused = [(["share"], b"event"), "RuntimeError: CUDA error: invalid device context", "OSError: x"]
+    assert DeviceSegment._refusal(refused, "share its slot") == (
+        "local rank 1 could not share its slot (RuntimeError: CUDA error: invalid device context)")

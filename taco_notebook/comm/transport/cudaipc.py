@@ -86,12 +86,21 @@ class DeviceSegment:
     def _set_up(self, capacity: int) -> bool:
         self._let_go()
         if self.node.exchange((capacity, 0)) is None:  # the passes meet there: without it, no passes
-            self.refused = "the node's /dev/shm has no room for the ranks' meeting flags"
-            return False
+            return self._refuse("the node's /dev/shm has no room for the ranks' meeting flags")
+        try:  # which GPU, and MPS: asked before anything is shared, so that a refusal leaves no share behind
+            seen: Any = (gpu_identity(self.device), mps_active())
+        except Exception as exc:  # noqa: BLE001 - a driver's refusal: every rank learns it and keeps gloo
+            seen = _failure(exc)
+        every = self._gather(seen)
+        refusal = self._refusal(every, "ask its GPU")
+        if refusal is None and len({identity for identity, _ in every}) > 1:
+            refusal = "different GPUs: the local ranks do not all share one GPU"
+        if refusal is not None:
+            return self._refuse(refusal)
         offer: Any = None
+        mine: torch.Tensor | None = None
         try:
             with torch.cuda.device(self.device):  # the event is made on the current device, this thread's
-                identity = gpu_identity(self.device)
                 mine = torch.empty(capacity, dtype=torch.uint8, device=self.device)
                 if self._event is None:
                     self._event = torch.cuda.Event(interprocess=True)
@@ -100,47 +109,53 @@ class DeviceSegment:
                 # one share per peer: each peer releases its own reference count when it lets go (one share
                 # read by three peers would be released three times and never seen free)
                 shares = [None if j == self.local_rank else reduce_tensor(mine) for j in range(self.local_size)]
-                offer = (identity, shares, self._event.ipc_handle(), mps_active())
-        except Exception as exc:  # noqa: BLE001 - a driver's refusal: every rank learns it and keeps gloo
-            mine, offer = None, _failure(exc)
-        offers: list[Any] = [None] * self.local_size
-        dist.all_gather_object(offers, offer, group=self.group)
-        refusal = self._refusal(offers)
+                offer = (shares, self._event.ipc_handle())
+        except Exception as exc:  # noqa: BLE001
+            offer = _failure(exc)
+        offers = self._gather(offer)
+        refusal = self._refusal(offers, "share its slot")
         opened: list[Any] = []
         if refusal is None:
             try:
-                for j, (_, shares, event, _) in enumerate(offers):
+                for j, (shares, event) in enumerate(offers):
                     if j == self.local_rank:
                         opened.append((mine, self._event))
                     else:
                         rebuild, args = shares[self.local_rank]
                         opened.append((rebuild(*args), torch.cuda.Event.from_ipc_handle(self.device, event)))
             except Exception as exc:  # noqa: BLE001
-                refusal = f"local rank {self.local_rank} could not map its peers' slots ({_failure(exc)})"
-            said: list[Any] = [None] * self.local_size
-            dist.all_gather_object(said, refusal, group=self.group)
-            refusal = next((text for text in said if text is not None), None)
+                opened, refusal = [], _failure(exc)
+            refusal = self._refusal(self._gather(refusal), "map its peers' slots")
         if refusal is not None:
-            self.refused = refusal
-            if self.local_rank == 0 and not refusal.startswith("different GPUs"):
-                warnings.warn(f"CUDA IPC between the ranks sharing a GPU was refused: {refusal}. Their CUDA "
-                              "tensors are reduced over gloo, through host memory (slower).", stacklevel=2)
-            return False
-        self.on_gpu = all(offer[3] for offer in offers)  # every rank must wait the same way (see _meet)
+            return self._refuse(refusal)
+        self.on_gpu = all(mps for _, mps in every)  # every rank must wait the same way (see _meet)
         self.slots = [slot for slot, _ in opened]
         self.events = [event for _, event in opened]
         self.capacity = capacity
         return True
 
+    def _gather(self, value: Any) -> list[Any]:
+        """Every local rank's ``value`` (picklable), in local-rank order."""
+        every: list[Any] = [None] * self.local_size
+        dist.all_gather_object(every, value, group=self.group)
+        return every
+
     @staticmethod
-    def _refusal(offers: list[Any]) -> str | None:
-        """Why these offers cannot make a segment (the same answer on every rank), or None."""
-        for rank, offer in enumerate(offers):
-            if isinstance(offer, str):
-                return f"local rank {rank} could not share its slot ({offer})"
-        if len({offer[0] for offer in offers}) > 1:
-            return "different GPUs: the local ranks do not all share one GPU"
+    def _refusal(said: list[Any], step: str) -> str | None:
+        """The first local rank's failure at ``step`` (a text where others said something else), or None."""
+        for rank, value in enumerate(said):
+            if isinstance(value, str):
+                return f"local rank {rank} could not {step} ({value})"
         return None
+
+    def _refuse(self, why: str) -> bool:
+        """Keep gloo on this node for good (every local rank with the same ``why``); local rank 0 says why,
+        unless the ranks simply sit on several GPUs (then gloo is the plan, not a failure)."""
+        self.refused = why
+        if self.local_rank == 0 and not why.startswith("different GPUs"):
+            warnings.warn(f"CUDA IPC between the ranks sharing a GPU was refused: {why}. Their CUDA tensors are "
+                          "reduced over gloo, through host memory (slower).", stacklevel=3)
+        return False
 
     # ---- one allreduce ---------------------------------------------------------------------------------------
     def allreduce(self, buf: torch.Tensor, wire: torch.dtype) -> int:
