@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,19 @@ def worker_overhead(steps: int, device_kind: str) -> None:
     y = torch.randint(0, 10, (batch,), device=device)
     variants = ("plain SGD", "DDP", "DDP + torch fp16 hook", "DDP + taco fp16 hook",
                 *(f"taco {c}" if c != "none" else "taco" for c in TIMED_COMPRESSIONS))
+    ms, syncs, params = timed_mlp_steps(variants, wide, x, y, device, 10, steps)
+    kernels = _compressor_kernels(params, device, steps)
+    _emit({"rank": taco.rank(), "params": params, "ms": ms, "syncs": syncs, "kernels": kernels,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (self-test)"})
+    _close()
+
+
+def timed_mlp_steps(variants: Sequence[str], wide: int, x: Any, y: Any, device: Any, warmup: int, steps: int
+                    ) -> tuple[dict[str, float], dict[str, float | None], int]:
+    """ms per training step and host syncs per step of each variant (:func:`_wrap`), each with its own MLP
+    (wide/2-wide-wide-10) from the same seed, timed in turns (:func:`_interleaved`); and the MLP's parameters."""
+    import torch
+
     wrapped = {}
     for variant in variants:
         torch.manual_seed(0)
@@ -308,15 +322,10 @@ def worker_overhead(steps: int, device_kind: str) -> None:
                                     torch.nn.ReLU(), torch.nn.Linear(wide, 10)).to(device)
         wrapped[variant] = _wrap(variant, model, device)
     ms, syncs = _interleaved({v: partial(_train_step, net, opt, x, y) for v, (net, opt) in wrapped.items()},
-                             device, 10, steps)
+                             device, warmup, steps)
     for _, opt in wrapped.values():
         _release(opt)
-    params = sum(p.numel() for p in model.parameters())
-    kernels = _compressor_kernels(params, device, steps)
-    _emit({"rank": taco.rank(), "params": params, "ms": ms, "syncs": syncs, "kernels": kernels,
-           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (self-test)"})
-    del wrapped, model
-    _close()
+    return ms, syncs, sum(p.numel() for p in model.parameters())
 
 
 def _compressor_kernels(numel: int, device: Any, steps: int) -> dict[str, Any]:
@@ -400,15 +409,17 @@ def worker_synthetic(steps: int, device_kind: str) -> None:
 
 
 # ---- driver side --------------------------------------------------------------------------------------------
-def launch(n: int, args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """``mpiexec -n N python gpu_check.py ARGS`` with the checkout importable and mpi4py on mpiexec's MPI."""
+def launch(n: int, args: list[str], env: dict[str, str], timeout: float = 600,
+           script: str = __file__) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n N python SCRIPT ARGS`` (this script by default) with the checkout importable and mpi4py on
+    mpiexec's MPI."""
     sys.path.insert(0, str(ROOT))
     from taco_notebook.cluster.launch.mpi import find_mpi
 
     mpi = find_mpi()
     full = {**os.environ, **mpi.environment, **env}
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run([mpi.mpiexec, *mpi.extra_args, "-n", str(n), sys.executable, __file__, *args],
+    return subprocess.run([mpi.mpiexec, *mpi.extra_args, "-n", str(n), sys.executable, script, *args],
                           env=full, capture_output=True, text=True, timeout=timeout)
 
 

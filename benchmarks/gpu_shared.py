@@ -20,16 +20,13 @@ Three tables, every rank under ``mpiexec`` with ``TACO_GPUS=auto`` (a 1-GPU mach
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
-from functools import partial
 from typing import Any
 
 import gpu_check
-from gpu_check import _emit, _interleaved, _release, _results, _syncs, _train_step, _wrap, last_line, table
+from gpu_check import _emit, _results, _syncs, last_line, table
 from result_files import add_json_option, write
 
 VARIANTS = ("plain SGD", "DDP", "DDP + torch fp16 hook", "taco", "taco fp16", "taco topk:0.01",
@@ -72,19 +69,8 @@ def worker_step(steps: int, device_kind: str) -> None:
     gen = torch.Generator().manual_seed(taco.rank())
     x = torch.randn(batch, wide // 2, generator=gen).to(device)
     y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-    wrapped = {}
-    for variant in VARIANTS:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(wide // 2, wide), torch.nn.ReLU(), torch.nn.Linear(wide, wide),
-                                    torch.nn.ReLU(), torch.nn.Linear(wide, 10)).to(device)
-        wrapped[variant] = _wrap(variant, model, device)
-    ms, syncs = _interleaved({v: partial(_train_step, net, opt, x, y) for v, (net, opt) in wrapped.items()},
-                             device, 5, steps)
-    for _, opt in wrapped.values():
-        _release(opt)
-    _emit({"rank": taco.rank(), "size": taco.size(), "params": sum(p.numel() for p in model.parameters()),
-           "ms": ms, "syncs": syncs})
-    del wrapped, model
+    ms, syncs, params = gpu_check.timed_mlp_steps(VARIANTS, wide, x, y, device, 5, steps)
+    _emit({"rank": taco.rank(), "size": taco.size(), "params": params, "ms": ms, "syncs": syncs})
     gpu_check._close()
 
 
@@ -126,15 +112,8 @@ def worker_allreduce(steps: int, device_kind: str) -> None:
 # ---- driver side --------------------------------------------------------------------------------------------
 def launch(n: int, worker: str, args: argparse.Namespace) -> tuple[dict[str, Any] | None, str]:
     """Rank 0's result of ``worker`` on ``n`` ranks sharing the GPU, or None and why there is none."""
-    sys.path.insert(0, str(gpu_check.ROOT))
-    from taco_notebook.cluster.launch.mpi import find_mpi
-
-    mpi = find_mpi()
-    env = {**os.environ, **mpi.environment, "TACO_GPUS": "auto"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(gpu_check.ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    argv = [mpi.mpiexec, *mpi.extra_args, "-n", str(n), sys.executable, __file__, "--worker", worker,
-            "--steps", str(args.steps), "--device", args.device]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    done = gpu_check.launch(n, ["--worker", worker, "--steps", str(args.steps), "--device", args.device],
+                            {"TACO_GPUS": "auto"}, timeout=900, script=__file__)
     got = sorted(_results(done.stdout), key=lambda found: found["rank"])
     if done.returncode != 0 or len(got) != n:
         return None, last_line(done.stderr, "no output")
@@ -159,17 +138,17 @@ def report(steps: dict[int, dict[str, Any]], reduces: dict[int, dict[str, Any]],
         one, four = steps[1]["ms"]["plain SGD"], steps[4]["ms"]["taco"]
         goals[f"taco at 4 ranks ({four:.2f} ms) within 1.3 x of 1 rank's plain step ({one:.2f} ms)"] = \
             four <= 1.3 * one
-    rows = []
+    reduce_rows: list[tuple[Any, ...]] = []
     for n, got in reduces.items():
         gpu, gloo = got["ms"]["gpu memory"], got["ms"]["gloo"]
-        rows.append((n, f"{got['mb']:.0f}", f"{gpu:.2f}", f"{gloo:.2f}", f"{gloo / gpu:.1f}x",
+        reduce_rows.append((n, f"{got['mb']:.0f}", f"{gpu:.2f}", f"{gloo:.2f}", f"{gloo / gpu:.1f}x",
                      "yes" if got["exact"] else "NO", got["refused"] or "-"))
         goals[f"{n} ranks: the sum exact, through the GPU's memory"] = got["exact"] and got["through_gpu"] > 0
         if n == 4:
             goals["4 ranks, 100 MB: >= 5x faster than gloo"] = gloo >= 5 * gpu
-    if rows:
+    if reduce_rows:
         parts.append("### One allreduce, ranks sharing the GPU: its memory (CUDA IPC) against gloo\n\n" + table(
-            ("ranks", "MB", "GPU memory ms", "gloo ms", "speed-up", "exact", "IPC refused"), rows))
+            ("ranks", "MB", "GPU memory ms", "gloo ms", "speed-up", "exact", "IPC refused"), reduce_rows))
     parts.append("\n".join(f"- {goal} (5% noise): {'met' if met else 'NOT met'}" for goal, met in goals.items()))
     return "\n\n".join(parts), device == "cpu" or all(goals.values())
 
@@ -185,7 +164,9 @@ def main(argv: list[str]) -> int:
         print(f"skipped: needs exactly one CUDA GPU, this machine has {torch.cuda.device_count()} "
               f"(torch {torch.__version__})")
         return 0
-    steps, reduces, failed = {}, {}, []
+    steps: dict[int, dict[str, Any]] = {}
+    reduces: dict[int, dict[str, Any]] = {}
+    failed: list[str] = []
     for n in args.ranks:
         for worker, into in (("step", steps), ("allreduce", reduces)):
             if worker == "allreduce" and n == 1:
