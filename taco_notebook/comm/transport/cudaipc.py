@@ -170,17 +170,12 @@ class DeviceSegment:
         self._meet(stream)
         chunk = -(-numel // size)
         lo, hi = min(me * chunk, numel), min((me + 1) * chunk, numel)
-        if hi > lo:
-            if wire == buf.dtype:
-                total = views[me][lo:hi]
-                for j in range(size):
-                    if j != me:
-                        total.add_(views[j][lo:hi])
-            else:  # a cast: sum in the buffer's own dtype, keep the sum in the wire's
-                total = views[me][lo:hi].to(buf.dtype)
-                for j in range(size):
-                    if j != me:
-                        total.add_(views[j][lo:hi])
+        if hi > lo:  # a cast sums in the buffer's own dtype (a copy), then keeps the sum in the wire's
+            total = views[me][lo:hi].to(buf.dtype)
+            for j in range(size):
+                if j != me:
+                    total.add_(views[j][lo:hi])
+            if wire != buf.dtype:
                 views[me][lo:hi].copy_(total)
         self._meet(stream)
         for j in range(size):
